@@ -1,0 +1,176 @@
+"""Input contract shared by every KDA op: shape, dtype and value checks with clear errors.
+
+Every public op (`kda_reference`, `kda_chunked`, `kda_inference`, `kda_decode_step`) validates its
+arguments here so that all paths reject the same bad inputs with the same messages. Value checks
+(beta in [0, 1], g <= 0, label ranges) run only when the arrays are concrete, i.e. outside `jit`;
+under tracing only static facts (shapes, dtypes) can be checked.
+
+The packing contract (../shared/docs/kda.md section 3): `segment_ids` is int32 `[B, T]` or a rank-1
+`[T]` map shared by every batch row; 0 marks padding; label n (1..N) uses state slot n - 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_concrete(x) -> bool:
+  """True when `x` holds values we can read on the host (not a tracer)."""
+  return x is not None and not isinstance(x, jax.core.Tracer)
+
+
+def _require_float(name: str, x) -> None:
+  if not jnp.issubdtype(jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype, jnp.floating):
+    raise TypeError(f"{name} must be a floating-point array (float32 or bfloat16), got dtype {x.dtype}")
+
+
+def _shape(x) -> tuple[int, ...]:
+  return tuple(np.shape(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAProblem:
+  """Static description of a validated KDA call.
+
+  Attributes:
+    batch, seq_len, num_heads, key_dim, value_dim: B, T, H, K, V.
+    num_segments: N (state slots) when `segment_ids` is given, else None.
+    segment_ids: int32 `[B, T]` (a rank-1 map broadcast to every row), or None.
+  """
+
+  batch: int
+  seq_len: int
+  num_heads: int
+  key_dim: int
+  value_dim: int
+  num_segments: int | None
+  segment_ids: jax.Array | None
+
+
+def check_kda_inputs(q, k, v, g, beta, *, initial_state=None, segment_ids=None,
+                     max_num_segments=None, scale=None, g_is_raw: bool = False) -> KDAProblem:
+  """Validates the arguments of a sequence-level KDA op and infers B, T, H, K, V, N.
+
+  Args:
+    q, k, g: `[B, T, H, K]` floating arrays (`g` is the log-space decay, <= 0, unless `g_is_raw`).
+    v: `[B, T, H, V]` floating.
+    beta: `[B, T, H]` floating, in [0, 1].
+    initial_state: float `[B, N, H, K, V]` with `segment_ids`, else `[B, H, K, V]`; or None.
+    segment_ids: integer `[B, T]` or `[T]`; 0 = padding, labels 1..N.
+    max_num_segments: N, the number of state slots; inferred from `initial_state` or from concrete
+      `segment_ids` when None.
+    scale: optional positive float multiplying q.
+    g_is_raw: True when `g` is a raw gate input activated inside the op (no sign check).
+
+  Returns:
+    A `KDAProblem` with the normalised `[B, T]` int32 segment map.
+
+  Raises:
+    ValueError: mismatched shapes, beta outside [0, 1], g > 0, labels out of range, an
+      initial_state whose slot count disagrees, or N missing when it cannot be inferred.
+    TypeError: integer (non-floating) q, k, v, g, beta or non-integer segment_ids.
+  """
+  for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+    if x is None:
+      raise ValueError(f"{name} is required")
+    _require_float(name, x)
+  if len(_shape(q)) != 4:
+    raise ValueError(f"q must have shape [B, T, H, K], got {_shape(q)}")
+  b, t, h, kd = _shape(q)
+  if _shape(k) != (b, t, h, kd):
+    raise ValueError(f"k must have q's shape [B, T, H, K] = {(b, t, h, kd)}, got {_shape(k)}")
+  if _shape(g) != (b, t, h, kd):
+    raise ValueError(f"g must have q's shape [B, T, H, K] = {(b, t, h, kd)}, got {_shape(g)}")
+  if len(_shape(v)) != 4 or _shape(v)[:3] != (b, t, h):
+    raise ValueError(f"v must have shape [B, T, H, V] = {(b, t, h)} + (V,), got {_shape(v)}")
+  vd = _shape(v)[3]
+  if _shape(beta) != (b, t, h):
+    raise ValueError(f"beta must have shape [B, T, H] = {(b, t, h)}, got {_shape(beta)}")
+  if min(b, t, h, kd, vd) < 1:
+    raise ValueError(f"every dimension must be >= 1, got q {_shape(q)} and v {_shape(v)}")
+  if scale is not None and is_concrete(scale) and not float(scale) > 0:
+    raise ValueError(f"scale must be a positive number, got {scale}")
+
+  if is_concrete(beta):
+    bb = np.asarray(beta, dtype=np.float32)
+    if not np.all((bb >= 0) & (bb <= 1)):
+      bad = bb[~((bb >= 0) & (bb <= 1))]
+      raise ValueError(f"beta must lie in [0, 1]; found {bad.size} values outside, e.g. {bad.flat[0]}")
+  if not g_is_raw and is_concrete(g):
+    gg = np.asarray(g, dtype=np.float32)
+    if not np.all(gg <= 0):
+      bad = gg[~(gg <= 0)]
+      raise ValueError(
+          f"g is the log-space decay and must be <= 0 (use a gate activation such as "
+          f"kda_gate_softplus); found {bad.size} values > 0 or NaN, e.g. {bad.flat[0]}")
+
+  n = None
+  seg = None
+  if segment_ids is not None:
+    seg_shape = _shape(segment_ids)
+    if not jnp.issubdtype(segment_ids.dtype if hasattr(segment_ids, "dtype") else np.asarray(segment_ids).dtype, jnp.integer):
+      raise TypeError(f"segment_ids must be an integer array, got dtype {np.asarray(segment_ids).dtype if not hasattr(segment_ids, 'dtype') else segment_ids.dtype}")
+    if seg_shape not in ((b, t), (t,)):
+      raise ValueError(f"segment_ids must have shape [B, T] = {(b, t)} or [T] = {(t,)}, got {seg_shape}")
+    seg = jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), (b, t))
+    if max_num_segments is not None:
+      n = int(max_num_segments)
+      if n < 1:
+        raise ValueError(f"max_num_segments must be >= 1, got {max_num_segments}")
+    elif initial_state is not None:
+      if len(_shape(initial_state)) != 5:
+        raise ValueError(
+            f"with segment_ids, initial_state must have shape [B, N, H, K, V], got {_shape(initial_state)}")
+      n = _shape(initial_state)[1]
+    elif is_concrete(segment_ids):
+      n = max(1, int(np.max(np.asarray(segment_ids))) if np.size(segment_ids) else 1)
+    else:
+      raise ValueError(
+          "max_num_segments (N) is required when segment_ids is traced (under jit) and no "
+          "initial_state gives the slot count; pass max_num_segments=N as a static argument")
+    if is_concrete(segment_ids):
+      ids = np.asarray(segment_ids)
+      check_contiguous_runs(ids)
+      if ids.size and ids.min() < 0:
+        raise ValueError(f"segment_ids must be >= 0 (0 = padding), found label {ids.min()}")
+      if ids.size and ids.max() > n:
+        raise ValueError(
+            f"segment_ids label {ids.max()} exceeds max_num_segments={n} (label n uses state slot n-1)")
+    if initial_state is not None:
+      want = (b, n, h, kd, vd)
+      if _shape(initial_state) != want:
+        if len(_shape(initial_state)) == 5 and _shape(initial_state)[1] != n:
+          raise ValueError(
+              f"initial_state has {_shape(initial_state)[1]} state slots but max_num_segments is {n}; "
+              f"expected shape [B, N, H, K, V] = {want}")
+        raise ValueError(f"initial_state must have shape [B, N, H, K, V] = {want}, got {_shape(initial_state)}")
+  else:
+    if max_num_segments is not None:
+      raise ValueError("max_num_segments is only meaningful together with segment_ids")
+    if initial_state is not None and _shape(initial_state) != (b, h, kd, vd):
+      raise ValueError(f"initial_state must have shape [B, H, K, V] = {(b, h, kd, vd)}, got {_shape(initial_state)}")
+  if initial_state is not None:
+    _require_float("initial_state", initial_state)
+  return KDAProblem(b, t, h, kd, vd, n, seg)
+
+
+def check_contiguous_runs(ids: np.ndarray) -> None:
+  """Raises ValueError when a label occurs in two separate runs of one row (documents are contiguous)."""
+  rows = ids.reshape(-1, ids.shape[-1]) if ids.ndim else ids.reshape(1, 1)
+  for r, row in enumerate(rows):
+    starts = np.concatenate([[True], row[1:] != row[:-1]]) & (row != 0)
+    labels = row[starts]
+    if labels.size != np.unique(labels).size:
+      dup = labels[np.argmax([np.sum(labels == x) > 1 for x in labels])]
+      raise ValueError(
+          f"segment_ids row {r}: label {dup} appears in more than one run; each document must be one "
+          "contiguous run of its label (padding 0 may only separate different labels)")
+
+
+def default_scale(scale, key_dim: int) -> float:
+  """The query scale: `scale` if given, else K**-0.5 (as in fla and transformers)."""
+  return float(key_dim) ** -0.5 if scale is None else scale
