@@ -1,0 +1,93 @@
+"""Every configuration key of the `model` host, with its default and a one-line meaning.
+
+The defaults are the dimensions of Kimi-Linear-48B-A3B (../shared/docs/kda.md section 5; the
+Hugging Face `config.json` of moonshotai/Kimi-Linear-48B-A3B-Instruct) so that each comment can name
+the real value. Per-model modules in this package start from `get_config()` and override values.
+
+The returned ConfigDict is locked: overrides may change values (type-checked by
+`model.config.load_config`) but never add keys. To add a key, add one line to the right section
+below with a comment; `NULLABLE` lists the keys that may be `None`.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+# Keys whose value may be None (typed placeholders: their type is given below).
+NULLABLE = {"q_lora_rank": int, "kda_gate_lower_bound": float}
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """Returns the locked base ConfigDict (Kimi-Linear-48B-A3B architecture, float32 numerics)."""
+  c = ml_collections.ConfigDict()
+
+  # ---- Identity ---------------------------------------------------------------------------------
+  c.model_name = "base"  # name printed by tools and stored in checkpoints
+
+  # ---- Transformer dimensions ---------------------------------------------------------------------
+  c.vocab_size = 163840  # token vocabulary (embedding rows and lm_head columns; lm_head is untied)
+  c.hidden_size = 2304  # d, the residual width
+  c.num_hidden_layers = 27  # decoder blocks
+  c.intermediate_size = 9216  # width of the dense SwiGLU FFN (layers < first_k_dense_replace)
+  c.rms_norm_eps = 1e-5  # epsilon of every block RMSNorm, the final norm and KDA's o_norm
+  c.hidden_act = "silu"  # FFN activation; only "silu" (SwiGLU) is implemented
+
+  # ---- Layer layout (1-indexed, as in the HF `linear_attn_config`) --------------------------------
+  c.kda_layers = [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26]  # KDA mixers
+  c.full_attn_layers = [4, 8, 12, 16, 20, 24, 27]  # MLA mixers; with kda_layers: exactly 1..L
+
+  # ---- KDA mixer (Kimi Delta Attention) -----------------------------------------------------------
+  c.kda_num_heads = 32  # H of the KDA layers
+  c.kda_head_dim = 128  # K = V per KDA head
+  c.kda_conv_kernel_size = 4  # W, width of the depthwise causal q/k/v short convolutions
+  c.kda_gate_lower_bound = config_dict.placeholder(float)  # None: softplus gate (Kimi); else bounded gate in [-5, 0)
+  c.kda_impl = "auto"  # implementation hint passed as `backend=` to kda_inference (kda_native only)
+
+  # ---- MLA mixer (multi-head latent attention, no positional encoding) ----------------------------
+  c.num_attention_heads = 32  # MLA heads
+  c.q_lora_rank = config_dict.placeholder(int)  # None: plain q_proj; else q_a_proj -> norm -> q_b_proj
+  c.kv_lora_rank = 512  # r, the compressed latent width cached per token
+  c.qk_nope_head_dim = 128  # per-head key/query width taken from the latent
+  c.qk_rope_head_dim = 64  # per-token shared key width (named rope; Kimi-Linear applies no rotation)
+  c.v_head_dim = 128  # per-head value width
+  c.mla_kv_norm_eps = 1e-6  # epsilon of kv_a_layernorm / q_a_layernorm (HF KimiLinearRMSNorm default)
+
+  # ---- Mixture of experts -------------------------------------------------------------------------
+  c.first_k_dense_replace = 1  # layers [0, k) (0-indexed) use the dense FFN, the rest MoE
+  c.num_experts = 256  # routed experts E
+  c.num_experts_per_tok = 8  # top-k experts per token
+  c.moe_intermediate_size = 1024  # width of each routed expert (and of each shared expert)
+  c.num_shared_experts = 1  # shared experts, fused into one SwiGLU of width moe_intermediate_size * n
+  c.routed_scaling_factor = 2.446  # multiplies the renormalised routing weights
+  c.norm_topk_prob = True  # renormalise the chosen (unbiased) sigmoid scores to sum to 1
+  c.n_group = 1  # expert groups for group-limited routing (1: plain top-k)
+  c.topk_group = 1  # groups kept per token
+  c.moe_impl = "dense"  # "dense" (every expert on every token, masked) or "ragged" (sorted ragged_dot)
+
+  # ---- Special tokens -----------------------------------------------------------------------------
+  c.bos_token_id = 163584  # beginning of sequence
+  c.eos_token_id = 163586  # end of sequence
+  c.pad_token_id = 163839  # padding (its embedding is never special-cased by the model)
+
+  # ---- Attention backend --------------------------------------------------------------------------
+  c.attention = "kda_native"  # registered attention backend name (model.registry; entry points)
+
+  # ---- Numerics -----------------------------------------------------------------------------------
+  c.dtype = "float32"  # compute dtype of activations ("float32" or "bfloat16"); KDA state is float32
+  c.weight_dtype = "float32"  # storage dtype of the parameters (A_log, dt_bias, router bias: float32)
+
+  # ---- Initialisation -----------------------------------------------------------------------------
+  c.init_seed = 0  # PRNG seed of the random initialisation
+  c.initializer_range = 0.02  # std of the normal init of projection, expert and embedding weights
+
+  # ---- Packing and caches -------------------------------------------------------------------------
+  c.max_num_segments = 8  # N, static document slots per packed row (labels 1..N)
+  c.max_cache_length = 256  # L, MLA latent cache length per decode sequence
+
+  # ---- Checkpoint and tokenizer -------------------------------------------------------------------
+  c.load_parameters_path = ""  # parameters to load instead of random init ("" = random)
+  c.tokenizer_path = ""  # tokenizer model file or directory ("" = none)
+
+  c.lock()
+  return c
