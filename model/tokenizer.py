@@ -1,0 +1,228 @@
+"""Tokenizers for the Kimi-Linear host: a thin sentencepiece wrapper and an "ids only" stand-in.
+
+Both classes expose the same small surface, so the train, generate and perplexity tools never branch
+on which one they hold:
+
+  * `encode(text, add_bos=False, add_eos=False) -> list[int]`
+  * `encode_batch(texts, add_bos=False, add_eos=False) -> list[list[int]]`
+  * `decode(ids) -> str`
+  * `vocab_size: int`, `bos_id / eos_id / pad_id: int | None` (None when the model has no such token)
+  * `ids_only: bool`
+
+`SentencePieceTokenizer` loads a `.model` file written by `tools/train_tokenizer.py` (or any other
+sentencepiece model). `IdsOnlyTokenizer` serves checkpoints that ship without a tokenizer: text is a
+list of integer ids ("12 7 99" or "12,7,99") and decoding prints the ids back.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+
+import sentencepiece as spm
+
+
+class TokenizerError(ValueError):
+  """A tokenizer file that is missing or unreadable, or text/ids that the tokenizer cannot handle."""
+
+
+def _optional_id(i: int) -> int | None:
+  # sentencepiece reports a disabled special token as -1.
+  return None if i is None or i < 0 else int(i)
+
+
+class SentencePieceTokenizer:
+  """A sentencepiece model loaded from a `.model` file.
+
+  Args:
+    path: path of a serialized sentencepiece `ModelProto` (the `<prefix>.model` file).
+
+  Raises:
+    TokenizerError: the file does not exist, is a directory, or is not a sentencepiece model; the
+      message names the path.
+  """
+
+  ids_only = False
+
+  def __init__(self, path: str | os.PathLike):
+    self.path = os.fspath(path)
+    if not os.path.exists(self.path):
+      raise TokenizerError(f"tokenizer file not found: {self.path!r}")
+    if not os.path.isfile(self.path):
+      raise TokenizerError(f"tokenizer path is not a file: {self.path!r}")
+    with open(self.path, "rb") as f:
+      proto = f.read()
+    if not proto:
+      raise TokenizerError(f"tokenizer file is empty: {self.path!r}")
+    self._sp = spm.SentencePieceProcessor()
+    try:
+      # load_from_serialized_proto avoids sentencepiece's own path handling (non-ASCII paths on
+      # some platforms) and gives one error path for every malformed file.
+      self._sp.LoadFromSerializedProto(proto)
+    except Exception as e:  # sentencepiece raises RuntimeError or OSError depending on the defect
+      raise TokenizerError(
+          f"not a valid sentencepiece model file: {self.path!r} ({type(e).__name__}: {e})") from None
+    if self._sp.vocab_size() <= 0:
+      raise TokenizerError(f"sentencepiece model has an empty vocabulary: {self.path!r}")
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of pieces; every id produced by `encode` is in [0, vocab_size)."""
+    return int(self._sp.vocab_size())
+
+  @property
+  def bos_id(self) -> int | None:
+    return _optional_id(self._sp.bos_id())
+
+  @property
+  def eos_id(self) -> int | None:
+    return _optional_id(self._sp.eos_id())
+
+  @property
+  def pad_id(self) -> int | None:
+    return _optional_id(self._sp.pad_id())
+
+  @property
+  def unk_id(self) -> int | None:
+    return _optional_id(self._sp.unk_id())
+
+  def _specials(self, add_bos: bool, add_eos: bool) -> tuple[list[int], list[int]]:
+    if add_bos and self.bos_id is None:
+      raise TokenizerError(f"add_bos=True but the tokenizer {self.path!r} has no bos token")
+    if add_eos and self.eos_id is None:
+      raise TokenizerError(f"add_eos=True but the tokenizer {self.path!r} has no eos token")
+    return ([self.bos_id] if add_bos else []), ([self.eos_id] if add_eos else [])
+
+  def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    """Token ids of `text` (a `str`), optionally framed by bos/eos."""
+    if not isinstance(text, str):
+      raise TypeError(f"text must be a str, got {type(text).__name__}")
+    head, tail = self._specials(add_bos, add_eos)
+    return head + list(self._sp.encode(text)) + tail
+
+  def encode_batch(self, texts: Sequence[str], add_bos: bool = False,
+                   add_eos: bool = False) -> list[list[int]]:
+    """`encode` over a list of strings in one sentencepiece call (multi-threaded inside)."""
+    texts = list(texts)
+    for i, t in enumerate(texts):
+      if not isinstance(t, str):
+        raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
+    head, tail = self._specials(add_bos, add_eos)
+    return [head + list(ids) + tail for ids in self._sp.encode(texts)]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Text of `ids`; control tokens (bos/eos/pad) decode to nothing.
+
+    Raises:
+      TokenizerError: an id outside [0, vocab_size).
+    """
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < self.vocab_size]
+    if bad:
+      raise TokenizerError(f"ids out of range [0, {self.vocab_size}) for {self.path!r}: {bad[:8]}")
+    return self._sp.decode(ids)
+
+  def id_to_piece(self, i: int) -> str:
+    return self._sp.id_to_piece(int(i))
+
+  def __repr__(self) -> str:
+    return (f"SentencePieceTokenizer(path={self.path!r}, vocab_size={self.vocab_size}, "
+            f"bos_id={self.bos_id}, eos_id={self.eos_id}, pad_id={self.pad_id})")
+
+
+_ID_SPLIT = re.compile(r"[\s,]+")
+
+
+class IdsOnlyTokenizer:
+  """Stand-in for checkpoints without a tokenizer: "text" is a list of integer token ids.
+
+  `encode("5 17,3")` gives `[5, 17, 3]`; `decode([5, 17, 3])` gives `"5 17 3"`.
+
+  Args:
+    vocab_size: the model's vocabulary size; ids must lie in [0, vocab_size).
+    bos_id, eos_id, pad_id: special ids, or None when the model has none.
+
+  Raises:
+    TokenizerError: vocab_size < 1 or a special id outside [0, vocab_size).
+  """
+
+  ids_only = True
+  path = None
+
+  def __init__(self, vocab_size: int, *, bos_id: int | None = None, eos_id: int | None = None,
+               pad_id: int | None = 0):
+    if int(vocab_size) < 1:
+      raise TokenizerError(f"vocab_size must be >= 1, got {vocab_size}")
+    self.vocab_size = int(vocab_size)
+    for name, v in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)):
+      if v is not None and not 0 <= int(v) < self.vocab_size:
+        raise TokenizerError(f"{name}={v} is outside [0, vocab_size={self.vocab_size})")
+    self.bos_id = None if bos_id is None else int(bos_id)
+    self.eos_id = None if eos_id is None else int(eos_id)
+    self.pad_id = None if pad_id is None else int(pad_id)
+    self.unk_id = None
+
+  def _check(self, ids: list[int]) -> list[int]:
+    bad = [i for i in ids if not 0 <= i < self.vocab_size]
+    if bad:
+      raise TokenizerError(f"ids out of range [0, {self.vocab_size}): {bad[:8]}")
+    return ids
+
+  def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    """Parses whitespace/comma separated integers.
+
+    Raises:
+      TokenizerError: a field that is not an integer, an id out of range, or a missing bos/eos.
+    """
+    if not isinstance(text, str):
+      raise TypeError(f"text must be a str, got {type(text).__name__}")
+    fields = [f for f in _ID_SPLIT.split(text.strip()) if f]
+    ids = []
+    for f in fields:
+      try:
+        ids.append(int(f))
+      except ValueError:
+        raise TokenizerError(
+            f"ids-only tokenizer: expected integer token ids separated by spaces or commas, "
+            f"got {f!r}") from None
+    self._check(ids)
+    if add_bos and self.bos_id is None:
+      raise TokenizerError("add_bos=True but the ids-only tokenizer has no bos_id")
+    if add_eos and self.eos_id is None:
+      raise TokenizerError("add_eos=True but the ids-only tokenizer has no eos_id")
+    return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+
+  def encode_batch(self, texts: Sequence[str], add_bos: bool = False,
+                   add_eos: bool = False) -> list[list[int]]:
+    return [self.encode(t, add_bos, add_eos) for t in texts]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    return " ".join(str(i) for i in self._check([int(i) for i in ids]))
+
+  def __repr__(self) -> str:
+    return (f"IdsOnlyTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+            f"eos_id={self.eos_id}, pad_id={self.pad_id})")
+
+
+Tokenizer = SentencePieceTokenizer | IdsOnlyTokenizer
+
+
+def load_tokenizer(path: str | os.PathLike | None, *, vocab_size: int | None = None,
+                   bos_id: int | None = None, eos_id: int | None = None,
+                   pad_id: int | None = 0) -> Tokenizer:
+  """Loads a sentencepiece tokenizer, or builds an ids-only one when `path` is None or "".
+
+  Args:
+    path: the `.model` file, or None/"" for ids-only mode.
+    vocab_size, bos_id, eos_id, pad_id: used only in ids-only mode (vocab_size then required).
+
+  Raises:
+    TokenizerError: a missing/invalid file (message names the path), or ids-only mode without
+      vocab_size.
+  """
+  if path:
+    return SentencePieceTokenizer(path)
+  if vocab_size is None:
+    raise TokenizerError("no tokenizer path given: ids-only mode needs vocab_size")
+  return IdsOnlyTokenizer(vocab_size, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)

@@ -1,0 +1,170 @@
+"""Trains a sentencepiece tokenizer on the training split of a UTF-8 text file.
+
+Usage:
+  python -m tools.train_tokenizer input=FILE model_prefix=PATH vocab_size=N \\
+      [model_type=bpe|unigram] [heldout_fraction=0.1] [character_coverage=1.0]
+
+Writes PATH.model (load it with `model.tokenizer.SentencePieceTokenizer`) and PATH.vocab.
+
+The last `heldout_fraction` of the file (by bytes, cut at a line boundary: the project's held-out
+rule, `model.input_pipeline.split_heldout`) is never seen by the trainer. Each remaining non-blank
+line is one training sentence.
+
+The model is set up so that decode(encode(text)) == text for any UTF-8 string:
+  * byte_fallback: characters outside the learned pieces become <0xNN> byte tokens, never <unk>;
+  * identity normalization, no whitespace collapsing, no dummy leading space;
+  * "\\n" is a user-defined piece (sentencepiece trains line by line and would otherwise only ever
+    see newlines as byte fallback).
+Special ids: pad=0, unk=1, bos=2, eos=3; ids 4.. are "\\n", the 256 byte pieces, then the learned
+pieces. vocab_size must therefore exceed 4 + 1 + 256 + (distinct characters kept by
+character_coverage).
+
+Prints the split sizes and the held-out compression (UTF-8 bytes per token).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import sys
+import time
+
+import sentencepiece as spm
+
+from model.input_pipeline import DataFormatError, read_text_file, split_heldout
+
+SPECIAL_IDS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
+REQUIRED = ("input", "model_prefix", "vocab_size")
+DEFAULTS = {"model_type": "bpe", "heldout_fraction": "0.1", "character_coverage": "1.0"}
+
+
+class UsageError(ValueError):
+  """Bad command-line arguments or input file; printed without a traceback."""
+
+
+def parse_args(argv: list[str]) -> dict:
+  """`key=value` arguments -> typed dict.
+
+  Raises:
+    UsageError: an argument without '=', an unknown or repeated key, a missing required key, or a
+      value of the wrong type/range.
+  """
+  args = {}
+  for a in argv:
+    if "=" not in a:
+      raise UsageError(f"arguments are key=value, got {a!r} (see --help)")
+    k, v = a.split("=", 1)
+    if k not in REQUIRED and k not in DEFAULTS:
+      raise UsageError(f"unknown argument {k!r}; known: {', '.join(REQUIRED + tuple(DEFAULTS))}")
+    if k in args:
+      raise UsageError(f"argument {k!r} given twice")
+    args[k] = v
+  missing = [k for k in REQUIRED if k not in args]
+  if missing:
+    raise UsageError(f"missing required argument(s): {', '.join(missing)} (see --help)")
+  for k, v in DEFAULTS.items():
+    args.setdefault(k, v)
+  out = {"input": args["input"], "model_prefix": args["model_prefix"]}
+  try:
+    out["vocab_size"] = int(args["vocab_size"])
+    out["heldout_fraction"] = float(args["heldout_fraction"])
+    out["character_coverage"] = float(args["character_coverage"])
+  except ValueError as e:
+    raise UsageError(f"bad numeric argument: {e}") from None
+  if out["vocab_size"] < 1:
+    raise UsageError(f"vocab_size must be a positive integer, got {out['vocab_size']}")
+  if not 0.0 < out["heldout_fraction"] < 1.0:
+    raise UsageError(f"heldout_fraction must be in (0, 1), got {out['heldout_fraction']}")
+  if not 0.0 < out["character_coverage"] <= 1.0:
+    raise UsageError(f"character_coverage must be in (0, 1], got {out['character_coverage']}")
+  if args["model_type"] not in ("bpe", "unigram"):
+    raise UsageError(f"model_type must be 'bpe' or 'unigram', got {args['model_type']!r}")
+  out["model_type"] = args["model_type"]
+  if not out["model_prefix"] or out["model_prefix"].endswith(os.sep):
+    raise UsageError(f"model_prefix must be a file path prefix, got {out['model_prefix']!r}")
+  return out
+
+
+def train_tokenizer(input: str, model_prefix: str, vocab_size: int, *, model_type: str = "bpe",
+                    heldout_fraction: float = 0.1, character_coverage: float = 1.0,
+                    num_threads: int | None = None) -> dict:
+  """Trains and writes `model_prefix.model` / `.vocab` from the training split of `input`.
+
+  Returns:
+    dict with "model_path", "train_bytes", "heldout_bytes", "train_lines", "heldout_tokens" and
+    "heldout_bytes_per_token".
+
+  Raises:
+    UsageError: missing, empty, non-UTF-8 input (naming file and line), an empty training split, or
+      a failed sentencepiece training (e.g. vocab_size too small or too large for the data).
+  """
+  try:
+    text = read_text_file(input)
+  except (FileNotFoundError, DataFormatError) as e:
+    raise UsageError(str(e)) from None
+  if not text.strip():
+    raise UsageError(f"input file is empty (no non-blank text): {input!r}")
+  train, heldout = split_heldout(text, heldout_fraction)
+  lines = [line for line in train.split("\n") if line.strip()]
+  if not lines:
+    raise UsageError(f"the training split of {input!r} is empty: the file has a single line, so "
+                     f"the held-out rule leaves nothing to train on")
+  parent = os.path.dirname(os.path.abspath(model_prefix))
+  os.makedirs(parent, exist_ok=True)
+  model = io.BytesIO()
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
+        model_type=model_type, character_coverage=character_coverage, byte_fallback=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+        user_defined_symbols=["\n"], allow_whitespace_only_pieces=True, split_digits=True,
+        max_sentence_length=1 << 16, num_threads=num_threads or min(8, os.cpu_count() or 1),
+        minloglevel=2, **SPECIAL_IDS)
+  except RuntimeError as e:
+    hint = ""
+    m = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
+    if m:  # byte pieces, specials and every kept character need an id before any merge
+      hint = f" (this data needs vocab_size >= {int(m.group(1))})"
+    raise UsageError(f"sentencepiece training failed for vocab_size={vocab_size}{hint}: {e}") from None
+  model_path = model_prefix + ".model"
+  with open(model_path, "wb") as f:
+    f.write(model.getvalue())
+  sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+  with open(model_prefix + ".vocab", "w", encoding="utf-8") as f:
+    for i in range(sp.vocab_size()):
+      f.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i)}\n")
+  heldout_tokens = len(sp.encode(heldout)) if heldout else 0
+  heldout_bytes = len(heldout.encode("utf-8"))
+  return {
+      "model_path": model_path,
+      "train_bytes": len(train.encode("utf-8")),
+      "heldout_bytes": heldout_bytes,
+      "train_lines": len(lines),
+      "heldout_tokens": heldout_tokens,
+      "heldout_bytes_per_token": heldout_bytes / heldout_tokens if heldout_tokens else float("nan"),
+  }
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if not argv or any(a in ("-h", "--help", "help") for a in argv):
+    print(__doc__)
+    return 0 if argv else 2
+  try:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    stats = train_tokenizer(**args)
+  except UsageError as e:
+    print(f"train_tokenizer: error: {e}", file=sys.stderr)
+    return 2
+  stats["seconds"] = time.perf_counter() - t0
+  print(f"wrote {stats['model_path']} (vocab_size={args['vocab_size']}, {args['model_type']}) in "
+        f"{stats['seconds']:.1f}s; trained on {stats['train_bytes']} bytes / {stats['train_lines']} "
+        f"lines; held out {stats['heldout_bytes']} bytes = {stats['heldout_tokens']} tokens "
+        f"({stats['heldout_bytes_per_token']:.3f} bytes/token)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
