@@ -4,7 +4,8 @@ Usage:
   python -m tools.train_tokenizer input=FILE model_prefix=PATH vocab_size=N \\
       [model_type=bpe|unigram] [heldout_fraction=0.1] [character_coverage=1.0]
 
-Writes PATH.model (load it with `model.tokenizer.SentencePieceTokenizer`) and PATH.vocab.
+Writes PATH.model (load it with `model.tokenizer.SentencePieceTokenizer`) and PATH.vocab (one
+"piece<TAB>score" line per id, backslash/newline/tab escaped as \\, \n, \t; for reading only).
 
 The last `heldout_fraction` of the file (by bytes, cut at a line boundary: the project's held-out
 rule, `model.input_pipeline.split_heldout`) is never seen by the trainer. Each remaining non-blank
@@ -132,8 +133,11 @@ def train_tokenizer(input: str, model_prefix: str, vocab_size: int, *, model_typ
     f.write(model.getvalue())
   sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
   with open(model_prefix + ".vocab", "w", encoding="utf-8") as f:
+    # For people only (loading uses .model): one "piece<TAB>score" line per id, with backslash,
+    # newline and tab escaped so the "\n" piece does not break the one-line-per-id layout.
     for i in range(sp.vocab_size()):
-      f.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i)}\n")
+      piece = sp.id_to_piece(i).replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
+      f.write(f"{piece}\t{sp.get_score(i)}\n")
   heldout_tokens = len(sp.encode(heldout)) if heldout else 0
   heldout_bytes = len(heldout.encode("utf-8"))
   return {
