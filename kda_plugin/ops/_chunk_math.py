@@ -1,0 +1,196 @@
+"""In-kernel math of one 64-row chunk holding any number of documents (Pallas TPU and GPU).
+
+Everything here operates on values already loaded from refs (2-D arrays, float32) and is written for
+both Mosaic and Triton: predicates are built at full rank from `broadcasted_iota`, rows are selected
+with masked reductions instead of dynamic slicing, and every exponent is masked to -inf *before*
+`exp` so that no factor can overflow. Math: ../shared/docs/kda.md section 2 and
+../shared/docs/segment_native_chunk.md (the masked equations).
+
+Notation (one head, one chunk of C rows): `G` is the inclusive cumulative gate over the whole chunk
+(g = 0 on padding rows), `same[r, i]` says rows r and i hold the same document.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+SUB = 16  # rows per sub-block: the diagonal sub-blocks of the score matrices are built elementwise
+NEG_INF = float("-inf")
+L2NORM_EPS = 1e-6
+_HI = lax.Precision.HIGHEST
+
+
+def iota(shape, dim):
+  return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def dot(a, b):
+  """a @ b in float32."""
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=(_HI, _HI),
+                         preferred_element_type=jnp.float32)
+
+
+def dot_nt(a, b):
+  """a @ b.T in float32."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=(_HI, _HI),
+                         preferred_element_type=jnp.float32)
+
+
+def dot_tn(a, b):
+  """a.T @ b in float32."""
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=(_HI, _HI),
+                         preferred_element_type=jnp.float32)
+
+
+def row_at(x, idx):
+  """Row `idx` of `x [R, D]` as `[1, D]` (zeros when no row matches, e.g. idx = -1)."""
+  return jnp.sum(jnp.where(iota(x.shape, 0) == idx, x, 0.0), axis=0, keepdims=True)
+
+
+def row_to_col(x):
+  """`[1, n] -> [n, 1]` without a transpose op: a masked lane reduction against the identity."""
+  n = x.shape[1]
+  eye = iota((n, n), 0) == iota((n, n), 1)
+  return jnp.sum(jnp.where(eye, jnp.broadcast_to(x, (n, n)), 0.0), axis=1, keepdims=True)
+
+
+def activate_gate(raw, a_exp, dt_bias, lower_bound):
+  """Gate activation of gates.py, in float32: softplus family, or bounded when `lower_bound` is set.
+
+  raw `[C, K]`; a_exp = exp(A_log[h]) and dt_bias as `[1, K]` rows.
+  softplus(x) = max(x, 0) + log1p(exp(-|x|)) (the overflow-free form of log(1 + e^x)).
+  """
+  x = raw + dt_bias
+  if lower_bound is None:
+    return -a_exp * (jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x))))
+  return lower_bound * (1.0 / (1.0 + jnp.exp(-(a_exp * x))))
+
+
+def l2norm_rows(x):
+  """x / sqrt(sum x^2 + 1e-6) per row (eps inside the square root, as gates.l2norm)."""
+  return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2NORM_EPS)
+
+
+def cumsum_rows(g):
+  """Inclusive cumulative sum down the rows, as a lower-triangular matmul (no scan in the kernel)."""
+  c = g.shape[0]
+  tril = (iota((c, c), 1) <= iota((c, c), 0)).astype(jnp.float32)
+  return dot(tril, g)
+
+
+def _diag_scores(qb, kb, gb, row0, c):
+  """Elementwise scores of one diagonal row block: rows row0..row0+R-1 against the same columns.
+
+  Returns `(akk, aqk)` `[R, C]`; entry (r, i) = sum_d {k,q}_r[d] k_i[d] exp(G_r[d] - G_i[d]) for
+  columns i in the block with i <= r, exact (one exponent per entry, masked before exp).
+  """
+  r_, d = gb.shape
+  rows = iota((r_, d), 0) + row0
+  cols = iota((r_, c), 1)
+
+  def body(j, carry):
+    akk, aqk = carry
+    i = row0 + j
+    e = jnp.exp(jnp.where(rows >= i, gb - row_at(gb, j), NEG_INF)) * row_at(kb, j)
+    akk = jnp.where(cols == i, jnp.sum(e * kb, axis=1, keepdims=True), akk)
+    aqk = jnp.where(cols == i, jnp.sum(e * qb, axis=1, keepdims=True), aqk)
+    return akk, aqk
+
+  zero = jnp.zeros((r_, c), jnp.float32)
+  return lax.fori_loop(0, r_, body, (zero, zero))
+
+
+def intra_chunk_scores(q, k, G, *, blocked: bool):
+  """`Akk` and `Aqk` of the chunk before segment/causal masking (entries with r >= i are valid).
+
+  blocked=True (Mosaic): diagonal 16-row blocks elementwise; the block below a diagonal block is a
+  matmul factored around the block's last row `p`: exp(G_r - G_i) = exp(G_r - G_p) exp(G_p - G_i)
+  with i <= p < r, so both factors are <= 1 and neither can overflow (an underflowed factor only
+  hides a product that is smaller still). blocked=False (Triton, no value slicing): every column
+  elementwise over all rows.
+  """
+  c = G.shape[0]
+  if not blocked:
+    return _diag_scores(q, k, G, 0, c)
+  nb = c // SUB
+  diag = [_diag_scores(q[i * SUB:(i + 1) * SUB], k[i * SUB:(i + 1) * SUB],
+                       G[i * SUB:(i + 1) * SUB], i * SUB, c) for i in range(nb)]
+  akk = jnp.concatenate([a for a, _ in diag], axis=0)
+  aqk = jnp.concatenate([a for _, a in diag], axis=0)
+  rows = iota(G.shape, 0)
+  for blk in range(nb - 1):
+    p = blk * SUB + SUB - 1
+    gp = row_at(G, p)
+    below = jnp.exp(jnp.where(rows > p, G - gp, NEG_INF))
+    inside = jnp.exp(jnp.where((rows >= blk * SUB) & (rows <= p), gp - G, NEG_INF))
+    kl = k * inside
+    akk = akk + dot_nt(k * below, kl)
+    aqk = aqk + dot_nt(q * below, kl)
+  return akk, aqk
+
+
+def unit_lower_inverse(a):
+  """(I + a)^-1 for a strictly lower-triangular `a [C, C]`, by blocked forward substitution.
+
+  The 16x16 diagonal blocks are inverted together by the fixed-point form of forward substitution
+  (X <- I - A_d X, exact after 15 steps since A_d^16 = 0); the block rows below are then filled in
+  order: X_R = -D_R sum_{J<R} A_RJ X_J.
+  """
+  c = a.shape[0]
+  r = iota((c, c), 0)
+  col = iota((c, c), 1)
+  eye = (r == col).astype(jnp.float32)
+  ad = jnp.where((r // SUB) == (col // SUB), a, 0.0)
+  d = lax.fori_loop(0, SUB - 1, lambda _, x: eye - dot(ad, x), eye)
+  x = d
+  for blk in range(1, c // SUB):
+    y = dot(jnp.where(((r // SUB) == blk) & (col < blk * SUB), a, 0.0), x)
+    x = x - dot(d, y)
+  return x
+
+
+def chunk_prep(q, k, g, beta, seg_col, seg_row, *, blocked: bool):
+  """The chunk-wide matrices that do not depend on the incoming states.
+
+  Args:
+    q: float32 `[C, K]`, already normalised and scaled. k: float32 `[C, K]`.
+    g: float32 `[C, K]` activated gate, 0 on padding rows. beta: `[C, 1]`, 0 on padding rows.
+    seg_col `[C, 1]`, seg_row `[1, C]`: int32 labels of the chunk's rows.
+
+  Returns:
+    G `[C, K]` (cumulative gate), tinv `[C, C]` = (I + Diag(beta) Akk)^-1, aqk `[C, C]` (masked to
+    same document and r >= i).
+  """
+  c = q.shape[0]
+  G = cumsum_rows(g)
+  akk, aqk = intra_chunk_scores(q, k, G, blocked=blocked)
+  r = iota((c, c), 0)
+  col = iota((c, c), 1)
+  same = (seg_col == seg_row) & (seg_col != 0)
+  akk = jnp.where(same & (r > col), akk, 0.0)
+  aqk = jnp.where(same & (r >= col), aqk, 0.0)
+  tinv = unit_lower_inverse(beta * akk)
+  return G, tinv, aqk
+
+
+def piece_with_state(G, q, k, beta, tinv, u, mask, first, last, s_in):
+  """One document piece (rows `mask`, first row `first`, last row `last`) with incoming state s_in.
+
+  Returns (vnew `[C, V]` restricted to the piece, o_add `[C, V]` = (q~ exp(G - G_a)) S_in,
+  s_base `[K, V]` = Diag(exp(G_e - G_a)) S_in), with a = first - 1 (G_a = 0 when first = 0).
+  """
+  ga = row_at(G, first - 1)
+  e = jnp.exp(jnp.where(mask, G - ga, NEG_INF))
+  w = dot(tinv, beta * k * e)
+  vnew = jnp.where(mask, u - dot(w, s_in), 0.0)
+  o_add = dot(q * e, s_in)
+  s_base = row_to_col(jnp.exp(row_at(G, last) - ga)) * s_in
+  return vnew, o_add, s_base
+
+
+def piece_state_update(G, k, mask, last, vnew):
+  """sum_{i in piece} (k_i exp(G_e - G_i)) vnew_i^T, `[K, V]`: the piece's writes seen at row e."""
+  e = jnp.exp(jnp.where(mask, row_at(G, last) - G, NEG_INF))
+  return dot_tn(k * e, vnew)
