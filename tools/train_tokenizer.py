@@ -1,7 +1,7 @@
-"""Trains a sentencepiece tokenizer on the training split of a UTF-8 text file.
+r"""Trains a sentencepiece tokenizer on the training split of a UTF-8 text file.
 
 Usage:
-  python -m tools.train_tokenizer input=FILE model_prefix=PATH vocab_size=N \\
+  python -m tools.train_tokenizer input=FILE model_prefix=PATH vocab_size=N \
       [model_type=bpe|unigram] [heldout_fraction=0.1] [character_coverage=1.0]
 
 Writes PATH.model (load it with `model.tokenizer.SentencePieceTokenizer`) and PATH.vocab (one
@@ -14,11 +14,11 @@ line is one training sentence.
 The model is set up so that decode(encode(text)) == text for any UTF-8 string:
   * byte_fallback: characters outside the learned pieces become <0xNN> byte tokens, never <unk>;
   * identity normalization, no whitespace collapsing, no dummy leading space;
-  * "\\n" is a user-defined piece (sentencepiece trains line by line and would otherwise only ever
+  * "\n" is a user-defined piece (sentencepiece trains line by line and would otherwise only ever
     see newlines as byte fallback).
-Special ids: pad=0, unk=1, bos=2, eos=3; ids 4.. are "\\n", the 256 byte pieces, then the learned
-pieces. vocab_size must therefore exceed 4 + 1 + 256 + (distinct characters kept by
-character_coverage).
+Special ids: pad=0, unk=1, bos=2, eos=3; ids 4.. are "\n", the 256 byte pieces, then the learned
+pieces. vocab_size must therefore be at least 4 + 1 + 256 + (distinct characters kept by
+character_coverage): 325 for tinyshakespeare (64 distinct characters besides "\n").
 
 Prints the split sizes and the held-out compression (UTF-8 bytes per token).
 """
