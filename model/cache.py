@@ -1,0 +1,77 @@
+"""Decode caches of the Kimi-Linear host, in decode layout.
+
+A prefill over packed rows `[B, T]` with N document slots per row yields S = B * N decode sequences:
+sequence `s = b * N + (label - 1)` continues document `label` of row `b` (an absent label is an
+empty sequence). Every array is indexed by s first.
+
+- `KDALayerCache` (a KDA layer): `state` float32 `[S, H, K, V]` (key-major), and the last W-1
+  inputs of each short conv, oldest first, float32 `[S, W-1, H*K]` (`conv_q`, `conv_k`, `conv_v`).
+- `MLALayerCache` (an MLA layer): `latent` `[S, L, kv_lora_rank + qk_rope_head_dim]` in the compute
+  dtype: per token the kv_a_layernorm-ed latent followed by the shared key part; slots at index
+  >= `lengths[s]` are unused.
+- `ModelCache`: `layers` (one cache per decoder layer, in order) and `lengths` int32 `[S]`, the
+  tokens seen so far by each sequence (the MLA write index; equal for every layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KDALayerCache:
+  state: jax.Array
+  conv_q: jax.Array
+  conv_k: jax.Array
+  conv_v: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MLALayerCache:
+  latent: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ModelCache:
+  layers: tuple
+  lengths: jax.Array
+
+  @property
+  def num_sequences(self) -> int:
+    """S, the number of decode sequences."""
+    return int(self.lengths.shape[0])
+
+  @property
+  def cache_length(self) -> int | None:
+    """L of the MLA latent cache (None for a model without MLA layers)."""
+    for c in self.layers:
+      if isinstance(c, MLALayerCache):
+        return int(c.latent.shape[1])
+    return None
+
+
+def rows_to_slots(x, batch: int, num_slots: int):
+  """`[B * N, ...]` (decode layout) -> `[B, N, ...]` (per-row slots)."""
+  return x.reshape((batch, num_slots) + x.shape[1:])
+
+
+def slots_to_rows(x):
+  """`[B, N, ...]` -> `[B * N, ...]`."""
+  return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def empty_kda_cache(s: int, heads: int, head_dim: int, conv_width: int) -> KDALayerCache:
+  """Zero KDA cache for s sequences (a fresh document)."""
+  conv = jnp.zeros((s, conv_width - 1, heads * head_dim), jnp.float32)
+  return KDALayerCache(jnp.zeros((s, heads, head_dim, head_dim), jnp.float32), conv, conv, conv)
+
+
+def empty_mla_cache(s: int, length: int, width: int, dtype) -> MLALayerCache:
+  """Zero MLA latent cache of `length` token slots for s sequences."""
+  return MLALayerCache(jnp.zeros((s, length, width), dtype))

@@ -1,0 +1,140 @@
+"""The KDA mixer of Kimi-Linear (../shared/docs/kda.md section 4; transformers `models/kimi_linear`,
+Moonshot's `modeling_kimi.py`), with every KDA-specific op taken from an attention backend.
+
+For hidden x `[B, T, d]` (after the block's input RMSNorm), H heads of width K (= V):
+1. `q, k, v = SiLU(conv(q_proj x)), ...` (depthwise causal conv per projection, restarting at each
+   document; the backend's `short_conv`).
+2. raw gate `f_b_proj(f_a_proj x)`, `beta = sigmoid(b_proj x)` (float32).
+3. `o = KDA(L2N(q), L2N(k), v, gate(raw; A_log, dt_bias), beta)`: the backend's `kda` (gate and
+   L2 norm inside; fused or not is the backend's choice).
+4. per head `RMSNorm(o; eps) * o_norm * sigmoid(g_b_proj(g_a_proj x))`, then `o_proj`.
+
+Parameters (HF checkpoint name -> here; `.weight [out, in]` -> `.kernel [in, out]`):
+`q_proj/k_proj/v_proj.kernel [d, H*K]`, `q_conv1d/k_conv1d/v_conv1d.kernel [W, H*K]` (HF
+`[H*K, 1, W]`), `f_a_proj.kernel [d, K]`, `f_b_proj.kernel [K, H*K]`, `b_proj.kernel [d, H]`,
+`g_a_proj.kernel [d, K]`, `g_b_proj.kernel [K, H*K]`, `A_log [H]` float32 (HF `[1, 1, H, 1]`),
+`dt_bias [H*K]` float32, `o_norm.scale [K]`, `o_proj.kernel [H*K, d]`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model import cache as cache_lib
+from model.layers import RMSNorm, as_dtype, inverse_softplus, linear, param, uniform_init
+
+
+class ShortConvWeight(nnx.Module):
+  """Holds one depthwise conv's taps, `kernel [W, D]` (tap W-1 multiplies the current token)."""
+
+  def __init__(self, width: int, dim: int, args, rngs: nnx.Rngs):
+    bound = 1.0 / np.sqrt(width)  # PyTorch Conv1d default: fan_in = in_channels/groups * W = W
+    self.kernel = param(uniform_init(-bound, bound), rngs.params(), (width, dim), as_dtype(args.weight_dtype),
+                        (None, "heads"))
+
+
+class KimiDeltaAttention(nnx.Module):
+  """KDA mixer (see the module docstring).
+
+  Args:
+    args: `model.config.ModelArgs`. backend: the attention backend object (`model.backend`).
+    rngs: parameter initialisation keys.
+  """
+
+  def __init__(self, args, backend, *, rngs: nnx.Rngs):
+    d, h, kd, w = args.hidden_size, args.kda_num_heads, args.kda_head_dim, args.kda_conv_kernel_size
+    self.num_heads, self.head_dim, self.conv_width = h, kd, w
+    self.lower_bound = args.kda_gate_lower_bound
+    self.impl = args.kda_impl
+    self.dtype = as_dtype(args.dtype)
+    self.backend = backend
+    proj = h * kd
+    self.q_proj = linear(d, proj, ("embed", "heads"), args, rngs)
+    self.k_proj = linear(d, proj, ("embed", "heads"), args, rngs)
+    self.v_proj = linear(d, proj, ("embed", "heads"), args, rngs)
+    self.q_conv1d = ShortConvWeight(w, proj, args, rngs)
+    self.k_conv1d = ShortConvWeight(w, proj, args, rngs)
+    self.v_conv1d = ShortConvWeight(w, proj, args, rngs)
+    self.f_a_proj = linear(d, kd, ("embed", None), args, rngs)
+    self.f_b_proj = linear(kd, proj, (None, "heads"), args, rngs)
+    self.b_proj = linear(d, h, ("embed", "heads"), args, rngs)
+    self.g_a_proj = linear(d, kd, ("embed", None), args, rngs)
+    self.g_b_proj = linear(kd, proj, (None, "heads"), args, rngs)
+    # A = exp(A_log) in [1, 16] and dt in [1e-3, 1e-1] (log-uniform), the fla / Mamba initialisation.
+    a = jax.random.uniform(rngs.params(), (h,), jnp.float32, 1.0, 16.0)
+    self.A_log = nnx.Param(jnp.log(a), out_sharding=("heads",))
+    dt = jnp.exp(jax.random.uniform(rngs.params(), (proj,), jnp.float32, np.log(1e-3), np.log(1e-1)))
+    self.dt_bias = nnx.Param(inverse_softplus(dt), out_sharding=("heads",))
+    self.o_norm = RMSNorm(kd, eps=args.rms_norm_eps, param_dtype=as_dtype(args.weight_dtype),
+                          dtype=self.dtype, axes=(None,))
+    self.o_proj = linear(proj, d, ("heads", "embed"), args, rngs)
+
+  def _heads(self, x):
+    return x.reshape(x.shape[:-1] + (self.num_heads, self.head_dim))
+
+  def _gate_params(self):
+    return dict(a_log=self.A_log[...], dt_bias=self.dt_bias[...], lower_bound=self.lower_bound)
+
+  def _output(self, o, x):
+    # Gated per-head RMSNorm (fla FusedRMSNormGated, activation sigmoid), then o_proj.
+    gate = self._heads(self.g_b_proj(self.g_a_proj(x))).astype(jnp.float32)
+    y = self.o_norm.normalize(o) * self.o_norm.scale[...].astype(jnp.float32) * jax.nn.sigmoid(gate)
+    y = y.astype(self.dtype)
+    return self.o_proj(y.reshape(y.shape[:-2] + (-1,)))
+
+  def __call__(self, x, *, segment_ids, mode: str, num_slots: int, cache=None, return_cache=False):
+    """Sequence forward over packed rows.
+
+    Args:
+      x: `[B, T, d]` compute dtype. segment_ids: int32 `[B, T]` (0 = padding).
+      mode: "train", "eval" or "prefill" (routes the backend's op).
+      num_slots: N, document slots per row (static).
+      cache: incoming `KDALayerCache` in decode layout (S = B*N) or None (fresh documents).
+      return_cache: also return the final `KDALayerCache` in decode layout.
+
+    Returns:
+      `(y [B, T, d], cache | None)`.
+    """
+    b = x.shape[0]
+    be = self.backend
+    to_slots = lambda a: None if a is None else cache_lib.rows_to_slots(a, b, num_slots)
+    conv_in = (None, None, None) if cache is None else tuple(
+        to_slots(c) for c in (cache.conv_q, cache.conv_k, cache.conv_v))
+    convs = []
+    for proj, conv, cin in ((self.q_proj, self.q_conv1d, conv_in[0]), (self.k_proj, self.k_conv1d, conv_in[1]),
+                            (self.v_proj, self.v_conv1d, conv_in[2])):
+      convs.append(be.short_conv(proj(x), conv.kernel[...], segment_ids=segment_ids, cache=cin,
+                                 max_num_segments=num_slots))
+    (q, cq), (k, ck), (v, cv) = convs
+    g_raw = self._heads(self.f_b_proj(self.f_a_proj(x)))
+    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+    o, state = be.kda(self._heads(q), self._heads(k), self._heads(v), g_raw, beta, mode=mode,
+                      segment_ids=segment_ids, initial_state=None if cache is None else to_slots(cache.state),
+                      output_final_state=return_cache, max_num_segments=num_slots, impl=self.impl,
+                      **self._gate_params())
+    y = self._output(o, x)
+    if not return_cache:
+      return y, None
+    rows = cache_lib.slots_to_rows
+    return y, cache_lib.KDALayerCache(rows(state), rows(cq), rows(ck), rows(cv))
+
+  def decode(self, x, cache):
+    """One token per sequence.
+
+    Args:
+      x: `[S, d]`. cache: `KDALayerCache` (decode layout).
+    Returns:
+      `(y [S, d], new KDALayerCache)`.
+    """
+    be = self.backend
+    q, cq = be.short_conv_step(self.q_proj(x), self.q_conv1d.kernel[...], cache.conv_q)
+    k, ck = be.short_conv_step(self.k_proj(x), self.k_conv1d.kernel[...], cache.conv_k)
+    v, cv = be.short_conv_step(self.v_proj(x), self.v_conv1d.kernel[...], cache.conv_v)
+    g_raw = self._heads(self.f_b_proj(self.f_a_proj(x)))
+    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+    o, state = be.kda_decode(self._heads(q), self._heads(k), self._heads(v), g_raw, beta, cache.state,
+                             impl=self.impl, **self._gate_params())
+    return self._output(o, x), cache_lib.KDALayerCache(state, cq, ck, cv)

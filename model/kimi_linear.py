@@ -1,0 +1,313 @@
+"""Kimi-Linear causal LM in Flax NNX, configured by `configs/` and served by a registered attention
+backend (see `model/README.md` for the API, the cache layout and the parameter-name table).
+
+Structure (transformers `models/kimi_linear`, Moonshot `modeling_kimi.py`; ../shared/docs/kda.md
+sections 4-5): token embedding; per layer `x += mixer(input_layernorm(x))` with the KDA mixer for
+`kda_layers` and MLA for `full_attn_layers` (1-indexed); `x += ffn(post_attention_layernorm(x))`
+with a dense SwiGLU (`mlp`) for the first `first_k_dense_replace` layers and MoE
+(`block_sparse_moe`) after; final RMSNorm `model.norm`; untied `lm_head`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model import cache as cache_lib
+from model import registry
+from model.config import ModelArgs
+from model.kda import KimiDeltaAttention
+from model.layers import RMSNorm, SwiGLU, as_dtype, linear, normal_init
+from model.mla import MultiHeadLatentAttention
+from model.moe import SparseMoeBlock
+
+MODES = ("train", "eval")
+
+
+class DecoderLayer(nnx.Module):
+  """One pre-norm block: `input_layernorm`, `self_attn` (KDA or MLA), `post_attention_layernorm`,
+  then `mlp` (dense SwiGLU) or `block_sparse_moe`."""
+
+  def __init__(self, args: ModelArgs, index: int, backend, rngs: nnx.Rngs):
+    dt, wdt = as_dtype(args.dtype), as_dtype(args.weight_dtype)
+    self.kind = args.layer_types[index]
+    self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps, param_dtype=wdt, dtype=dt)
+    if self.kind == "kda":
+      self.self_attn = KimiDeltaAttention(args, backend, rngs=rngs)
+    else:
+      self.self_attn = MultiHeadLatentAttention(args, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps, param_dtype=wdt, dtype=dt)
+    self.is_moe = index >= args.first_k_dense_replace
+    if self.is_moe:
+      self.block_sparse_moe = SparseMoeBlock(args, rngs)
+    else:
+      self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, args, rngs)
+
+  def _ffn(self, x):
+    h = self.post_attention_layernorm(x)
+    return x + (self.block_sparse_moe(h) if self.is_moe else self.mlp(h))
+
+  def __call__(self, x, *, segment_ids, mode, num_slots, cache=None, lengths=None, return_cache=False,
+               cache_length=None):
+    """x `[B, T, d]` -> `(x, layer cache in decode layout | None)`."""
+    h = self.input_layernorm(x)
+    if self.kind == "kda":
+      y, new = self.self_attn(h, segment_ids=segment_ids, mode=mode, num_slots=num_slots, cache=cache,
+                              return_cache=return_cache)
+    else:
+      b = x.shape[0]
+      prefix = None if cache is None else cache_lib.rows_to_slots(cache.latent, b, num_slots)
+      plen = None if cache is None else cache_lib.rows_to_slots(lengths, b, num_slots)
+      y, lat = self.self_attn(h, segment_ids=segment_ids, prefix=prefix, prefix_lengths=plen)
+      new = None
+      if return_cache:
+        new = cache_lib.MLALayerCache(_write_latents(lat, segment_ids, prefix, plen, num_slots, cache_length))
+    return self._ffn(x + y), new
+
+  def decode(self, x, cache, lengths):
+    """x `[S, d]` one token per sequence -> `(x, new layer cache)`."""
+    h = self.input_layernorm(x)
+    if self.kind == "kda":
+      y, new = self.self_attn.decode(h, cache)
+    else:
+      y, lat = self.self_attn.decode(h, cache.latent, lengths)
+      new = cache_lib.MLALayerCache(lat)
+    return self._ffn(x + y), new
+
+
+def _positions_in_run(segment_ids):
+  """Index of each token inside its document's run in the row (0 for a run's first token)."""
+  t = segment_ids.shape[1]
+  pos = jnp.arange(t)
+  first = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+  start = jax.lax.cummax(jnp.where(first, pos, 0), axis=1)
+  return pos - start
+
+
+def _write_latents(lat, segment_ids, prefix, prefix_lengths, num_slots, length):
+  """Scatters each document's token latents after its slot's prefix: `[B*N, L, C]`."""
+  b, t, c = lat.shape
+  dtype = lat.dtype if prefix is None else prefix.dtype
+  out = jnp.zeros((b, num_slots, length, c), dtype) if prefix is None else prefix
+  slot = segment_ids - 1
+  base = 0 if prefix_lengths is None else jnp.take_along_axis(prefix_lengths, jnp.clip(slot, 0, num_slots - 1), 1)
+  index = base + _positions_in_run(segment_ids)
+  slot = jnp.where(segment_ids > 0, slot, num_slots)  # padding: out of range, dropped
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+  out = out.at[rows, slot, index].set(lat.astype(dtype), mode="drop")
+  return cache_lib.slots_to_rows(out)
+
+
+class KimiLinearModel(nnx.Module):
+  """HF `model.`: `embed_tokens`, `layers` (list of `DecoderLayer`), `norm`."""
+
+  def __init__(self, args: ModelArgs, backend, rngs: nnx.Rngs):
+    dt, wdt = as_dtype(args.dtype), as_dtype(args.weight_dtype)
+    self.embed_tokens = nnx.Embed(args.vocab_size, args.hidden_size, dtype=dt, param_dtype=wdt,
+                                  embedding_init=normal_init(args.initializer_range, ("vocab", "embed")),
+                                  rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(args, i, backend, rngs) for i in range(args.num_hidden_layers)])
+    self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps, param_dtype=wdt, dtype=dt)
+
+
+class KimiLinearForCausalLM(nnx.Module):
+  """The Kimi-Linear causal LM (see `model/README.md`).
+
+  Args:
+    config: an `ml_collections.ConfigDict` from `model.config.load_config` (validated here).
+    rngs: `nnx.Rngs` for the random initialisation; default `nnx.Rngs(config.init_seed)`.
+
+  Raises:
+    model.config.ConfigError: an invalid config.
+    model.registry.UnknownBackendError: `config.attention` names no registered backend.
+
+  Attributes:
+    args: the static `ModelArgs`. backend: the attention backend object.
+    model: `KimiLinearModel`. lm_head: `nnx.Linear` (`kernel [d, vocab]`).
+  """
+
+  def __init__(self, config, *, rngs: nnx.Rngs | None = None):
+    args = config if isinstance(config, ModelArgs) else ModelArgs.from_config(config)
+    self.args = args
+    self.backend = registry.get_backend(args.attention)
+    if rngs is None:
+      rngs = nnx.Rngs(int(getattr(config, "init_seed", 0)))
+    # Logical-axis metadata is recorded on every parameter; it shards eagerly only inside a mesh.
+    with nnx.use_eager_sharding(False):
+      self.model = KimiLinearModel(args, self.backend, rngs)
+      self.lm_head = linear(args.hidden_size, args.vocab_size, ("embed", "vocab"), args, rngs)
+
+  # --- helpers -----------------------------------------------------------------------------------
+  def _check_inputs(self, input_ids, segment_ids, positions):
+    input_ids = jnp.asarray(input_ids)
+    if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+      raise ValueError(f"input_ids must be an integer array [B, T], got {input_ids.dtype} {input_ids.shape}")
+    if segment_ids is None:
+      segment_ids = jnp.ones(input_ids.shape, jnp.int32)
+    segment_ids = jnp.asarray(segment_ids)
+    if segment_ids.shape != input_ids.shape or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+      raise ValueError(f"segment_ids must be an integer array of input_ids' shape {input_ids.shape}, "
+                       f"got {segment_ids.dtype} {segment_ids.shape}")
+    if positions is not None and tuple(np.shape(positions)) != input_ids.shape:
+      raise ValueError(f"positions must have input_ids' shape {input_ids.shape}, got {np.shape(positions)}")
+    return input_ids, segment_ids.astype(jnp.int32)
+
+  @staticmethod
+  def _check_labels(segment_ids, num_slots):
+    if not isinstance(segment_ids, jax.core.Tracer):
+      top = int(jnp.max(segment_ids)) if segment_ids.size else 0
+      if top > num_slots:
+        raise ValueError(f"segment_ids holds label {top} but only {num_slots} document slots per row are "
+                         f"configured (max_num_segments / num_slots); raise it")
+
+  def _run(self, input_ids, segment_ids, mode, num_slots, cache=None, return_cache=False, cache_length=None):
+    x = self.model.embed_tokens(input_ids)
+    new_layers = []
+    lengths = None if cache is None else cache.lengths
+    for i, layer in enumerate(self.model.layers):
+      x, new = layer(x, segment_ids=segment_ids, mode=mode, num_slots=num_slots,
+                     cache=None if cache is None else cache.layers[i], lengths=lengths,
+                     return_cache=return_cache, cache_length=cache_length)
+      new_layers.append(new)
+    logits = self.lm_head(self.model.norm(x))
+    return logits, new_layers
+
+  # --- public API --------------------------------------------------------------------------------
+  def __call__(self, input_ids, segment_ids=None, positions=None, *, mode: str = "train",
+               max_num_segments: int | None = None):
+    """Forward over packed rows (training or evaluation).
+
+    Args:
+      input_ids: int32 `[B, T]`.
+      segment_ids: int32 `[B, T]`; 0 = padding, labels 1..N name documents (contiguous runs); no
+        attention, conv window or KDA state crosses a boundary. None: one document per row.
+      positions: int32 `[B, T]` or None; accepted for MaxText-style pipelines and checked for shape,
+        but unused: Kimi-Linear has no positional encoding (order comes from the token index).
+      mode: "train" (the backend's differentiable op) or "eval" (its inference op).
+      max_num_segments: N, the static number of document slots per row; default
+        `config.max_num_segments` (1 when segment_ids is None).
+
+    Returns:
+      logits `[B, T, vocab]` in the compute dtype (values at padding positions are meaningless).
+
+    Raises:
+      ValueError: bad mode, shapes, or (when concrete) a label above N.
+    """
+    if mode not in MODES:
+      raise ValueError(f"mode must be one of {MODES} (use prefill()/decode() for cached inference), got {mode!r}")
+    n = max_num_segments or (1 if segment_ids is None else self.args.max_num_segments)
+    input_ids, segment_ids = self._check_inputs(input_ids, segment_ids, positions)
+    self._check_labels(segment_ids, n)
+    logits, _ = self._run(input_ids, segment_ids, mode, n)
+    return logits
+
+  def init_cache(self, batch: int, num_slots: int | None = None, cache_length: int | None = None):
+    """An empty `ModelCache` for `batch` rows of `num_slots` slots (S = batch * num_slots sequences)."""
+    a = self.args
+    n = num_slots or a.max_num_segments
+    length = cache_length or a.max_cache_length
+    s = batch * n
+    layers = []
+    for layer in self.model.layers:
+      if layer.kind == "kda":
+        layers.append(cache_lib.empty_kda_cache(s, a.kda_num_heads, a.kda_head_dim, a.kda_conv_kernel_size))
+      else:
+        layers.append(cache_lib.empty_mla_cache(s, length, layer.self_attn.latent_width, as_dtype(a.dtype)))
+    return cache_lib.ModelCache(tuple(layers), jnp.zeros((s,), jnp.int32))
+
+  def prefill(self, input_ids, segment_ids=None, positions=None, *, cache=None, num_slots: int | None = None,
+              cache_length: int | None = None):
+    """Forward over packed prompts that also returns the caches, in decode layout.
+
+    Row b's document with label n becomes decode sequence `s = b * num_slots + n - 1`.
+
+    Args:
+      input_ids, segment_ids, positions: as `__call__` (segment_ids None: one document per row).
+      cache: optional incoming `ModelCache` with S = B * num_slots (e.g. from an earlier window of
+        the same documents, or `init_cache`): each document continues its slot's KDA state, conv
+        windows and MLA latent prefix (`cache.lengths` tokens).
+      num_slots: N; default from `cache`, else `config.max_num_segments` (1 without segment_ids).
+      cache_length: L of the MLA latent cache; default from `cache`, else `config.max_cache_length`.
+
+    Returns:
+      `(logits [B, T, vocab], ModelCache)`; `lengths[s]` = incoming length + the document's tokens.
+
+    Raises:
+      ValueError: shapes, or (when concrete) a label above N or more tokens than L for a slot.
+    """
+    input_ids, segment_ids_ = self._check_inputs(input_ids, segment_ids, positions)
+    b = input_ids.shape[0]
+    if cache is not None:
+      if cache.num_sequences % b:
+        raise ValueError(f"cache holds {cache.num_sequences} sequences, not a multiple of the batch {b}")
+      n_cache = cache.num_sequences // b
+      if num_slots not in (None, n_cache):
+        raise ValueError(f"num_slots={num_slots} disagrees with the cache ({n_cache} slots per row)")
+      num_slots = n_cache
+      cache_length = cache.cache_length or cache_length
+    n = num_slots or (1 if segment_ids is None else self.args.max_num_segments)
+    length = cache_length or self.args.max_cache_length
+    self._check_labels(segment_ids_, n)
+    lengths_in = jnp.zeros((b * n,), jnp.int32) if cache is None else cache.lengths
+    counts = jnp.sum(segment_ids_[:, None, :] == jnp.arange(1, n + 1)[None, :, None], axis=-1)  # [B, N]
+    lengths = lengths_in + counts.reshape(-1).astype(jnp.int32)
+    if not isinstance(lengths, jax.core.Tracer) and "mla" in self.args.layer_types:
+      if int(jnp.max(lengths)) > length:
+        raise ValueError(f"a document needs {int(jnp.max(lengths))} MLA cache entries but cache_length is {length}")
+    logits, layers = self._run(input_ids, segment_ids_, "prefill", n, cache=cache, return_cache=True,
+                               cache_length=length)
+    return logits, cache_lib.ModelCache(tuple(layers), lengths)
+
+  def decode(self, input_ids, cache):
+    """One token per decode sequence.
+
+    Args:
+      input_ids: int32 `[S]` or `[S, 1]`, the next token of each sequence.
+      cache: the `ModelCache` from `prefill`, `init_cache` or a previous `decode` (required).
+
+    Returns:
+      `(logits [S, vocab] (or [S, 1, vocab]), new ModelCache)` with every length advanced by one.
+
+    Raises:
+      ValueError: no cache, mismatched S, or (when concrete) a full MLA cache.
+    """
+    if cache is None:
+      raise ValueError("decode needs a cache: pass the ModelCache returned by prefill() (or init_cache() "
+                       "for empty sequences); there is no cache-free decode")
+    if not isinstance(cache, cache_lib.ModelCache):
+      raise TypeError(f"cache must be a model.cache.ModelCache, got {type(cache).__name__}")
+    ids = jnp.asarray(input_ids)
+    with_time = ids.ndim == 2
+    if with_time:
+      if ids.shape[1] != 1:
+        raise ValueError(f"decode takes one token per sequence, got input_ids {ids.shape}")
+      ids = ids[:, 0]
+    if ids.ndim != 1 or ids.shape[0] != cache.num_sequences:
+      raise ValueError(f"input_ids must be [S] or [S, 1] with S={cache.num_sequences} (the cache's sequences), "
+                       f"got {jnp.shape(input_ids)}")
+    length = cache.cache_length
+    if length is not None and not isinstance(cache.lengths, jax.core.Tracer):
+      if int(jnp.max(cache.lengths)) >= length:
+        raise ValueError(f"the MLA cache is full (cache_length={length}); prefill with a larger cache_length")
+    x = self.model.embed_tokens(ids)
+    layers = []
+    for layer, c in zip(self.model.layers, cache.layers):
+      x, new = layer.decode(x, c, cache.lengths)
+      layers.append(new)
+    logits = self.lm_head(self.model.norm(x))
+    return (logits[:, None] if with_time else logits), cache_lib.ModelCache(tuple(layers), cache.lengths + 1)
+
+
+def last_token_logits(logits, segment_ids, num_slots: int):
+  """Logits of each document's last token, in decode layout `[B * N, vocab]` (zeros for empty slots).
+
+  Use after `prefill` to sample each sequence's first generated token.
+  """
+  b, t, v = logits.shape
+  seg = jnp.asarray(segment_ids, jnp.int32)
+  is_lab = seg[:, None, :] == jnp.arange(1, num_slots + 1)[None, :, None]             # [B, N, T]
+  last = jnp.max(jnp.where(is_lab, jnp.arange(t), -1), axis=-1)                       # [B, N]
+  out = jnp.take_along_axis(logits, jnp.clip(last, 0, t - 1)[..., None], axis=1)      # [B, N, V]
+  return jnp.where((last >= 0)[..., None], out, 0).reshape(b * num_slots, v)

@@ -1,0 +1,149 @@
+"""Multi-head latent attention (MLA) of Kimi-Linear, without positional encoding.
+
+Source: DeepSeek-V2 MLA as used by transformers `KimiLinearAttention` / Moonshot `modeling_kimi.py`
+(../shared/docs/kda.md section 5). With latent c = kv_a_proj_with_mqa(x) = [c_kv (r) | k_r (dr)]:
+`c_kv <- kv_a_layernorm(c_kv)` (eps 1e-6); `[k_nope | v] = kv_b_proj(c_kv)` per head;
+key = `[k_nope | k_r]` (k_r shared by every head, never rotated: NoPE); query = `q_proj(x)` per head
+`[q_nope | q_r]` (or `q_b_proj(q_a_layernorm(q_a_proj x))` with q_lora_rank); softmax scale
+`(dn + dr) ** -0.5`; causal attention within each document; `o_proj`.
+
+The cache keeps, per token, the normalised `c_kv` followed by `k_r` (r + dr values); keys and
+values are re-expanded from it. Parameters (HF name -> here, `.weight` -> `.kernel` transposed):
+`q_proj.kernel [d, nH*(dn+dr)]` (or `q_a_proj [d, rq]`, `q_a_layernorm.scale [rq]`,
+`q_b_proj [rq, nH*(dn+dr)]`), `kv_a_proj_with_mqa.kernel [d, r+dr]`, `kv_a_layernorm.scale [r]`,
+`kv_b_proj.kernel [r, nH*(dn+dv)]`, `o_proj.kernel [nH*dv, d]`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.layers import RMSNorm, as_dtype, linear
+
+_NEG = -1e30  # finite "minus infinity": a fully masked row gives zeros, not NaN
+
+
+def _masked_softmax(scores, mask):
+  """float32 softmax over the last axis where `mask`; rows with no valid entry give zeros."""
+  s = jnp.where(mask, scores, _NEG)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.where(mask, jnp.exp(s - m), 0.0)
+  den = jnp.sum(p, axis=-1, keepdims=True)
+  return p / jnp.where(den > 0, den, 1.0)
+
+
+class MultiHeadLatentAttention(nnx.Module):
+  """MLA mixer (see the module docstring).
+
+  Args:
+    args: `model.config.ModelArgs`. rngs: initialisation keys.
+  """
+
+  def __init__(self, args, *, rngs: nnx.Rngs):
+    d, nh = args.hidden_size, args.num_attention_heads
+    self.num_heads, self.dn, self.dr, self.dv = nh, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+    self.rank = args.kv_lora_rank
+    self.scale = float(self.dn + self.dr) ** -0.5
+    self.dtype = as_dtype(args.dtype)
+    wdt = as_dtype(args.weight_dtype)
+    dq = nh * (self.dn + self.dr)
+    if args.q_lora_rank is None:
+      self.q_proj = linear(d, dq, ("embed", "heads"), args, rngs)
+    else:
+      self.q_a_proj = linear(d, args.q_lora_rank, ("embed", None), args, rngs)
+      self.q_a_layernorm = RMSNorm(args.q_lora_rank, eps=args.mla_kv_norm_eps, param_dtype=wdt,
+                                   dtype=self.dtype, axes=(None,))
+      self.q_b_proj = linear(args.q_lora_rank, dq, (None, "heads"), args, rngs)
+    self.q_lora = args.q_lora_rank is not None
+    self.kv_a_proj_with_mqa = linear(d, self.rank + self.dr, ("embed", "kv"), args, rngs)
+    self.kv_a_layernorm = RMSNorm(self.rank, eps=args.mla_kv_norm_eps, param_dtype=wdt, dtype=self.dtype,
+                                  axes=("kv",))
+    self.kv_b_proj = linear(self.rank, nh * (self.dn + self.dv), ("kv", "heads"), args, rngs)
+    self.o_proj = linear(nh * self.dv, d, ("heads", "embed"), args, rngs)
+
+  @property
+  def latent_width(self) -> int:
+    return self.rank + self.dr
+
+  def query(self, x):
+    """`[..., d]` -> `[..., nH, dn + dr]`."""
+    q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+    return q.reshape(q.shape[:-1] + (self.num_heads, self.dn + self.dr))
+
+  def latent(self, x):
+    """`[..., d]` -> cached latent `[..., r + dr]` = [kv_a_layernorm(c_kv) | k_r]."""
+    c = self.kv_a_proj_with_mqa(x)
+    return jnp.concatenate([self.kv_a_layernorm(c[..., :self.rank]), c[..., self.rank:]], axis=-1)
+
+  def expand(self, lat):
+    """Latent `[..., r + dr]` -> (keys `[..., nH, dn + dr]`, values `[..., nH, dv]`)."""
+    kv = self.kv_b_proj(lat[..., :self.rank])
+    kv = kv.reshape(kv.shape[:-1] + (self.num_heads, self.dn + self.dv))
+    k_r = jnp.broadcast_to(lat[..., None, self.rank:], kv.shape[:-1] + (self.dr,))
+    return jnp.concatenate([kv[..., :self.dn], k_r], axis=-1), kv[..., self.dn:]
+
+  def _out(self, o):
+    return self.o_proj(o.astype(self.dtype).reshape(o.shape[:-2] + (-1,)))
+
+  def __call__(self, x, *, segment_ids, prefix=None, prefix_lengths=None):
+    """Causal attention within documents of packed rows, optionally after a per-slot prefix.
+
+    Args:
+      x: `[B, T, d]`. segment_ids: int32 `[B, T]` (0 = padding: attends to nothing, output 0).
+      prefix: latent `[B, N, L, r + dr]` of each slot's earlier tokens, or None.
+      prefix_lengths: int32 `[B, N]`, valid prefix tokens per slot (entries at >= length ignored).
+
+    Returns:
+      `(y [B, T, d], latent [B, T, r + dr])`; the latent is what a cache stores for these tokens.
+    """
+    q = self.query(x).astype(jnp.float32)
+    lat = self.latent(x)
+    k, v = self.expand(lat)
+    t = x.shape[1]
+    seg = segment_ids
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    mask = (seg[:, :, None] == seg[:, None, :]) & causal[None] & (seg > 0)[:, :, None]   # [B, T, T]
+    scores = jnp.einsum("bthd,bshd->bhts", q, k.astype(jnp.float32)) * self.scale
+    if prefix is None:
+      p = _masked_softmax(scores, mask[:, None])
+      o = jnp.einsum("bhts,bshd->bthd", p, v.astype(jnp.float32))
+      return self._out(o), lat
+    n, length = prefix.shape[1], prefix.shape[2]
+    kp, vp = self.expand(prefix.astype(self.dtype))                       # [B, N, L, nH, *]
+    slot = jnp.clip(seg - 1, 0, n - 1)
+    onehot = (slot[:, :, None] == jnp.arange(n)[None, None]) & (seg > 0)[:, :, None]   # [B, T, N]
+    sp = jnp.einsum("bthd,bnlhd->bhtnl", q, kp.astype(jnp.float32)) * self.scale
+    valid = jnp.arange(length)[None, None, :] < prefix_lengths[:, :, None]            # [B, N, L]
+    pmask = onehot[:, :, :, None] & valid[:, None, :, :]                              # [B, T, N, L]
+    sp = jnp.sum(jnp.where(onehot[:, None, :, :, None], sp, 0.0), axis=3)             # own slot: [B, H, T, L]
+    pmask_own = jnp.any(pmask, axis=2)                                                # [B, T, L]
+    allp = _masked_softmax(jnp.concatenate([sp, scores], axis=-1),
+                           jnp.concatenate([pmask_own, mask], axis=-1)[:, None])
+    p_pre, p_cur = allp[..., :length], allp[..., length:]
+    o = jnp.einsum("bhts,bshd->bthd", p_cur, v.astype(jnp.float32))
+    p_pre_slots = jnp.where(onehot[:, None, :, :, None], p_pre[:, :, :, None, :], 0.0)  # [B, H, T, N, L]
+    o = o + jnp.einsum("bhtnl,bnlhd->bthd", p_pre_slots, vp.astype(jnp.float32))
+    return self._out(o), lat
+
+  def decode(self, x, latent_cache, lengths):
+    """One token per sequence against the latent cache.
+
+    Args:
+      x: `[S, d]`. latent_cache: `[S, L, r + dr]`. lengths: int32 `[S]`, tokens already cached
+        (the new token is written at index `lengths[s]`; callers keep `lengths < L`).
+
+    Returns:
+      `(y [S, d], new latent cache)`.
+    """
+    s = x.shape[0]
+    q = self.query(x).astype(jnp.float32)                                  # [S, nH, dq]
+    lat = self.latent(x).astype(latent_cache.dtype)
+    cache = latent_cache.at[jnp.arange(s), lengths].set(lat, mode="drop")
+    k, v = self.expand(cache.astype(self.dtype))                           # [S, L, nH, *]
+    scores = jnp.einsum("shd,slhd->shl", q, k.astype(jnp.float32)) * self.scale
+    mask = (jnp.arange(cache.shape[1])[None, :] <= lengths[:, None])[:, None, :]
+    p = _masked_softmax(scores, mask)
+    o = jnp.einsum("shl,slhd->shd", p, v.astype(jnp.float32))
+    return self._out(o), cache

@@ -1,0 +1,141 @@
+"""Mixture of experts of Kimi-Linear: sigmoid router with correction bias, stacked SwiGLU experts,
+shared experts.
+
+Routing (DeepSeek-V3 style, as transformers `KimiLinearTopkRouter`; ../shared/docs/kda.md section 5):
+`s = sigmoid(x @ W_gate)` in float32; experts are chosen by top-k of `s + e_score_correction_bias`
+(optionally limited to the `topk_group` best of `n_group` groups, a group scored by the sum of its
+two best biased scores); the weights are the *unbiased* `s` of the chosen experts, renormalised to
+sum 1 (`norm_topk_prob`, denominator + 1e-20) and multiplied by `routed_scaling_factor`.
+Output = sum_k weight_k * expert_k(x) + shared_experts(x).
+
+Parameters (HF name -> here):
+`block_sparse_moe.gate.weight [E, d]` -> `gate.kernel [d, E]`;
+`gate.e_score_correction_bias [E]` -> `gate.e_score_correction_bias [E]` (float32, a `RouterBias`
+variable, not an `nnx.Param`: it is adjusted by load balancing, never by gradients or weight decay);
+`experts.{e}.w1.weight [I, d]` -> `experts.w1 [E, d, I]` (row e = the HF weight transposed), same
+for `w3`; `experts.{e}.w2.weight [d, I]` -> `experts.w2 [E, I, d]`;
+`shared_experts.{gate,up,down}_proj.weight` -> `shared_experts.{gate,up,down}_proj.kernel`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.layers import SwiGLU, as_dtype, param
+
+
+class RouterBias(nnx.Variable):
+  """The router's e_score_correction_bias (float32, updated outside gradient descent)."""
+
+
+def route(logits, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+          routed_scaling_factor: float = 1.0):
+  """The routing rule on float32 router logits.
+
+  Args:
+    logits: `[N, E]` router logits (x @ W_gate), float32.
+    bias: `[E]` e_score_correction_bias.
+    top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor: see the module docstring.
+
+  Returns:
+    `(weights [N, top_k] float32, indices [N, top_k] int32)`, ordered by decreasing biased score.
+  """
+  logits = jnp.asarray(logits, jnp.float32)
+  e = logits.shape[-1]
+  s = jax.nn.sigmoid(logits)
+  choice = s + jnp.asarray(bias, jnp.float32)
+  if n_group > 1:
+    grouped = choice.reshape(choice.shape[:-1] + (n_group, e // n_group))
+    group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)          # [N, G]
+    _, keep = jax.lax.top_k(group_score, topk_group)
+    gmask = jnp.any(jnp.arange(n_group)[None, :, None] == keep[:, None, :], axis=-1)  # [N, G]
+    emask = jnp.repeat(gmask, e // n_group, axis=-1)
+    choice = jnp.where(emask, choice, -jnp.inf)
+  _, idx = jax.lax.top_k(choice, top_k)
+  w = jnp.take_along_axis(s, idx, axis=-1)
+  if norm_topk_prob:
+    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+  return w * routed_scaling_factor, idx.astype(jnp.int32)
+
+
+class TopKRouter(nnx.Module):
+  """`kernel [d, E]` (weight dtype) and `e_score_correction_bias [E]` (float32)."""
+
+  def __init__(self, args, rngs: nnx.Rngs):
+    self.args = args
+    self.kernel = param(nnx.initializers.normal(args.initializer_range), rngs.params(),
+                        (args.hidden_size, args.num_experts), as_dtype(args.weight_dtype), ("embed", None))
+    self.e_score_correction_bias = RouterBias(jnp.zeros((args.num_experts,), jnp.float32), out_sharding=(None,))
+
+  def __call__(self, x):
+    """x `[N, d]` -> (weights `[N, k]` float32, indices `[N, k]` int32)."""
+    a = self.args
+    logits = jnp.asarray(x, jnp.float32) @ self.kernel[...].astype(jnp.float32)
+    return route(logits, self.e_score_correction_bias[...], top_k=a.num_experts_per_tok, n_group=a.n_group,
+                 topk_group=a.topk_group, norm_topk_prob=a.norm_topk_prob,
+                 routed_scaling_factor=a.routed_scaling_factor)
+
+
+class Experts(nnx.Module):
+  """E stacked SwiGLU experts: `w1, w3 [E, d, I]` (gate, up) and `w2 [E, I, d]` (down)."""
+
+  def __init__(self, args, rngs: nnx.Rngs):
+    e, d, i = args.num_experts, args.hidden_size, args.moe_intermediate_size
+    wdt = as_dtype(args.weight_dtype)
+    init = nnx.initializers.normal(args.initializer_range)
+    self.w1 = param(init, rngs.params(), (e, d, i), wdt, ("expert", "embed", "mlp"))
+    self.w3 = param(init, rngs.params(), (e, d, i), wdt, ("expert", "embed", "mlp"))
+    self.w2 = param(init, rngs.params(), (e, i, d), wdt, ("expert", "mlp", "embed"))
+    self.dtype = as_dtype(args.dtype)
+    self.impl = args.moe_impl
+
+  def _dense(self, x, weights, idx):
+    # Every expert on every token, combined with a [N, E] weight matrix (zeros off the top-k).
+    e = self.w1.shape[0]
+    combine = jnp.sum(jnp.where(idx[..., None] == jnp.arange(e), weights[..., None], 0.0), axis=1)  # [N, E]
+    w1, w3, w2 = (p[...].astype(self.dtype) for p in (self.w1, self.w3, self.w2))
+    h = jax.nn.silu(jnp.einsum("nd,edi->nei", x, w1)) * jnp.einsum("nd,edi->nei", x, w3)
+    y = jnp.einsum("nei,eid->ned", h, w2)
+    return jnp.einsum("ne,ned->nd", combine, y.astype(jnp.float32))
+
+  def _ragged(self, x, weights, idx):
+    # Sort the N*k (token, expert) pairs by expert and run each expert on its contiguous group.
+    n, k = idx.shape
+    e = self.w1.shape[0]
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tokens = order // k
+    xs = x[tokens]
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    w1, w3, w2 = (p[...].astype(self.dtype) for p in (self.w1, self.w3, self.w2))
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w1, sizes)) * jax.lax.ragged_dot(xs, w3, sizes)
+    y = jax.lax.ragged_dot(h, w2, sizes).astype(jnp.float32)
+    y = y * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[tokens].add(y)
+
+  def __call__(self, x, weights, idx):
+    """x `[N, d]`, weights/idx `[N, k]` -> float32 `[N, d]` = sum_k weight * expert_idx(x)."""
+    return self._dense(x, weights, idx) if self.impl == "dense" else self._ragged(x, weights, idx)
+
+
+class SparseMoeBlock(nnx.Module):
+  """HF `block_sparse_moe`: router `gate`, stacked `experts`, optional `shared_experts`."""
+
+  def __init__(self, args, rngs: nnx.Rngs):
+    self.gate = TopKRouter(args, rngs)
+    self.experts = Experts(args, rngs)
+    self.dtype = as_dtype(args.dtype)
+    self.shared_experts = (SwiGLU(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts,
+                                  args, rngs) if args.num_shared_experts else None)
+
+  def __call__(self, x):
+    """`[B, T, d]` -> `[B, T, d]`."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    weights, idx = self.gate(flat)
+    y = self.experts(flat, weights, idx)
+    if self.shared_experts is not None:
+      y = y + self.shared_experts(flat).astype(jnp.float32)
+    return y.astype(self.dtype).reshape(shape)
