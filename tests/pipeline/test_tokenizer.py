@@ -10,7 +10,8 @@ from model.input_pipeline import split_heldout
 from model.tokenizer import IdsOnlyTokenizer, SentencePieceTokenizer, TokenizerError, load_tokenizer
 from tools.train_tokenizer import main, train_tokenizer
 
-SHAKESPEARE = pathlib.Path("/work/shared/data/tinyshakespeare.txt")
+# ../shared/data beside the project root (every developer machine and CI; not in a user's clone).
+SHAKESPEARE = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # A held-out tail made of a word and a letter that never occur in the training slice: if the
 # trainer saw the held-out split, character_coverage=1.0 would force "Ж" into the vocabulary and
@@ -20,6 +21,8 @@ HELDOUT_TAIL = "zqxj Жzqxj zqxjЖ zqxj\n" * 60
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
+  if not SHAKESPEARE.is_file():
+    pytest.skip(f"{SHAKESPEARE} not present (it lives outside the project)")
   text = SHAKESPEARE.read_bytes()[:40_000].decode("utf-8")
   text = text[:text.rindex("\n") + 1] + HELDOUT_TAIL
   path = tmp_path_factory.mktemp("tok") / "slice.txt"
