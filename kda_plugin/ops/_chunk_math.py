@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 SUB = 16  # rows per sub-block: the diagonal sub-blocks of the score matrices are built elementwise
+_SUB_SHIFT = 4  # log2(SUB): block index by shift (vector integer division is not lowered everywhere)
 NEG_INF = float("-inf")
 L2NORM_EPS = 1e-6
 _HI = lax.Precision.HIGHEST
@@ -142,11 +143,12 @@ def unit_lower_inverse(a):
   r = iota((c, c), 0)
   col = iota((c, c), 1)
   eye = (r == col).astype(jnp.float32)
-  ad = jnp.where((r // SUB) == (col // SUB), a, 0.0)
+  rb, cb = jnp.right_shift(r, _SUB_SHIFT), jnp.right_shift(col, _SUB_SHIFT)
+  ad = jnp.where(rb == cb, a, 0.0)
   d = lax.fori_loop(0, SUB - 1, lambda _, x: eye - dot(ad, x), eye)
   x = d
   for blk in range(1, c // SUB):
-    y = dot(jnp.where(((r // SUB) == blk) & (col < blk * SUB), a, 0.0), x)
+    y = dot(jnp.where((rb == blk) & (col < blk * SUB), a, 0.0), x)
     x = x - dot(d, y)
   return x
 

@@ -4,7 +4,9 @@ Backends:
 - `pallas_tpu`: the Mosaic megakernel (`kda_plugin.ops.pallas_tpu`).
 - `pallas_gpu`: the Pallas GPU (Triton) kernel (`kda_plugin.ops.pallas_gpu`).
 - `xla`: `kda_plugin.ops.inference_xla.kda_inference_xla`, the XLA lowering of the same algorithm.
-- `auto`: by `jax.default_backend()`: tpu -> pallas_tpu, gpu -> pallas_gpu, anything else -> xla.
+- `auto`: by the target platform (`jax.default_backend()`, or the abstract device's platform under
+  `jax.sharding.use_abstract_mesh` when exporting ahead of time): tpu -> pallas_tpu,
+  gpu -> pallas_gpu, anything else -> xla.
 Nothing falls back silently: a backend that cannot run the call raises and names the limit.
 
 Math: ../shared/docs/kda.md sections 1-3 and ../shared/docs/segment_native_chunk.md. Every 64-token
@@ -31,14 +33,22 @@ TPU_MAX_KV = 256  # Kp, Vp (after padding to 128 lanes) at most this: the VMEM p
 GPU_MAX_KV = 128  # K, V at most this: the Triton kernel keeps the [K, V] state in registers
 
 
+def target_platform() -> str:
+  """The platform the call is traced for: the abstract device's platform under
+  `jax.sharding.use_abstract_mesh` (ahead-of-time export for a TPU or GPU from any host), else
+  `jax.default_backend()`."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  platform = device.platform if device is not None else jax.default_backend()
+  return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def resolve_backend(backend: str) -> str:
   """Maps `backend` ("auto" included) to a concrete backend name; ValueError for unknown names."""
   if backend not in BACKENDS:
     raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
   if backend != "auto":
     return backend
-  platform = jax.default_backend()
-  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
+  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(target_platform(), "xla")
 
 
 def _round_up(x: int, m: int) -> int:
@@ -57,7 +67,7 @@ def lane_padding(backend: str, key_dim: int, value_dim: int) -> tuple[int, int]:
 
 
 def _check_backend_limits(backend: str, key_dim: int, value_dim: int, interpret) -> None:
-  platform = jax.default_backend()
+  platform = target_platform()
   if backend == "pallas_tpu":
     kp, vp = lane_padding(backend, key_dim, value_dim)
     if max(kp, vp) > TPU_MAX_KV:
@@ -66,15 +76,15 @@ def _check_backend_limits(backend: str, key_dim: int, value_dim: int, interpret)
           f"got K={key_dim}, V={value_dim}")
     if not interpret and platform != "tpu":
       raise RuntimeError(
-          f"backend 'pallas_tpu' needs a TPU, but jax.default_backend() is {platform!r}; pass "
+          f"backend 'pallas_tpu' needs a TPU, but the target platform is {platform!r}; pass "
           "interpret=True to simulate the kernel on CPU, or use backend='xla'")
   elif backend == "pallas_gpu":
     if max(key_dim, value_dim) > GPU_MAX_KV:
       raise ValueError(
           f"backend 'pallas_gpu' supports K and V up to {GPU_MAX_KV}; got K={key_dim}, V={value_dim}")
-    if not interpret and platform not in ("gpu", "cuda"):
+    if not interpret and platform != "gpu":
       raise RuntimeError(
-          f"backend 'pallas_gpu' needs a CUDA GPU, but jax.default_backend() is {platform!r}; pass "
+          f"backend 'pallas_gpu' needs a CUDA GPU, but the target platform is {platform!r}; pass "
           "interpret=True to run the kernel in interpret mode, or use backend='xla'")
 
 
