@@ -30,9 +30,17 @@ import jax
 _SEQ_MODES = ("train", "eval", "prefill")
 
 
+# Where an op lives when kda_plugin.ops does not (yet) re-export it.
+_SUBMODULES = {"kda_inference": "kda_plugin.ops.inference", "kda_chunked": "kda_plugin.ops.chunked"}
+
+
 def _op(name):
-  ops = importlib.import_module("kda_plugin.ops")
-  fn = getattr(ops, name, None)
+  fn = getattr(importlib.import_module("kda_plugin.ops"), name, None)
+  if fn is None and name in _SUBMODULES:
+    try:
+      fn = getattr(importlib.import_module(_SUBMODULES[name]), name, None)
+    except ModuleNotFoundError:
+      fn = None
   if fn is None:
     raise ImportError(f"kda_plugin.ops.{name} is not available in this installation")
   return fn

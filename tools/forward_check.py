@@ -112,19 +112,36 @@ def main(argv=None) -> int:
   route = lambda mode: backend.last_calls.get(mode, backend.describe(mode)) if kda else "(no KDA layers)"
   print(f"batch: B={args.batch} T={args.seq}, {args.docs} packed documents per row, "
         f"{int(jnp.sum(seg == 0))} padding tokens")
+  failed = []
+
+  def attempt(mode, fn):
+    try:
+      fn()
+    except Exception as e:  # report every mode, then fail
+      failed.append(mode)
+      print(f"[{mode:7s}] FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
   for mode in ("train", "eval"):
-    logits, first, med = _timed(run(mode), state, ids, seg, pos, repeats=args.repeats)
-    print(f"[{mode:7s}] {route(mode)} | logits {tuple(logits.shape)} {_checksum(logits)} | "
+    def fwd(mode=mode):
+      logits, first, med = _timed(run(mode), state, ids, seg, pos, repeats=args.repeats)
+      print(f"[{mode:7s}] {route(mode)} | logits {tuple(logits.shape)} {_checksum(logits)} | "
+            f"first {first * 1e3:.1f} ms, median {med * 1e3:.2f} ms")
+    attempt(mode, fwd)
+
+  def generate():
+    (logits, cache, last), first, med = _timed(prefill, state, ids, seg, pos, repeats=args.repeats)
+    print(f"[prefill] {route('prefill')} | logits {tuple(logits.shape)} {_checksum(logits)} | "
           f"first {first * 1e3:.1f} ms, median {med * 1e3:.2f} ms")
-  (logits, cache, last), first, med = _timed(prefill, state, ids, seg, pos, repeats=args.repeats)
-  print(f"[prefill] {route('prefill')} | logits {tuple(logits.shape)} {_checksum(logits)} | "
-        f"first {first * 1e3:.1f} ms, median {med * 1e3:.2f} ms")
-  tok = jnp.argmax(last, axis=-1).astype(jnp.int32)
-  for step in range(args.decode_steps):
-    (dl, cache), first, med = _timed(decode, state, tok, cache, repeats=args.repeats if step == 0 else 0)
-    print(f"[decode ] {route('decode')} | step {step}: logits {tuple(dl.shape)} {_checksum(dl)} | "
-          f"first {first * 1e3:.1f} ms" + (f", median {med * 1e3:.2f} ms" if step == 0 else ""))
-    tok = jnp.argmax(dl, axis=-1).astype(jnp.int32)
+    tok = jnp.argmax(last, axis=-1).astype(jnp.int32)
+    for step in range(args.decode_steps):
+      (dl, cache), first, med = _timed(decode, state, tok, cache, repeats=args.repeats if step == 0 else 0)
+      print(f"[decode ] {route('decode')} | step {step}: logits {tuple(dl.shape)} {_checksum(dl)} | "
+            f"first {first * 1e3:.1f} ms" + (f", median {med * 1e3:.2f} ms" if step == 0 else ""))
+      tok = jnp.argmax(dl, axis=-1).astype(jnp.int32)
+  attempt("prefill", generate)
+  if failed:
+    print(f"FAILED modes: {failed}")
+    return 1
   return 0
 
 

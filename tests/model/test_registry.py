@@ -1,0 +1,77 @@
+"""Backend registry, entry-point discovery, kda_plugin.register() and tools.forward_check."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from model import registry
+from model.config import load_config
+
+PLUGIN_BACKENDS = {"kda_native", "kda_chunked", "kda_reference"}
+
+
+def test_entry_points_declare_the_plugin_backends():
+  import importlib.metadata
+  eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP)}
+  assert PLUGIN_BACKENDS <= set(eps)
+  assert eps["kda_native"] == "kda_plugin.plugin:kda_native"
+  assert PLUGIN_BACKENDS <= set(registry.registered_backends())
+
+
+def test_explicit_register_is_idempotent_and_routes_modes():
+  import kda_plugin
+  assert set(kda_plugin.register()) == PLUGIN_BACKENDS
+  native = registry.get_backend("kda_native")
+  assert native is registry.get_backend("kda_native")
+  assert native.routes == {"train": "kda_chunked", "eval": "kda_inference", "prefill": "kda_inference",
+                           "decode": "kda_decode_step"}
+  assert registry.get_backend("kda_reference").describe("eval") == "kda_reference -> kda_reference"
+  assert registry.get_backend("kda_chunked").describe("decode") == "kda_chunked -> kda_decode_step"
+
+
+def test_custom_backend_registration():
+  class Dummy:
+    name = "dummy_for_test"
+
+    def kda(self, *a, **k):
+      raise NotImplementedError
+
+  obj = Dummy()
+  registry.register_backend("dummy_for_test", obj)
+  assert registry.get_backend("dummy_for_test") is obj
+  with pytest.raises(ValueError, match="already registered"):
+    registry.register_backend("dummy_for_test", Dummy())
+
+
+def test_unknown_attention_lists_registered_backends():
+  from model.kimi_linear import KimiLinearForCausalLM
+  with pytest.raises(registry.UnknownBackendError, match=r"unknown attention backend 'kda_nope'.*kda_native"):
+    KimiLinearForCausalLM(load_config(["tiny", "attention=kda_nope"]))
+
+
+def _forward_check(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "tools.forward_check", *args, "--seq", "16", "--batch", "1",
+                         "--docs", "2", "--decode-steps", "1", "--repeats", "0"],
+                        capture_output=True, text=True, env=env, timeout=300,
+                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def test_forward_check_is_served_by_the_plugin_through_entry_points():
+  # This test process never imports kda_plugin; the subprocess finds it through the entry point.
+  r = _forward_check("tiny", "attention=kda_native")
+  out = r.stdout + r.stderr
+  assert r.returncode == 0, out
+  assert "[eval   ] kda_native -> kda_inference[xla]" in out
+  assert "[train  ] kda_native -> kda_chunked" in out
+  assert "[prefill] kda_native -> kda_inference[xla]" in out
+  assert "[decode ] kda_native -> kda_decode_step" in out
+
+
+def test_forward_check_help_and_bad_key():
+  r = subprocess.run([sys.executable, "-m", "tools.forward_check", "--help"], capture_output=True, text=True)
+  assert r.returncode == 0 and "attention backend" in r.stdout
+  r = _forward_check("tiny", "atention=kda_native")
+  assert r.returncode == 2 and "did you mean attention" in r.stderr
