@@ -1,0 +1,421 @@
+"""The project's parameter checkpoint: one self-contained directory per set of model parameters.
+
+Layout of a checkpoint directory `DIR` (what `load_parameters_path=DIR` points at)::
+
+  DIR/config.json       the model config (`model.config.config_to_json`, every key of configs/base.py);
+                        `tokenizer_path` is stored relative to DIR, `load_parameters_path` as "".
+  DIR/params/           an Orbax checkpoint (orbax.checkpoint v1 API, OCDBT + zarr3) of the model's
+                        parameter tree: `nnx.to_pure_dict(nnx.state(model))`, i.e. nested dicts
+                        `{"model": {"embed_tokens": {"embedding": ...}, "layers": {0: {...}, ...},
+                        "norm": {...}}, "lm_head": {"kernel": ...}}` of arrays; every nnx Variable is
+                        included (`nnx.Param` and the router's `RouterBias`). Names and shapes are the
+                        model's own (see model/kda.py, model/mla.py, model/moe.py docstrings).
+  DIR/tokenizer.model   a copy of the tokenizer file, when one was given (optional).
+
+Saving goes through `ParameterWriter`, which writes into a hidden temporary sibling of DIR and renames
+it into place only when everything is written, so a failure or interrupt never leaves a partial DIR.
+It can write the tree in pieces (one layer at a time, e.g. from the checkpoint converter), so host
+memory is bounded by the largest piece rather than the model (Orbax "partial save").
+
+Loading: `load_model(DIR, overrides)` rebuilds the config from `DIR/config.json`, applies key=value
+overrides on top (e.g. `attention=kda_reference`, `dtype=bfloat16`; shape-changing overrides fail with
+a clear error), builds the model abstractly (`nnx.eval_shape`, no random init) and restores the
+arrays; `restore_parameters(DIR, abstract_state, shardings)` restores into given shardings (each
+host reads only its shards). Stored arrays are cast to the abstract dtype on restore, so a float32
+checkpoint loads with `weight_dtype=bfloat16`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import uuid
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from model.config import ConfigError, apply_overrides, config_from_json, config_to_json, set_value, validate_config
+
+CONFIG_FILE = "config.json"
+PARAMS_DIR = "params"
+TOKENIZER_FILE = "tokenizer.model"
+# Chunks of at most this many bytes in the stored zarr arrays, so that a sharded restore reads
+# about its own shard rather than whole multi-GB tensors.
+_CHUNK_BYTES = 64 * 2**20
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that is missing, incomplete, corrupt, or does not match the model; or an output
+  path that already exists. The message names the path (and the parameter, when one is at fault)."""
+
+
+def _ocp():
+  # Imported lazily: orbax pulls in a lot, and most importers of model/ only read configs.
+  from orbax.checkpoint.experimental import v1 as ocp
+  return ocp
+
+
+def _context():
+  """Orbax options shared by every save: bounded chunks, no defensive host copies (the writer owns
+  its arrays until the write finished), no compression (weights barely compress; it costs time)."""
+  ctx = _ocp().Context()
+  ctx.array.saving.storage_options.chunk_byte_size = _CHUNK_BYTES
+  ctx.array.saving.use_compression = False
+  ctx.memory.deepcopy_host_arrays = False
+  return ctx
+
+
+# ------------------------------------------------------------------------------------------------
+# Paths and the config file
+# ------------------------------------------------------------------------------------------------
+
+def _keystr(path) -> str:
+  """'model.layers.0.self_attn.q_proj.kernel' for a jax key path (dict keys, sequence indices)."""
+  parts = []
+  for k in path:
+    for attr in ("key", "idx", "name"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return ".".join(parts)
+
+
+def flatten(tree) -> dict[str, object]:
+  """Nested dict / nnx.State -> {'model.layers.0.self_attn.q_proj.kernel': leaf} (dotted names)."""
+  if isinstance(tree, nnx.State):
+    tree = nnx.to_pure_dict(tree)
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {_keystr(p): v for p, v in leaves}
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+  """True when `path` holds `config.json` and a `params/` directory (no deeper check)."""
+  p = pathlib.Path(path)
+  return (p / CONFIG_FILE).is_file() and (p / PARAMS_DIR).is_dir()
+
+
+def _check_dir(path: str | os.PathLike) -> pathlib.Path:
+  p = pathlib.Path(path)
+  if not str(path):
+    raise CheckpointError("no checkpoint path given (load_parameters_path is empty)")
+  if not p.exists():
+    raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+  if not p.is_dir():
+    raise CheckpointError(f"checkpoint {str(path)!r} is not a directory (expected {CONFIG_FILE} and "
+                          f"{PARAMS_DIR}/ inside)")
+  if not (p / CONFIG_FILE).is_file():
+    raise CheckpointError(f"checkpoint {str(path)!r} has no {CONFIG_FILE} (not a parameter checkpoint of this "
+                          f"project; convert a Hugging Face directory with `python -m tools.convert_checkpoint`)")
+  if not (p / PARAMS_DIR).is_dir():
+    raise CheckpointError(f"checkpoint {str(path)!r} has no {PARAMS_DIR}/ directory (incomplete checkpoint)")
+  return p
+
+
+def read_config(path: str | os.PathLike, overrides: Sequence[str] = ()):
+  """The config stored in checkpoint `path`, with `key=value` overrides applied, locked.
+
+  `load_parameters_path` is set to `path`; a stored relative `tokenizer_path` is resolved against
+  `path` (an override of tokenizer_path wins).
+
+  Raises:
+    CheckpointError: no checkpoint at `path`, or an unreadable/invalid config.json (named).
+    ConfigError: a bad override (named key and expected type).
+  """
+  p = _check_dir(path)
+  try:
+    cfg = config_from_json((p / CONFIG_FILE).read_text())
+  except (ConfigError, ValueError, OSError) as e:
+    raise CheckpointError(f"{p / CONFIG_FILE}: not a valid model config: {e}") from None
+  tok = cfg.tokenizer_path
+  cfg = apply_overrides(cfg, ["load_parameters_path=" + os.fspath(p)])
+  if tok and not os.path.isabs(tok):
+    set_value(cfg, "tokenizer_path", os.fspath(p / tok))
+  cfg = apply_overrides(cfg, list(overrides))
+  validate_config(cfg)
+  cfg.lock()
+  return cfg
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing
+# ------------------------------------------------------------------------------------------------
+
+def _to_host(x):
+  """A leaf as something Orbax writes: np.ndarray or jax.Array (nnx Variables unwrapped)."""
+  if isinstance(x, nnx.Variable):
+    x = x.get_value()
+  if isinstance(x, (np.ndarray, jax.Array)):
+    return x
+  return np.asarray(x)
+
+
+class ParameterWriter:
+  """Writes a checkpoint directory atomically, the parameter tree possibly in several pieces.
+
+  Usage::
+
+    with ParameterWriter(out_dir, config, tokenizer_path=tok, overwrite=False) as w:
+      for piece in pieces:          # disjoint nested dicts of the pure parameter tree
+        w.write(piece)              # written to disk before returning; the caller may free it
+    # out_dir now holds config.json, params/ (and tokenizer.model); on error nothing is left.
+
+  Args:
+    path: the checkpoint directory to create.
+    config: the model's ConfigDict (stored as config.json; `load_parameters_path` cleared and
+      `tokenizer_path` replaced by the copied file's name).
+    tokenizer_path: a tokenizer file to copy in as `tokenizer.model`; default `config.tokenizer_path`
+      when that names an existing file, else none.
+    overwrite: replace an existing checkpoint at `path` (only a directory that is a checkpoint, or
+      empty, is ever replaced; anything else is refused).
+
+  Raises:
+    CheckpointError: `path` exists and overwrite is False (or it is not a checkpoint), or the
+      tokenizer file is missing; both before anything is written.
+  """
+
+  def __init__(self, path: str | os.PathLike, config, *, tokenizer_path: str | os.PathLike | None = None,
+               overwrite: bool = False):
+    self.path = pathlib.Path(path).absolute()
+    _check_writable(self.path, overwrite)
+    self.overwrite = overwrite
+    if tokenizer_path is None and config.get("tokenizer_path") and os.path.isfile(config.tokenizer_path):
+      tokenizer_path = config.tokenizer_path
+    if tokenizer_path is not None and not os.path.isfile(tokenizer_path):
+      raise CheckpointError(f"tokenizer_path {os.fspath(tokenizer_path)!r} is not a file")
+    self.tokenizer_path = tokenizer_path
+    self.config = config
+    self.tmp: pathlib.Path | None = None
+    self._written: set[str] = set()
+    self.bytes_written = 0
+
+  # The temp dir is a hidden sibling (same filesystem, so the final rename is atomic).
+  def __enter__(self):
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    self.tmp = self.path.parent / f".{self.path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    self.tmp.mkdir()
+    stored = apply_overrides(self.config, ["load_parameters_path=",
+                                           f"tokenizer_path={TOKENIZER_FILE if self.tokenizer_path else ''}"])
+    (self.tmp / CONFIG_FILE).write_text(config_to_json(stored) + "\n")
+    if self.tokenizer_path:
+      shutil.copyfile(self.tokenizer_path, self.tmp / TOKENIZER_FILE)
+    return self
+
+  def write(self, tree: Mapping) -> None:
+    """Writes one piece of the pure parameter tree (nested dicts of arrays, or an nnx.State).
+
+    Pieces must be disjoint (a parameter written twice raises CheckpointError). Blocks until the
+    piece is on disk.
+    """
+    if self.tmp is None:
+      raise RuntimeError("ParameterWriter.write outside its `with` block")
+    if isinstance(tree, nnx.State):
+      tree = nnx.to_pure_dict(tree)
+    tree = jax.tree.map(_to_host, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    names = flatten(tree)
+    dup = sorted(set(names) & self._written)
+    if dup:
+      raise CheckpointError(f"parameter {dup[0]} written twice to {self.path}")
+    if not names:
+      return
+    with _context():
+      _ocp().partial.save(self.tmp / PARAMS_DIR, tree)
+    self._written |= set(names)
+    self.bytes_written += sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in names.values())
+
+  def __exit__(self, exc_type, exc, tb):
+    try:
+      if exc_type is None:
+        if not self._written:
+          raise CheckpointError(f"no parameters were written to {self.path}")
+        with _context():
+          _ocp().partial.finalize(self.tmp / PARAMS_DIR)
+        _publish(self.tmp, self.path, self.overwrite)
+    finally:
+      remove_tree(self.tmp)
+      remove_tree(pathlib.Path(f"{self.tmp / PARAMS_DIR}.partial_save"))
+    return False
+
+
+def remove_tree(path: pathlib.Path | None) -> None:
+  """rm -rf `path` if it exists (no error when it does not)."""
+  if path is not None and (path.exists() or path.is_symlink()):
+    if path.is_dir() and not path.is_symlink():
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      path.unlink()
+
+
+def _check_writable(path: pathlib.Path, overwrite: bool) -> None:
+  if not path.exists() and not path.is_symlink():
+    return
+  if not overwrite:
+    raise CheckpointError(f"output path {os.fspath(path)!r} already exists; pass overwrite=true to replace it")
+  if path.is_dir() and not path.is_symlink() and (is_checkpoint(path) or not any(path.iterdir())):
+    return
+  raise CheckpointError(f"output path {os.fspath(path)!r} exists and is not a checkpoint directory; refusing "
+                        f"to replace it even with overwrite (remove it yourself)")
+
+
+def _publish(tmp: pathlib.Path, path: pathlib.Path, overwrite: bool) -> None:
+  """Renames the finished temp dir to `path` (moving an old checkpoint aside first if allowed)."""
+  old = None
+  if path.exists():
+    _check_writable(path, overwrite)  # re-checked: someone may have created it meanwhile
+    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
+    os.rename(path, old)
+  try:
+    os.rename(tmp, path)
+  except OSError:
+    if old is not None:
+      os.rename(old, path)
+    raise
+  remove_tree(old)
+
+
+def save_parameters(path: str | os.PathLike, model, config, *, tokenizer_path: str | os.PathLike | None = None,
+                    overwrite: bool = False) -> pathlib.Path:
+  """Saves `model`'s parameters and `config` as a checkpoint directory (atomically).
+
+  Args:
+    path: the directory to create.
+    model: an `nnx.Module` (e.g. `KimiLinearForCausalLM`) or its `nnx.State`; every Variable
+      (parameters and the router bias) is saved in its current dtype.
+    config: the ConfigDict the model was built from (stored as config.json).
+    tokenizer_path: tokenizer file to copy in (default: config.tokenizer_path if it is a file).
+    overwrite: replace an existing checkpoint at `path`.
+
+  Returns:
+    `path` as an absolute `pathlib.Path`.
+
+  Raises:
+    CheckpointError: `path` exists (without overwrite), or a missing tokenizer file.
+  """
+  state = model if isinstance(model, nnx.State) else nnx.state(model)
+  with ParameterWriter(path, config, tokenizer_path=tokenizer_path, overwrite=overwrite) as w:
+    w.write(state)
+  return w.path
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading
+# ------------------------------------------------------------------------------------------------
+
+def stored_parameters(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  """`{'model.layers.0.self_attn.q_proj.kernel': (shape, dtype), ...}` read from the metadata only.
+
+  Raises:
+    CheckpointError: no checkpoint at `path`, or unreadable Orbax metadata.
+  """
+  p = _check_dir(path)
+  try:
+    meta = _ocp().metadata(p / PARAMS_DIR).metadata
+  except Exception as e:  # orbax raises many kinds; all mean "not a readable checkpoint"
+    raise CheckpointError(f"{p / PARAMS_DIR}: cannot read the Orbax checkpoint metadata "
+                          f"({type(e).__name__}: {e})") from None
+  return {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in flatten(meta).items()}
+
+
+def _default_sharding():
+  return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _abstract_leaf(x, sharding):
+  if isinstance(x, nnx.Variable):
+    x = x.get_value()
+  sharding = sharding or getattr(x, "sharding", None) or _default_sharding()
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def restore_parameters(path: str | os.PathLike, abstract_state, shardings=None):
+  """Reads a checkpoint's parameters into arrays of the given shapes, dtypes and shardings.
+
+  Args:
+    path: the checkpoint directory (holding params/).
+    abstract_state: what to restore: an `nnx.State` (e.g. `nnx.state(nnx.eval_shape(...))`) or the
+      pure nested dict, whose leaves are `jax.ShapeDtypeStruct` / arrays. Every stored parameter
+      must appear with the same shape; the dtype is the target's (stored values are cast).
+    shardings: None, or a pytree of `jax.sharding.Sharding` matching the pure dict of
+      `abstract_state`. Default: each leaf's own `.sharding` if it has one, else the first local
+      device. With a `NamedSharding` each host reads only the chunks of its shards.
+
+  Returns:
+    The same kind as `abstract_state` (an nnx.State or a pure dict) holding `jax.Array`s.
+
+  Raises:
+    CheckpointError: missing checkpoint, a parameter missing from / unexpected in the checkpoint,
+      a shape mismatch (each named), or unreadable array data.
+  """
+  p = _check_dir(path)
+  as_state = isinstance(abstract_state, nnx.State)
+  pure = nnx.to_pure_dict(abstract_state) if as_state else abstract_state
+  if shardings is None:
+    target = jax.tree.map(lambda x: _abstract_leaf(x, None), pure, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  else:
+    target = jax.tree.map(_abstract_leaf, pure, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  _check_matches(p, stored_parameters(p), flatten(target))
+  try:
+    restored = _ocp().load(p / PARAMS_DIR, target)
+  except Exception as e:
+    raise CheckpointError(f"{p / PARAMS_DIR}: cannot read the parameter arrays ({type(e).__name__}: {e}); "
+                          f"the checkpoint may be truncated or corrupt") from None
+  if not as_state:
+    return restored
+  state = jax.tree.map(lambda x: x, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  nnx.replace_by_pure_dict(state, restored)
+  return state
+
+
+def _check_matches(path, stored: dict, wanted: dict) -> None:
+  missing = sorted(set(wanted) - set(stored))
+  unexpected = sorted(set(stored) - set(wanted))
+  if missing or unexpected:
+    parts = []
+    if missing:
+      parts.append(f"{len(missing)} model parameter(s) missing from the checkpoint, e.g. {missing[:3]}")
+    if unexpected:
+      parts.append(f"{len(unexpected)} checkpoint parameter(s) the model does not have, e.g. {unexpected[:3]}")
+    raise CheckpointError(f"{path}: the checkpoint does not match the model: {'; '.join(parts)} (was the "
+                          f"config overridden with a different architecture?)")
+  for name, leaf in wanted.items():
+    if tuple(stored[name][0]) != tuple(leaf.shape):
+      raise CheckpointError(f"{path}: parameter {name} is stored with shape {stored[name][0]} but the model "
+                            f"expects {tuple(leaf.shape)} (was the config overridden with other dimensions?)")
+
+
+def abstract_model(config):
+  """The model of `config` with `jax.ShapeDtypeStruct` leaves (nothing allocated, no random init)."""
+  from model.kimi_linear import KimiLinearForCausalLM  # lazy: kimi_linear imports the backends
+  return nnx.eval_shape(lambda: KimiLinearForCausalLM(config, rngs=nnx.Rngs(0)))
+
+
+def load_model(load_parameters_path: str | os.PathLike, overrides: Sequence[str] = (), *, abstract: bool = False):
+  """Builds the model stored at `load_parameters_path` (config from the checkpoint + overrides).
+
+  Args:
+    load_parameters_path: a checkpoint directory written by `save_parameters` or the converter.
+    overrides: `key=value` strings applied on top of the stored config (e.g. `attention=kda_reference`,
+      `dtype=bfloat16`, `weight_dtype=bfloat16`, `moe_impl=ragged`).
+    abstract: return the model with `jax.ShapeDtypeStruct` leaves without reading any array (to
+      plan shardings; then call `restore_parameters`).
+
+  Returns:
+    `(KimiLinearForCausalLM, locked ConfigDict)`; the config's `load_parameters_path` is the
+    checkpoint and its `tokenizer_path` the copied tokenizer (absolute), if any.
+
+  Raises:
+    CheckpointError: missing/corrupt checkpoint or a mismatch with the (overridden) config.
+    ConfigError: a bad override.
+  """
+  config = read_config(load_parameters_path, overrides)
+  model = abstract_model(config)
+  if abstract:
+    return model, config
+  graphdef, state = nnx.split(model)
+  state = restore_parameters(load_parameters_path, state)
+  return nnx.merge(graphdef, state), config
