@@ -1,0 +1,129 @@
+"""Hard packed-sequence cases for the inference kernels and an independent float64 oracle.
+
+The oracle is the KDA token recurrence (../shared/docs/kda.md sections 1 and 3) written directly in
+NumPy float64, with its own gate activation and L2 norm, so it shares no code with the ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+def oracle(q, k, v, g, beta, seg, h0, scale, *, a_log=None, dt_bias=None, lower_bound=None,
+           l2norm=False):
+  """float64 KDA recurrence per state slot. Shapes as kda_inference; seg `[T]` or `[B, T]`.
+
+  Returns (o `[B, T, H, V]`, final `[B, N, H, K, V]`).
+  """
+  q, k, v, g, beta, h0 = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, h0))
+  b, t, h, kd = q.shape
+  seg = np.broadcast_to(np.asarray(seg), (b, t))
+  if a_log is not None:
+    x = g + np.asarray(dt_bias, np.float64).reshape(h, kd)
+    rate = np.exp(np.asarray(a_log, np.float64))[:, None]
+    if lower_bound is None:
+      g = -rate * np.logaddexp(0.0, x)
+    else:
+      g = lower_bound / (1.0 + np.exp(-rate * x))
+  if l2norm:
+    q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + 1e-6)
+    k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + 1e-6)
+  states = h0.copy()
+  o = np.zeros(v.shape, np.float64)
+  for bi in range(b):
+    for ti in range(t):
+      s = seg[bi, ti]
+      if s == 0:
+        continue
+      st = states[bi, s - 1] * np.exp(g[bi, ti])[:, :, None]
+      pred = np.einsum("hkv,hk->hv", st, k[bi, ti])
+      st = st + k[bi, ti][:, :, None] * (beta[bi, ti][:, None] * (v[bi, ti] - pred))[:, None, :]
+      o[bi, ti] = np.einsum("hkv,hk->hv", st, q[bi, ti] * scale)
+      states[bi, s - 1] = st
+  return o, states
+
+
+@dataclasses.dataclass
+class Case:
+  name: str
+  seg: np.ndarray | None  # [T] or None (unpacked)
+  batch: int = 1
+  heads: int = 2
+  key_dim: int = 16
+  value_dim: int = 24
+  num_segments: int | None = None
+  with_h0: bool = True
+  gate: str | None = None  # None (pre-activated g), "softplus" or "bounded"
+  l2norm: bool = False
+  steep: bool = False
+  dtype: str = "float32"
+  seq_len: int | None = None
+
+
+def _runs(t, runs):
+  seg = np.zeros(t, np.int32)
+  for label, start, stop in runs:
+    seg[start:stop] = label
+  return seg
+
+
+# chunk 0: a document, two runs of length 1, a document, padding, a document ending on row 63;
+# chunk 1: padding only; chunk 2: a document and one that continues into chunk 3; trailing padding.
+# Labels 4, 9, 10 never appear (their slots keep the initial state).
+PACKED = _runs(200, [(2, 0, 10), (5, 10, 11), (6, 11, 12), (3, 12, 31), (7, 34, 64),
+                     (1, 128, 171), (8, 171, 196)])
+# Cases sharing (B, T, H, K, V, N, flags) share one compilation (the segment map is traced).
+CASES = [
+    Case("packed_h0", PACKED, num_segments=10),
+    # only labels 2 and 3 present: slot 0 and slots 3..9 keep their initial state
+    Case("gapped_labels", _runs(200, [(2, 3, 40), (3, 40, 60)]), num_segments=10),
+    # ~ -20 nats per token, documents restarting inside chunks with non-zero initial states
+    Case("steep_decay_restarts", _runs(200, [(1, 0, 20), (2, 20, 21), (3, 21, 70), (4, 70, 200)]),
+         num_segments=10, steep=True),
+    Case("t1", None, seq_len=1),
+    Case("t63_k_gt_v", None, seq_len=63, key_dim=24, value_dim=8),
+    Case("t65_l2norm_softplus", None, seq_len=65, l2norm=True, gate="softplus"),
+    Case("t130_bounded", _runs(130, [(1, 0, 130)]), num_segments=1, gate="bounded"),
+    Case("b3_shared_map_no_h0", _runs(100, [(1, 0, 30), (3, 30, 31), (2, 31, 90)]), batch=3,
+         num_segments=3, gate="softplus", l2norm=True, with_h0=False),
+    Case("b3_packed_bounded_bf16", PACKED, batch=3, num_segments=10, gate="bounded", l2norm=True,
+         dtype="bfloat16"),
+]
+
+
+def make_inputs(case: Case, seed: int = 0):
+  """Random inputs for a case (beta includes exact 0 and 1). Returns a dict of NumPy arrays."""
+  rng = np.random.default_rng(seed)
+  t = case.seq_len if case.seg is None else case.seg.shape[0]
+  b, h, kd, vd = case.batch, case.heads, case.key_dim, case.value_dim
+  q = rng.standard_normal((b, t, h, kd))
+  k = rng.standard_normal((b, t, h, kd))
+  if not case.l2norm:
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+  v = rng.standard_normal((b, t, h, vd))
+  if case.gate is None:
+    g = -rng.uniform(0.0, 0.6, (b, t, h, kd))
+    if case.steep:
+      g = -rng.uniform(18.0, 22.0, (b, t, h, kd))
+  else:
+    g = rng.standard_normal((b, t, h, kd)) * 2.0
+  beta = rng.uniform(0.0, 1.0, (b, t, h))
+  beta.reshape(-1)[::7] = 0.0
+  beta.reshape(-1)[3::7] = 1.0
+  n = case.num_segments or 1
+  h0 = rng.standard_normal((b, n, h, kd, vd)) * 0.5 if case.with_h0 else np.zeros((b, n, h, kd, vd))
+  out = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0)
+  if case.gate is not None:
+    out["a_log"] = rng.uniform(-1.0, 0.5, (h,))
+    out["dt_bias"] = rng.standard_normal((h * kd,)) * 0.5
+  dt = np.float32 if case.dtype == "float32" else None
+  import ml_dtypes  # noqa: PLC0415  (jax's dependency; gives NumPy bfloat16)
+  cast = np.float32 if dt else ml_dtypes.bfloat16
+  for name in ("q", "k", "v", "beta"):
+    out[name] = out[name].astype(cast)
+  out["g"] = out["g"].astype(np.float32)
+  out["h0"] = out["h0"].astype(np.float32)
+  return out

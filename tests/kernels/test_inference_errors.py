@@ -1,0 +1,65 @@
+"""kda_inference rejects what it cannot do with errors that name the limit."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from kda_plugin.ops.inference import estimate_peak_memory, kda_inference, resolve_backend
+
+
+def _inputs(b=1, t=8, h=1, k=16, v=16):
+  z = lambda *s: jnp.zeros(s, jnp.float32)
+  return z(b, t, h, k), z(b, t, h, k), z(b, t, h, v), z(b, t, h, k), z(b, t, h)
+
+
+def test_unknown_backend():
+  with pytest.raises(ValueError, match="unknown backend 'cuda_magic'"):
+    kda_inference(*_inputs(), backend="cuda_magic")
+
+
+def test_auto_on_cpu_is_xla():
+  assert resolve_backend("auto") == "xla"
+
+
+@pytest.mark.parametrize("backend,need", [("pallas_tpu", "needs a TPU"), ("pallas_gpu", "needs a CUDA GPU")])
+def test_pallas_backend_on_cpu_without_interpret(backend, need):
+  with pytest.raises(RuntimeError, match=need):
+    kda_inference(*_inputs(), backend=backend)
+
+
+@pytest.mark.parametrize("backend,k,limit", [("pallas_tpu", 300, "up to 256"), ("pallas_gpu", 192, "up to 128")])
+def test_key_dim_beyond_backend_limit(backend, k, limit):
+  with pytest.raises(ValueError, match=f"'{backend}' supports K and V {limit}"):
+    kda_inference(*_inputs(k=k), backend=backend, interpret=True)
+
+
+def test_gate_parameters_need_a_log():
+  with pytest.raises(ValueError, match="need a_log"):
+    kda_inference(*_inputs(), lower_bound=-2.0, backend="pallas_tpu", interpret=True)
+
+
+def test_lower_bound_range():
+  with pytest.raises(ValueError, match="lower_bound must lie in"):
+    kda_inference(*_inputs(), a_log=jnp.zeros(1), lower_bound=-7.0, backend="pallas_gpu", interpret=True)
+
+
+def test_interpret_with_xla_is_rejected():
+  with pytest.raises(ValueError, match="Pallas backends only"):
+    kda_inference(*_inputs(), backend="xla", interpret=True)
+
+
+def test_positive_g_is_rejected_without_a_log():
+  q, k, v, g, beta = _inputs()
+  with pytest.raises(ValueError, match="g is the log-space decay"):
+    kda_inference(q, k, v, g + 1.0, beta, backend="pallas_tpu", interpret=True)
+
+
+def test_peak_memory_formula_within_ten_percent_of_io():
+  """B=1, H=8, K=V=128, bf16 (the seed's 5.4 MB / 86.2 MB figures): inputs + outputs + <= 10 %."""
+  for t in (512, 8192):
+    x = [jnp.zeros((1, t, 8, 128), jnp.bfloat16)] * 4 + [jnp.zeros((1, t, 8), jnp.bfloat16)]
+    seg = jnp.ones((t,), jnp.int32)
+    est = estimate_peak_memory(*x, segment_ids=seg, max_num_segments=2, backend="pallas_tpu")
+    io = 5 * t * 8 * 128 * 2 + t * 8 * 2 + t * 4
+    assert io <= est <= 1.10 * io, (t, est, io)
