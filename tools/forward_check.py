@@ -35,6 +35,8 @@ def _parser():
   p.add_argument("--seq", type=int, default=64, help="tokens per row T (default 64)")
   p.add_argument("--docs", type=int, default=3, help="documents packed per row (default 3, <= max_num_segments)")
   p.add_argument("--decode-steps", type=int, default=2, help="decode steps after prefill (default 2)")
+  p.add_argument("--modes", default="train,eval,prefill",
+                 help="comma-separated modes to run: train, eval, prefill (prefill includes the decode steps)")
   p.add_argument("--repeats", type=int, default=3, help="timed repeats per mode after the first call (default 3)")
   return p
 
@@ -121,7 +123,12 @@ def main(argv=None) -> int:
       failed.append(mode)
       print(f"[{mode:7s}] FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
-  for mode in ("train", "eval"):
+  modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+  unknown = sorted(set(modes) - {"train", "eval", "prefill"})
+  if unknown:
+    print(f"--modes: unknown {unknown}; choose from train, eval, prefill", file=sys.stderr)
+    return 2
+  for mode in [m for m in ("train", "eval") if m in modes]:
     def fwd(mode=mode):
       logits, first, med = _timed(run(mode), state, ids, seg, pos, repeats=args.repeats)
       print(f"[{mode:7s}] {route(mode)} | logits {tuple(logits.shape)} {_checksum(logits)} | "
@@ -138,7 +145,8 @@ def main(argv=None) -> int:
       print(f"[decode ] {route('decode')} | step {step}: logits {tuple(dl.shape)} {_checksum(dl)} | "
             f"first {first * 1e3:.1f} ms" + (f", median {med * 1e3:.2f} ms" if step == 0 else ""))
       tok = jnp.argmax(dl, axis=-1).astype(jnp.int32)
-  attempt("prefill", generate)
+  if "prefill" in modes:
+    attempt("prefill", generate)
   if failed:
     print(f"FAILED modes: {failed}")
     return 1

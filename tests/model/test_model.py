@@ -130,8 +130,10 @@ def test_prefill_continues_documents_across_windows(prefilled):
   np.testing.assert_array_equal(np.asarray(cache2.lengths), [p.size + q.size for p, q in zip(prompts, new)])
 
 
-@pytest.mark.parametrize("backend, mode", [("kda_native", "eval"), ("kda_native", "train"),
-                                           ("kda_chunked", "train"), ("kda_chunked", "eval")])
+# kda_native's train route and kda_chunked's every sequence mode call the same op (kda_chunked), so
+# one compile of each op covers the three backends: native/eval -> kda_inference, chunked/train ->
+# kda_chunked, reference -> kda_reference.
+@pytest.mark.parametrize("backend, mode", [("kda_native", "eval"), ("kda_chunked", "train")])
 def test_backends_agree_float32(reference_logits, backend, mode):
   _, gd, st = helpers.build(f"attention={backend}")
   got = np.asarray(helpers.forward_fn(gd, mode, 3)(st, *_packed_and_alone()))
@@ -148,16 +150,19 @@ def test_native_prefill_agrees_with_reference(prefilled):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("backend, mode", [("kda_native", "eval"), ("kda_chunked", "train")])
-def test_backends_agree_bfloat16(backend, mode):
+def test_backends_agree_bfloat16():
   bf16 = ("dtype=bfloat16", "weight_dtype=bfloat16")
   ids, seg = _packed_and_alone()
-  _, gd_ref, st_ref = helpers.build(*REF, *bf16)
-  want = np.asarray(helpers.forward_fn(gd_ref, "eval", 3)(st_ref, ids, seg), np.float32)
-  _, gd, st = helpers.build(f"attention={backend}", *bf16)
-  got = np.asarray(helpers.forward_fn(gd, mode, 3)(st, ids, seg), np.float32)
   valid = np.asarray(seg) > 0
-  assert helpers.rel_rms(got[valid], want[valid]) <= 5e-3
+  _, gd_ref, st_ref = helpers.build(*REF, *bf16)
+  want = np.asarray(helpers.forward_fn(gd_ref, "eval", 3)(st_ref, ids, seg), np.float32)[valid]
+  errors = {}
+  for backend, mode in (("kda_native", "eval"), ("kda_chunked", "train")):
+    _, gd, st = helpers.build(f"attention={backend}", *bf16)
+    got = helpers.forward_fn(gd, mode, 3)(st, ids, seg)
+    assert got.dtype == jnp.bfloat16
+    errors[backend] = helpers.rel_rms(np.asarray(got, np.float32)[valid], want)
+  assert max(errors.values()) <= 5e-3, errors
 
 
 def test_clear_errors():
