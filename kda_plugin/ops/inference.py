@@ -37,7 +37,8 @@ def target_platform() -> str:
   """The platform the call is traced for: the abstract device's platform under
   `jax.sharding.use_abstract_mesh` (ahead-of-time export for a TPU or GPU from any host), else
   `jax.default_backend()`."""
-  device = jax.sharding.get_abstract_mesh().abstract_device
+  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+  device = getattr(get_mesh(), "abstract_device", None) if get_mesh is not None else None
   platform = device.platform if device is not None else jax.default_backend()
   return "gpu" if platform in ("cuda", "rocm") else platform
 
