@@ -89,5 +89,39 @@ def get_config() -> ml_collections.ConfigDict:
   c.load_parameters_path = ""  # parameters to load instead of random init ("" = random)
   c.tokenizer_path = ""  # tokenizer model file or directory ("" = none)
 
+  # ---- Training (tools.train; model/train_lib.py) ------------------------------------------------
+  # Data: the train side of the held-out split of `train_data`, tokenised with `tokenizer_path`
+  # (format "ids" may leave it empty), packed into [batch_size, seq_len] rows with segment ids.
+  c.train_data = ""  # corpus file to train on (required by tools.train)
+  c.train_data_format = "text"  # "text" (blank-line separated documents), "jsonl" ({"text": ...}) or "ids"
+  c.heldout_fraction = 0.1  # last share of the corpus bytes, cut at a line start, never trained on
+  c.seq_len = 256  # T, tokens per packed training row and per held-out evaluation window
+  c.batch_size = 8  # B, packed rows per optimizer step
+  c.data_seed = 0  # seed of the document shuffle before packing and of the per-epoch row shuffle
+  c.split_long = "long"  # documents longer than seq_len: "long" cut into seq_len pieces, "fill" pack rows full, "none" error
+  # Optimizer: AdamW (optax), linear warmup then cosine decay, global-norm gradient clipping.
+  c.steps = 1000  # total optimizer steps; the cosine schedule ends here (must match on resume)
+  c.learning_rate = 1e-3  # peak learning rate, reached after warmup_steps
+  c.warmup_steps = 100  # linear warmup from 0 to learning_rate over these steps (< steps)
+  c.lr_final_fraction = 0.1  # the cosine decay ends at learning_rate * lr_final_fraction at `steps`
+  c.weight_decay = 0.1  # AdamW decoupled weight decay, applied to matrices and embeddings only
+  c.adam_b1 = 0.9  # AdamW first-moment decay
+  c.adam_b2 = 0.95  # AdamW second-moment decay
+  c.adam_eps = 1e-8  # AdamW epsilon
+  c.grad_clip_norm = 1.0  # clip gradients to this global L2 norm (0 = no clipping)
+  c.train_seed = 0  # seed of the training PRNG key (split every step; saved in checkpoints)
+  # Run directory, checkpoints, evaluation, logs and the exported parameters.
+  c.output_dir = ""  # run directory: checkpoints/, metrics.jsonl, params/ (required by tools.train)
+  c.checkpoint_every = 100  # save the full train state every N steps and at the last step (Orbax)
+  c.checkpoint_keep = 3  # keep the last K train-state checkpoints
+  c.resume = True  # continue from the latest checkpoint in output_dir; false refuses a dir that has one
+  c.stop_at_step = 0  # end this run (checkpointed) at this step, to resume later; 0 = run to `steps`
+  c.eval_every = 100  # held-out loss/perplexity every N steps and at the last step (0 = never)
+  c.eval_batch_size = 8  # rows per held-out evaluation window
+  c.eval_max_windows = 0  # held-out windows per evaluation, from the start (0 = all)
+  c.log_every = 10  # steps between metrics.jsonl records / progress lines
+  c.export_every = 0  # also export parameters to output_dir/params-STEP every N steps (0 = only at the end)
+  c.export_dtype = "float32"  # dtype of exported matrices/embeddings ("bfloat16" halves the size); vectors stay float32
+
   c.lock()
   return c
