@@ -89,6 +89,31 @@ def get_config() -> ml_collections.ConfigDict:
   c.load_parameters_path = ""  # parameters to load instead of random init ("" = random)
   c.tokenizer_path = ""  # tokenizer model file or directory ("" = none)
 
+  # ---- Serving: generation and perplexity (tools.generate, tools.perplexity; model/serving.py,
+  # model/scoring.py). The model config comes from the checkpoint; these keys only steer the tools.
+  c.prompt = ""  # tools.generate: one text prompt (needs a tokenizer); exactly one of prompt/prompts_file/prompt_ids
+  c.prompts_file = ""  # tools.generate: UTF-8 file, one prompt per non-blank line (text, or ids without a tokenizer)
+  c.prompt_ids = ""  # tools.generate: one prompt as token ids "1,2,3" (no tokenizer needed, used verbatim)
+  c.max_new_tokens = 32  # tools.generate: tokens to generate per prompt (fewer when EOS comes first)
+  c.decode_sampling_strategy = "greedy"  # "greedy", "weighted" (softmax draw), "topk" or "nucleus" (model/sampling.py)
+  c.decode_sampling_temperature = 1.0  # > 0; logits are divided by it before a draw (ignored by greedy)
+  c.decode_sampling_top_k = 40  # candidates kept by the "topk" strategy (>= 1)
+  c.decode_sampling_nucleus_p = 0.9  # probability mass kept by the "nucleus" strategy, in (0, 1]
+  c.seed = 0  # PRNG seed of the random sampling strategies
+  c.decode_stop_at_eos = True  # end a sequence at the tokenizer's (else eos_token_id) EOS; false: always max_new_tokens
+  c.generate_add_bos = True  # prepend BOS to text prompts when the tokenizer has one (id prompts are used verbatim)
+  c.generate_batch_size = 8  # prompts packed into one prefill row and decoded together (more run in groups)
+  c.prefill_length_multiple = 64  # prefill rows and MLA caches are rounded up to this many tokens (fewer recompiles)
+  c.eval_data = ""  # tools.perplexity: the corpus file to score (every document of it)
+  c.eval_format = "text"  # "text" (blank-line separated documents), "jsonl" ({"text": ...} per line) or "ids" (one id list per line)
+  c.max_target_length = 512  # tools.perplexity: T, tokens per evaluation window row (longer documents carry state across windows)
+  c.eval_add_bos = True  # frame text/jsonl documents with BOS (as training does); ids documents are scored verbatim
+  c.eval_add_eos = True  # ... and with EOS (scored: the model predicts the document's end)
+  c.compare_attention = ""  # tools.perplexity: also score with this attention backend and compare ("" = no)
+  c.compare_tolerance = 1e-4  # largest allowed max |log-prob difference| against compare_attention (else exit 1)
+  c.dump_logprobs = False  # tools.perplexity: write every document's per-token log-probs to output_json
+  c.output_json = ""  # tools.generate / tools.perplexity: write the results here as JSON ("" = no file)
+
   # ---- Training (tools.train; model/train_lib.py) ------------------------------------------------
   # Data: the train side of the held-out split of `train_data`, tokenised with `tokenizer_path`
   # (format "ids" may leave it empty), packed into [batch_size, seq_len] rows with segment ids.
