@@ -191,7 +191,8 @@ def _forward(q, k, v, g, beta, seg, h0, gate, *, backend, num_segments, scale, l
   k2 = pad4(k, kp).reshape(b, tp, h * kp)
   g2 = pad4(g, kp).reshape(b, tp, h * kp)
   v2 = pad4(v, vp).reshape(b, tp, h * vp)
-  beta4 = jnp.pad(jnp.swapaxes(beta, 1, 2), ((0, 0), (0, 0), (0, tp - t)))[..., None]
+  # beta as a float32 column per head: a [C, 1] block of a 32-bit type is a plain sublane tile.
+  beta4 = jnp.pad(jnp.swapaxes(beta, 1, 2).astype(jnp.float32), ((0, 0), (0, 0), (0, tp - t)))[..., None]
   segc = seg[:, :, None]
   segr = seg.reshape(b, nc, 1, C)
   n_steps = ss.num_steps(tp, num_segments)
@@ -229,7 +230,7 @@ def estimate_peak_memory(q, k, v, g, beta, *, segment_ids=None, initial_state=No
                (the kernel writes them in place of a copy of the initial states / of zeros)
     temporaries = padded copies of q, k, g, v and o when K, V or T are not already aligned
                (K, V to 128 lanes on TPU, powers of two on GPU; T to 64), the padded state
-               buffer when K or V are padded, beta transposed to [B, H, Tp] in its dtype, the
+               buffer when K or V are padded, beta transposed to float32 [B, H, Tp], the
                segment map as column and row (2 * B * Tp int32) and the step schedule
                (B * S * 15 int32).
   VMEM scratch (per core, `pallas_tpu.vmem_limit_bytes`) is on-chip and not counted.
@@ -274,6 +275,6 @@ def estimate_peak_memory(q, k, v, g, beta, *, segment_ids=None, initial_state=No
     temps += 2 * b * tp * h * vp * item  # padded v and the padded o before slicing
   if output_final_state and (kp != kd or vp != vd):
     temps += b * n * h * kp * vp * 4
-  temps += b * h * tp * jnp.dtype(beta.dtype).itemsize + 2 * b * tp * 4
+  temps += b * h * tp * 4 + 2 * b * tp * 4
   temps += b * ss.num_steps(tp, n) * ss.NUM_FIELDS * 4
   return int(inputs + outputs + temps)
