@@ -111,3 +111,30 @@ def test_document_split_matches_unsplit():
   o2, s2 = kda_inference(*[a[:, cut:] for a in args], initial_state=s1, **kw)
   np.testing.assert_allclose(np.concatenate([o1, o2], axis=1), o_all, atol=1e-5, rtol=0)
   np.testing.assert_allclose(s2, s_all, atol=1e-5, rtol=0)
+
+
+def _random_layout(rng, t, n):
+  """Random packing of up to n documents: run lengths 1..90 (many of length 1), padding gaps,
+  labels drawn without replacement from 1..n (so gaps in the labels and empty slots)."""
+  seg = np.zeros(t, np.int32)
+  labels = rng.permutation(np.arange(1, n + 1))
+  pos, i = int(rng.integers(0, 3)), 0
+  while pos < t and i < n:
+    length = int(rng.choice([1, 1, 2, 5, 17, 40, 64, 90]))
+    seg[pos:pos + length] = labels[i]
+    pos += length + int(rng.choice([0, 0, 0, 1, 64]))
+    i += 1
+  return seg
+
+
+def test_random_layouts_tpu_kernel():
+  """Three random packings (one compilation: the segment map is traced) against the oracle."""
+  rng = np.random.default_rng(11)
+  for trial in range(3):
+    case = Case(f"random_{trial}", _random_layout(rng, 200, 10), num_segments=10)
+    x = make_inputs(case, seed=100 + trial)
+    ref_o, ref_s = oracle(x["q"], x["k"], x["v"], x["g"], x["beta"], case.seg, x["h0"], 16 ** -0.5)
+    o, s = _run(case, "pallas_tpu", True, x)
+    np.testing.assert_allclose(np.asarray(o), ref_o, atol=1e-4, rtol=0, err_msg=str(case.seg))
+    np.testing.assert_allclose(np.asarray(s), ref_s, atol=1e-4, rtol=0, err_msg=str(case.seg))
+    assert np.all(np.asarray(o)[:, case.seg == 0] == 0.0)
