@@ -17,6 +17,7 @@ from flax import nnx
 
 from model import cache as cache_lib
 from model import registry
+from model import sharding
 from model.config import ModelArgs
 from model.kda import KimiDeltaAttention
 from model.layers import RMSNorm, SwiGLU, as_dtype, linear, normal_init
@@ -157,21 +158,23 @@ class KimiLinearForCausalLM(nnx.Module):
   @staticmethod
   def _check_labels(segment_ids, num_slots):
     if not isinstance(segment_ids, jax.core.Tracer):
-      top = int(jnp.max(segment_ids)) if segment_ids.size else 0
+      top = int(np.max(np.asarray(segment_ids))) if segment_ids.size else 0  # numpy: no tracing under jit
       if top > num_slots:
         raise ValueError(f"segment_ids holds label {top} but only {num_slots} document slots per row are "
                          f"configured (max_num_segments / num_slots); raise it")
 
   def _run(self, input_ids, segment_ids, mode, num_slots, cache=None, return_cache=False, cache_length=None):
-    x = self.model.embed_tokens(input_ids)
+    # Logical activation axes (no-ops outside a mesh; see model/sharding.py).
+    x = sharding.constrain(self.model.embed_tokens(input_ids), sharding.HIDDEN)
     new_layers = []
     lengths = None if cache is None else cache.lengths
     for i, layer in enumerate(self.model.layers):
       x, new = layer(x, segment_ids=segment_ids, mode=mode, num_slots=num_slots,
                      cache=None if cache is None else cache.layers[i], lengths=lengths,
                      return_cache=return_cache, cache_length=cache_length)
+      x = sharding.constrain(x, sharding.HIDDEN)
       new_layers.append(new)
-    logits = self.lm_head(self.model.norm(x))
+    logits = sharding.constrain(self.lm_head(self.model.norm(x)), sharding.LOGITS)
     return logits, new_layers
 
   # --- public API --------------------------------------------------------------------------------
@@ -289,14 +292,15 @@ class KimiLinearForCausalLM(nnx.Module):
                        f"got {jnp.shape(input_ids)}")
     length = cache.cache_length
     if length is not None and not isinstance(cache.lengths, jax.core.Tracer):
-      if int(jnp.max(cache.lengths)) >= length:
+      if int(np.max(np.asarray(cache.lengths))) >= length:
         raise ValueError(f"the MLA cache is full (cache_length={length}); prefill with a larger cache_length")
-    x = self.model.embed_tokens(ids)
+    x = sharding.constrain(self.model.embed_tokens(ids), sharding.DECODE_HIDDEN)
     layers = []
     for layer, c in zip(self.model.layers, cache.layers):
       x, new = layer.decode(x, c, cache.lengths)
+      x = sharding.constrain(x, sharding.DECODE_HIDDEN)
       layers.append(new)
-    logits = self.lm_head(self.model.norm(x))
+    logits = sharding.constrain(self.lm_head(self.model.norm(x)), sharding.DECODE_LOGITS)
     return (logits[:, None] if with_time else logits), cache_lib.ModelCache(tuple(layers), cache.lengths + 1)
 
 

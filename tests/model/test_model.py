@@ -181,3 +181,26 @@ def test_clear_errors():
     model.prefill(ids, jnp.asarray(PROMPT_SEG), cache=cache)
   with pytest.raises(ValueError, match="positions must have"):
     model(ids, positions=jnp.zeros((2, 3), jnp.int32))
+
+
+def test_train_mode_gradients_match_finite_differences():
+  """Directional derivative of a logits functional through every layer type (reference backend)."""
+  from flax import nnx
+  _, gd, st = helpers.build(*REF)
+  ids = jnp.asarray(PROMPT_IDS[:1, :9])
+  seg = jnp.asarray(PROMPT_SEG[:1, :9])
+  probe = jnp.asarray(np.random.default_rng(1).normal(size=(1, 9, 64)), jnp.float32)
+
+  def loss(state):
+    return jnp.sum(nnx.merge(gd, state)(ids, seg, mode="train", max_num_segments=2) * probe)
+
+  grads = jax.jit(jax.grad(loss))(st)
+  rng = np.random.default_rng(3)
+  direction = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), st)
+  analytic = sum(float(jnp.vdot(g, d)) for g, d in zip(jax.tree_util.tree_leaves(grads),
+                                                        jax.tree_util.tree_leaves(direction)))
+  eps = 1e-4  # small against the 0.02-scale weights (top-k routing must not flip), large against f32 noise
+  f = jax.jit(loss)
+  shift = lambda sgn: jax.tree_util.tree_map(lambda x, d: x + sgn * eps * d, st, direction)
+  numeric = (float(f(shift(1))) - float(f(shift(-1)))) / (2 * eps)
+  assert abs(analytic - numeric) <= 2e-2 * abs(numeric) + 1e-3, (analytic, numeric)
