@@ -27,10 +27,11 @@ checkpoint loads with `weight_dtype=bfloat16`.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import pathlib
 import shutil
+import sys
 import uuid
 from collections.abc import Mapping, Sequence
 
@@ -182,7 +183,7 @@ class ParameterWriter:
   def __init__(self, path: str | os.PathLike, config, *, tokenizer_path: str | os.PathLike | None = None,
                overwrite: bool = False):
     self.path = pathlib.Path(path).absolute()
-    _check_writable(self.path, overwrite)
+    check_writable(self.path, overwrite)
     self.overwrite = overwrite
     if tokenizer_path is None and config.get("tokenizer_path") and os.path.isfile(config.tokenizer_path):
       tokenizer_path = config.tokenizer_path
@@ -194,16 +195,18 @@ class ParameterWriter:
     self._written: set[str] = set()
     self.bytes_written = 0
 
-  # The temp dir is a hidden sibling (same filesystem, so the final rename is atomic).
   def __enter__(self):
-    self.path.parent.mkdir(parents=True, exist_ok=True)
-    self.tmp = self.path.parent / f".{self.path.name}.tmp-{uuid.uuid4().hex[:12]}"
-    self.tmp.mkdir()
-    stored = apply_overrides(self.config, ["load_parameters_path=",
-                                           f"tokenizer_path={TOKENIZER_FILE if self.tokenizer_path else ''}"])
-    (self.tmp / CONFIG_FILE).write_text(config_to_json(stored) + "\n")
-    if self.tokenizer_path:
-      shutil.copyfile(self.tokenizer_path, self.tmp / TOKENIZER_FILE)
+    self._atomic = atomic_directory(self.path, overwrite=self.overwrite)
+    self.tmp = self._atomic.__enter__()
+    try:
+      stored = apply_overrides(self.config, ["load_parameters_path=",
+                                             f"tokenizer_path={TOKENIZER_FILE if self.tokenizer_path else ''}"])
+      (self.tmp / CONFIG_FILE).write_text(config_to_json(stored) + "\n")
+      if self.tokenizer_path:
+        shutil.copyfile(self.tokenizer_path, self.tmp / TOKENIZER_FILE)
+    except BaseException:
+      self._atomic.__exit__(*sys.exc_info())
+      raise
     return self
 
   def write(self, tree: Mapping) -> None:
@@ -229,17 +232,19 @@ class ParameterWriter:
     self.bytes_written += sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in names.values())
 
   def __exit__(self, exc_type, exc, tb):
+    partial = pathlib.Path(f"{self.tmp / PARAMS_DIR}.partial_save")
     try:
       if exc_type is None:
         if not self._written:
           raise CheckpointError(f"no parameters were written to {self.path}")
         with _context():
           _ocp().partial.finalize(self.tmp / PARAMS_DIR)
-        _publish(self.tmp, self.path, self.overwrite)
-    finally:
-      remove_tree(self.tmp)
-      remove_tree(pathlib.Path(f"{self.tmp / PARAMS_DIR}.partial_save"))
-    return False
+    except BaseException:
+      remove_tree(partial)
+      self._atomic.__exit__(*sys.exc_info())
+      raise
+    remove_tree(partial)
+    return self._atomic.__exit__(exc_type, exc, tb)
 
 
 def remove_tree(path: pathlib.Path | None) -> None:
@@ -251,31 +256,53 @@ def remove_tree(path: pathlib.Path | None) -> None:
       path.unlink()
 
 
-def _check_writable(path: pathlib.Path, overwrite: bool) -> None:
+def check_writable(path: str | os.PathLike, overwrite: bool, replaceable=is_checkpoint, what="a checkpoint") -> None:
+  """Raises CheckpointError unless `path` is absent, or overwrite is set and `path` is an empty
+  directory or one that `replaceable(path)` accepts (never a file or someone else's directory)."""
+  path = pathlib.Path(path)
   if not path.exists() and not path.is_symlink():
     return
   if not overwrite:
     raise CheckpointError(f"output path {os.fspath(path)!r} already exists; pass overwrite=true to replace it")
-  if path.is_dir() and not path.is_symlink() and (is_checkpoint(path) or not any(path.iterdir())):
+  if path.is_dir() and not path.is_symlink() and (not any(path.iterdir()) or replaceable(path)):
     return
-  raise CheckpointError(f"output path {os.fspath(path)!r} exists and is not a checkpoint directory; refusing "
-                        f"to replace it even with overwrite (remove it yourself)")
+  raise CheckpointError(f"output path {os.fspath(path)!r} exists and is not {what} directory; refusing to "
+                        f"replace it even with overwrite (remove it yourself)")
 
 
-def _publish(tmp: pathlib.Path, path: pathlib.Path, overwrite: bool) -> None:
-  """Renames the finished temp dir to `path` (moving an old checkpoint aside first if allowed)."""
-  old = None
-  if path.exists():
-    _check_writable(path, overwrite)  # re-checked: someone may have created it meanwhile
-    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
-    os.rename(path, old)
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False, replaceable=is_checkpoint,
+                     what: str = "a checkpoint"):
+  """Yields an empty temporary directory that becomes `path` when the block succeeds.
+
+  The temporary directory is a hidden sibling of `path` (same filesystem, so the final `os.rename`
+  is atomic). On any exception it is removed and `path` is untouched. With `overwrite`, an existing
+  `path` that `replaceable` accepts (or an empty directory) is moved aside, replaced, then deleted.
+
+  Raises:
+    CheckpointError: `path` exists and may not be replaced (checked before and after the block).
+  """
+  path = pathlib.Path(path).absolute()
+  check_writable(path, overwrite, replaceable, what)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+  tmp.mkdir()
   try:
-    os.rename(tmp, path)
-  except OSError:
-    if old is not None:
-      os.rename(old, path)
-    raise
-  remove_tree(old)
+    yield tmp
+    old = None
+    if path.exists():
+      check_writable(path, overwrite, replaceable, what)  # someone may have created it meanwhile
+      old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
+      os.rename(path, old)
+    try:
+      os.rename(tmp, path)
+    except OSError:
+      if old is not None:
+        os.rename(old, path)
+      raise
+    remove_tree(old)
+  finally:
+    remove_tree(tmp)
 
 
 def save_parameters(path: str | os.PathLike, model, config, *, tokenizer_path: str | os.PathLike | None = None,
@@ -319,6 +346,37 @@ def stored_parameters(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...
     raise CheckpointError(f"{p / PARAMS_DIR}: cannot read the Orbax checkpoint metadata "
                           f"({type(e).__name__}: {e})") from None
   return {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in flatten(meta).items()}
+
+
+def read_parameters(path: str | os.PathLike, names: Sequence[str]) -> dict[str, np.ndarray]:
+  """Reads only the named parameters (dotted names as `stored_parameters` gives) as NumPy arrays in
+  their stored dtype; host memory is what these arrays need (tools stream a checkpoint this way).
+
+  Raises:
+    CheckpointError: an unknown name, or unreadable array data (naming the checkpoint).
+  """
+  p = _check_dir(path)
+  stored = stored_parameters(p)
+  unknown = [n for n in names if n not in stored]
+  if unknown:
+    raise CheckpointError(f"{p}: no parameter(s) {unknown[:3]} in the checkpoint")
+  abstract: dict = {}
+  for n in names:
+    node = abstract
+    *parents, leaf = n.split(".")
+    for k in parents:
+      node = node.setdefault(k, {})
+    shape, dtype = stored[n]
+    node[leaf] = np.empty(shape, dtype)  # only the shape/dtype are used; pages are never touched
+  ctx = _context()
+  ctx.pytree.loading.partial_load = True
+  try:
+    with ctx:
+      out = _ocp().load(p / PARAMS_DIR, abstract)
+  except Exception as e:
+    raise CheckpointError(f"{p / PARAMS_DIR}: cannot read parameters {list(names)[:3]}... ({type(e).__name__}: "
+                          f"{e}); the checkpoint may be truncated or corrupt") from None
+  return {k: np.asarray(v) for k, v in flatten(out).items()}
 
 
 def _default_sharding():
