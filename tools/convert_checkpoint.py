@@ -377,7 +377,7 @@ class _ShardWriter:
     want = self.expected[self.i]
     if (name, tuple(array.shape), array.dtype) != want:  # a planning bug, never user input
       raise AssertionError(f"shard writer expected {want}, got {(name, array.shape, array.dtype)}")
-    self.f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+    self.f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))  # raw bytes, no copy
     self.i += 1
 
   def close(self) -> None:

@@ -203,6 +203,14 @@ def config_from_hf(hf: dict, *, name: str = "hf", weight_dtype: str = "float32",
 def _check_layer_types(hf: dict, values: dict) -> None:
   """transformers' expanded 0-indexed `layer_types` / `mlp_layer_types` must agree with the rest."""
   n = values["num_hidden_layers"]
+  for key in ("kda_layers", "full_attn_layers"):
+    lst = values[key]
+    if not isinstance(lst, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in lst):
+      raise LayoutError(f"config.json linear_attn_config.{key} must be a list of 1-indexed layer numbers, got {lst!r}")
+    bad = [i for i in lst if not 1 <= i <= n]
+    if bad:
+      raise LayoutError(f"config.json linear_attn_config.{key} holds {bad}, outside 1..num_hidden_layers={n} "
+                        f"(the lists are 1-indexed)")
   kda = set(values["kda_layers"])
   if "layer_types" in hf and hf["layer_types"] is not None:
     lt = hf["layer_types"]

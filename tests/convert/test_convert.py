@@ -1,0 +1,380 @@
+"""tools/convert_checkpoint.py: HF fixtures -> project checkpoint -> logits vs transformers' goldens,
+HF -> Orbax -> HF bit-exactness (float32 and bfloat16 sources), transformers loading the output, and
+one test per kind of bad input (each must leave the output path absent)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from model import checkpointing as ck
+from tools import convert_checkpoint as cc
+from tools import hf_layout as hl
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures"
+DENSE, SHARDED = FIXTURES / "hf_tiny_dense_moe", FIXTURES / "hf_tiny_sharded"
+REF_PY = REPO / ".venv-ref" / "bin" / "python"
+ATOL = 1e-4  # the brief's bound; the measured error is ~3e-7 (float32 summation order only)
+# transformers' save_pretrained names the dense FFN of layer 0 block_sparse_moe.*; we write mlp.*.
+_DENSE_ALIAS = {f"model.layers.0.block_sparse_moe.{p}.weight": f"model.layers.0.mlp.{p}.weight"
+                for p in ("gate_proj", "up_proj", "down_proj")}
+
+
+def _hf_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+  """Every tensor of an HF directory, read with safetensors (independent of the converter)."""
+  out = {}
+  for f in sorted(path.glob("*.safetensors")):
+    for k, v in load_file(f).items():
+      assert k not in out, k
+      out[_DENSE_ALIAS.get(k, k)] = v
+  return out
+
+
+def _run(argv) -> dict:
+  return cc.convert([str(a) for a in argv])
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """Both fixtures converted with the default arguments (dtype auto)."""
+  root = tmp_path_factory.mktemp("converted")
+  out = {}
+  for name, src in (("dense", DENSE), ("sharded", SHARDED)):
+    _run([f"hf_model_path={src}", f"output_path={root / name}"])
+    out[name] = root / name
+  return out
+
+
+@pytest.fixture(scope="module")
+def forward():
+  """One jitted forward per (graphdef); `mode="train"` is the backend's sequence op on CPU."""
+  cache = {}
+
+  def run(model, ids):
+    gd, st = nnx.split(model)
+    if gd not in cache:
+      cache[gd] = jax.jit(lambda st, ids: nnx.merge(gd, st)(ids, mode="train"))
+    return np.asarray(cache[gd](st, ids))
+  return run
+
+
+# ------------------------------------------------------------------------------------------------
+# Numerics and round trips
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("attention", ["kda_native", "kda_reference"])
+@pytest.mark.parametrize("name", ["dense", "sharded"])
+def test_logits_match_transformers(converted, forward, name, attention):
+  ref = np.load((DENSE if name == "dense" else SHARDED) / "reference.npz")
+  model, cfg = ck.load_model(converted[name], [f"attention={attention}"])
+  assert cfg.attention == attention
+  logits = forward(model, ref["input_ids"])
+  err = np.max(np.abs(logits - ref["logits"]))
+  assert err < ATOL, f"{name}/{attention}: max |logits - transformers| = {err}"
+
+
+def test_config_read_from_hf(converted):
+  _, cfg = ck.load_model(converted["sharded"], abstract=True)
+  assert (cfg.kda_layers, cfg.full_attn_layers) == ([1, 2, 4], [3])
+  assert (cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_kernel_size) == (3, 24, 4)
+  assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.num_shared_experts, cfg.first_k_dense_replace) == (6, 2, 2, 2)
+  assert (cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank) == (8, 12, 24)
+  assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1, 2, 0)
+  assert cfg.weight_dtype == "float32" and cfg.model_name == "hf_tiny_sharded"
+
+
+@pytest.mark.parametrize("name", ["dense", "sharded"])
+def test_round_trip_float32_bit_exact(converted, tmp_path, name, monkeypatch):
+  src = DENSE if name == "dense" else SHARDED
+  # Tiny read pieces: the to_hf reader then makes many partial reads.
+  monkeypatch.setattr(cc, "PIECE_BYTES", 20_000)
+  summary = _run(["direction=to_hf", f"load_parameters_path={converted[name]}", f"output_path={tmp_path / 'hf'}",
+                  "max_shard_size=300KB"])
+  a, b = _hf_tensors(src), _hf_tensors(tmp_path / "hf")
+  assert sorted(a) == sorted(b)
+  for k in a:
+    assert (a[k].dtype, a[k].shape) == (b[k].dtype, b[k].shape), k
+    assert a[k].tobytes() == b[k].tobytes(), k
+  shards = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+  assert summary["shards"] == len(shards) >= 3
+  index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+  assert sorted(index["weight_map"]) == sorted(b) and set(index["weight_map"].values()) == set(shards)
+  assert index["metadata"]["total_size"] == sum(v.nbytes for v in b.values())
+
+
+def test_piecewise_orbax_write_is_exact(tmp_path, monkeypatch):
+  """Orbax written in ~15 partial saves (the path big checkpoints take) holds the same arrays."""
+  monkeypatch.setattr(cc, "PIECE_BYTES", 50_000)
+  _run([f"hf_model_path={SHARDED}", f"output_path={tmp_path / 'ck'}"])
+  _run(["direction=to_hf", f"load_parameters_path={tmp_path / 'ck'}", f"output_path={tmp_path / 'hf'}"])
+  a, b = _hf_tensors(SHARDED), _hf_tensors(tmp_path / "hf")
+  assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+  assert [p.name for p in (tmp_path / "hf").glob("*.safetensors")] == ["model.safetensors"]
+
+
+def _write_bf16_source(dst: pathlib.Path) -> dict[str, np.ndarray]:
+  """A bf16 copy of the dense fixture as transformers saves one: weights bf16, but the router weight,
+  router bias and dt_bias float32 (its `_keep_in_fp32_modules_strict`)."""
+  dst.mkdir()
+  keep_f32 = ("gate.weight", "e_score_correction_bias", "dt_bias")
+  tensors = {k: (v if k.endswith(keep_f32) else v.astype(ml_dtypes.bfloat16))
+             for k, v in load_file(DENSE / "model.safetensors").items()}
+  save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+  cfg = json.loads((DENSE / "config.json").read_text())
+  cfg["dtype"] = "bfloat16"
+  (dst / "config.json").write_text(json.dumps(cfg))
+  return tensors
+
+
+def test_round_trip_bfloat16_bit_exact(tmp_path, forward):
+  src = _write_bf16_source(tmp_path / "bf16")
+  _run([f"hf_model_path={tmp_path / 'bf16'}", f"output_path={tmp_path / 'ck'}"])
+  stored = ck.stored_parameters(tmp_path / "ck")
+  assert stored["lm_head.kernel"][1] == ml_dtypes.bfloat16
+  assert stored["model.layers.1.block_sparse_moe.gate.kernel"][1] == np.float32  # kept as the source has it
+  _run(["direction=to_hf", f"load_parameters_path={tmp_path / 'ck'}", f"output_path={tmp_path / 'hf'}"])
+  out = _hf_tensors(tmp_path / "hf")
+  src = {_DENSE_ALIAS.get(k, k): v for k, v in src.items()}
+  assert sorted(src) == sorted(out)
+  for k in src:
+    assert (src[k].dtype, src[k].shape) == (out[k].dtype, out[k].shape), k
+    assert src[k].tobytes() == out[k].tobytes(), k
+  assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+  # The bf16 checkpoint loads: weight_dtype bfloat16, A_log/dt_bias/router bias float32 in the model.
+  model, cfg = ck.load_model(tmp_path / "ck")
+  assert cfg.weight_dtype == "bfloat16"
+  assert model.model.layers[0].self_attn.A_log.get_value().dtype == np.float32
+  assert model.lm_head.kernel.get_value().dtype == ml_dtypes.bfloat16
+
+
+def test_weight_dtype_bfloat16_casts_weights_only(converted, tmp_path):
+  _run([f"hf_model_path={DENSE}", f"output_path={tmp_path / 'ck'}", "weight_dtype=bfloat16"])
+  stored = ck.stored_parameters(tmp_path / "ck")
+  f32_only = [k for k in stored if k.endswith(("A_log", "dt_bias", "e_score_correction_bias"))]
+  assert f32_only and all(stored[k][1] == np.float32 for k in f32_only)
+  assert all(stored[k][1] == ml_dtypes.bfloat16 for k in stored if k not in f32_only)
+  src = load_file(DENSE / "model.safetensors")
+  got = ck.read_parameters(tmp_path / "ck", ["lm_head.kernel", "model.layers.0.self_attn.q_conv1d.kernel"])
+  np.testing.assert_array_equal(got["lm_head.kernel"], src["lm_head.weight"].T.astype(ml_dtypes.bfloat16))
+  np.testing.assert_array_equal(got["model.layers.0.self_attn.q_conv1d.kernel"],
+                                src["model.layers.0.self_attn.q_conv1d.weight"][:, 0, :].T.astype(ml_dtypes.bfloat16))
+  assert json.loads((tmp_path / "ck" / "config.json").read_text())["weight_dtype"] == "bfloat16"
+
+
+def test_parameter_mapping_against_numpy(converted):
+  """Each transform kind, checked against the HF tensors with plain NumPy indexing."""
+  src = load_file(DENSE / "model.safetensors")
+  names = ["model.layers.1.block_sparse_moe.experts.w1", "model.layers.1.block_sparse_moe.experts.w2",
+           "model.layers.0.self_attn.A_log", "model.layers.0.self_attn.k_conv1d.kernel",
+           "model.layers.2.self_attn.kv_b_proj.kernel", "model.embed_tokens.embedding", "model.norm.scale",
+           "model.layers.0.mlp.down_proj.kernel", "model.layers.4.block_sparse_moe.gate.e_score_correction_bias"]
+  got = ck.read_parameters(converted["dense"], names)
+  p = "model.layers.1.block_sparse_moe.experts"
+  for e in range(4):
+    np.testing.assert_array_equal(got[p + ".w1"][e], src[f"{p}.{e}.w1.weight"].T)
+    np.testing.assert_array_equal(got[p + ".w2"][e], src[f"{p}.{e}.w2.weight"].T)
+  np.testing.assert_array_equal(got["model.layers.0.self_attn.A_log"], src["model.layers.0.self_attn.A_log"][0, 0, :, 0])
+  conv = src["model.layers.0.self_attn.k_conv1d.weight"]  # [D, 1, W]: tap w of channel c -> kernel[w, c]
+  for c in (0, 5, 31):
+    np.testing.assert_array_equal(got["model.layers.0.self_attn.k_conv1d.kernel"][:, c], conv[c, 0, :])
+  np.testing.assert_array_equal(got["model.layers.2.self_attn.kv_b_proj.kernel"],
+                                src["model.layers.2.self_attn.kv_b_proj.weight"].T)
+  np.testing.assert_array_equal(got["model.embed_tokens.embedding"], src["model.embed_tokens.weight"])
+  np.testing.assert_array_equal(got["model.norm.scale"], src["model.norm.weight"])
+  np.testing.assert_array_equal(got["model.layers.0.mlp.down_proj.kernel"],
+                                src["model.layers.0.block_sparse_moe.down_proj.weight"].T)
+  bias = got["model.layers.4.block_sparse_moe.gate.e_score_correction_bias"]
+  np.testing.assert_array_equal(bias, src["model.layers.4.block_sparse_moe.gate.e_score_correction_bias"])
+  assert np.any(bias != 0)
+
+
+def test_to_hf_config_agrees_with_transformers_config(converted, tmp_path):
+  """Without transformers: every key the fixture's transformers-written config.json shares with ours
+  has the same value, and reading ours back gives the same project config."""
+  for name, src in (("dense", DENSE), ("sharded", SHARDED)):
+    out = tmp_path / name
+    _run(["direction=to_hf", f"load_parameters_path={converted[name]}", f"output_path={out}"])
+    ours, theirs = json.loads((out / "config.json").read_text()), json.loads((src / "config.json").read_text())
+    shared = set(ours) & set(theirs) - {"transformers_version"}
+    assert len(shared) > 30
+    assert {k: ours[k] for k in shared} == {k: theirs[k] for k in shared}
+    back, _ = hl.config_from_hf(ours, name="x")
+    orig = ck.read_config(converted[name])
+    skip = {"model_name", "load_parameters_path", "tokenizer_path"}
+    assert {k: v for k, v in back.items() if k not in skip} == {k: v for k, v in orig.items() if k not in skip}
+
+
+@pytest.mark.skipif(not REF_PY.exists(), reason=".venv-ref (torch + transformers) is absent")
+def test_transformers_loads_to_hf_output(converted, tmp_path):
+  args = []
+  for name, src in (("dense", DENSE), ("sharded", SHARDED)):
+    _run(["direction=to_hf", f"load_parameters_path={converted[name]}", f"output_path={tmp_path / name}",
+          "max_shard_size=400KB"])
+    args += [tmp_path / name, src / "reference.npz"]
+  proc = subprocess.run([REF_PY, REPO / "tests" / "convert" / "hf_load_check.py", *args], capture_output=True,
+                        text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""})
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+  assert len(results) == 2
+  for r in results:
+    assert r["missing"] == [] and r["unexpected"] == [] and r["mismatched"] == [], r
+    assert r["max_abs_logits"] < ATOL, r
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: a clear one-line error naming the culprit, exit 2, nothing at output_path
+# ------------------------------------------------------------------------------------------------
+
+def _copy_dense(dst: pathlib.Path, edit=None, cfg_edit=None) -> pathlib.Path:
+  dst.mkdir()
+  tensors = load_file(DENSE / "model.safetensors")
+  if edit:
+    edit(tensors)
+  save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+  cfg = json.loads((DENSE / "config.json").read_text())
+  if cfg_edit:
+    cfg_edit(cfg)
+  (dst / "config.json").write_text(json.dumps(cfg))
+  return dst
+
+
+def _expect_failure(tmp_path, argv, *needles, capsys):
+  out = tmp_path / "out"
+  rc = cc.main([*map(str, argv), f"output_path={out}"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert rc == 2
+  assert len(err) == 1 and err[0].startswith("error: "), err
+  for needle in needles:
+    assert needle in err[0], err[0]
+  assert not out.exists() and not list(tmp_path.glob(".out*")), sorted(os.listdir(tmp_path))
+  return err[0]
+
+
+def test_missing_tensor(tmp_path, capsys):
+  src = _copy_dense(tmp_path / "src", edit=lambda t: t.pop("model.layers.2.self_attn.kv_b_proj.weight"))
+  _expect_failure(tmp_path, [f"hf_model_path={src}"], "missing tensor model.layers.2.self_attn.kv_b_proj.weight",
+                  capsys=capsys)
+
+
+def test_unexpected_tensor(tmp_path, capsys):
+  def add(t):
+    t["model.layers.5.self_attn.q_proj.weight"] = np.zeros((2, 2), np.float32)
+  src = _copy_dense(tmp_path / "src", edit=add)
+  _expect_failure(tmp_path, [f"hf_model_path={src}"], "unexpected tensor model.layers.5.self_attn.q_proj.weight",
+                  "model.safetensors", capsys=capsys)
+
+
+def test_wrong_shape(tmp_path, capsys):
+  def bad(t):
+    t["model.layers.1.block_sparse_moe.experts.3.w2.weight"] = np.zeros((64, 31), np.float32)
+  src = _copy_dense(tmp_path / "src", edit=bad)
+  _expect_failure(tmp_path, [f"hf_model_path={src}"], "model.layers.1.block_sparse_moe.experts.3.w2.weight",
+                  "[64, 31]", "expected [64, 32]", capsys=capsys)
+
+
+def test_unconvertible_dtype(tmp_path, capsys):
+  def bad(t):
+    t["model.norm.weight"] = np.ones(64, np.int32)
+  src = _copy_dense(tmp_path / "src", edit=bad)
+  _expect_failure(tmp_path, [f"hf_model_path={src}"], "model.norm.weight", "I32", "cannot be converted", capsys=capsys)
+
+
+def test_truncated_file(tmp_path, capsys):
+  src = _copy_dense(tmp_path / "src")
+  f = src / "model.safetensors"
+  os.truncate(f, f.stat().st_size - 100)
+  _expect_failure(tmp_path, [f"hf_model_path={src}"], str(f), "truncated or corrupt", capsys=capsys)
+
+
+def test_corrupt_header(tmp_path, capsys):
+  src = _copy_dense(tmp_path / "src")
+  (src / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json header}" + b"\0" * 64)
+  _expect_failure(tmp_path, [f"hf_model_path={src}"], "model.safetensors", "not a readable safetensors file",
+                  capsys=capsys)
+
+
+def test_missing_shard(tmp_path, capsys):
+  src = tmp_path / "src"
+  shutil.copytree(SHARDED, src)
+  (src / "model-00002-of-00003.safetensors").unlink()
+  _expect_failure(tmp_path, [f"hf_model_path={src}"], "model-00002-of-00003.safetensors", "does not exist",
+                  capsys=capsys)
+
+
+def test_pickle_refused(tmp_path, capsys):
+  src = tmp_path / "src"
+  src.mkdir()
+  shutil.copy(DENSE / "config.json", src)
+  (src / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
+  _expect_failure(tmp_path, [f"hf_model_path={src}"], "pytorch_model.bin", "refused", capsys=capsys)
+
+
+@pytest.mark.parametrize("edit,needles", [
+    (lambda c: c.update(model_type="llama"), ("model_type='llama'", "kimi_linear")),
+    (lambda c: c.pop("kv_lora_rank"), ("lacks required key", "kv_lora_rank")),
+    (lambda c: c.update(layer_types=["full_attention"] * 5), ("layer_types", "contradicts linear_attn_config")),
+    (lambda c: c.update(linear_head_dim=8), ("linear_head_dim=8", "linear_attn_config.head_dim=16")),
+    (lambda c: c.update(num_experts_per_tok=3), ("num_experts_per_token=2", "num_experts_per_tok=3")),
+    (lambda c: c["linear_attn_config"].update(kda_layers=[1, 2, 9]), ("kda_layers", "outside")),
+    (lambda c: c.update(tie_word_embeddings=True), ("tie_word_embeddings",)),
+    (lambda c: c.update(mlp_layer_types=["dense", "sparse", "dense", "sparse", "sparse"]), ("mlp_layer_types",)),
+], ids=["model_type", "missing_key", "layer_types", "head_dim", "alias_conflict", "layer_range", "tied",
+        "mlp_layout"])
+def test_bad_config(tmp_path, capsys, edit, needles):
+  src = _copy_dense(tmp_path / "src", cfg_edit=edit)
+  _expect_failure(tmp_path, [f"hf_model_path={src}"], "config.json", *needles, capsys=capsys)
+
+
+def test_bad_arguments(tmp_path, capsys):
+  _expect_failure(tmp_path, [f"hf_model_path={DENSE}", "weight_dtype=float16"], "weight_dtype", "auto, float32, "
+                  "bfloat16", capsys=capsys)
+  _expect_failure(tmp_path, [f"hf_model_path={DENSE}", "dirction=to_hf"], "unknown argument 'dirction'",
+                  capsys=capsys)
+  _expect_failure(tmp_path, [f"hf_model_path={tmp_path / 'nope'}"], "not a directory", capsys=capsys)
+  _expect_failure(tmp_path, ["direction=to_hf", f"load_parameters_path={tmp_path / 'nope'}"], "does not exist",
+                  capsys=capsys)
+  assert cc.main(["hf_model_path=x"]) == 2 and "output_path" in capsys.readouterr().err
+
+
+def test_existing_output(converted, tmp_path, capsys):
+  out = tmp_path / "out"
+  shutil.copytree(converted["sharded"], out)
+  before = (out / "config.json").read_text()
+  assert cc.main([f"hf_model_path={DENSE}", f"output_path={out}"]) == 2
+  assert "already exists; pass overwrite=true" in capsys.readouterr().err
+  assert (out / "config.json").read_text() == before
+  assert cc.main([f"hf_model_path={DENSE}", f"output_path={out}", "overwrite=true"]) == 0
+  assert json.loads((out / "config.json").read_text())["hidden_size"] == 64
+  assert sorted(os.listdir(tmp_path)) == ["out"]
+  # A directory that is not a checkpoint is never replaced.
+  (tmp_path / "mine").mkdir()
+  (tmp_path / "mine" / "notes.txt").write_text("keep")
+  assert cc.main([f"hf_model_path={DENSE}", f"output_path={tmp_path / 'mine'}", "overwrite=true"]) == 2
+  assert "not a checkpoint directory" in capsys.readouterr().err
+  assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_cli_help_and_clean_error():
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-m", "tools.convert_checkpoint", "--help"], cwd=REPO, capture_output=True,
+                        text=True, env=env, timeout=120)
+  assert proc.returncode == 0
+  for key in cc.KEYS:
+    assert key in proc.stdout
+  proc = subprocess.run([sys.executable, "-m", "tools.convert_checkpoint", "hf_model_path=/nonexistent",
+                         "output_path=/tmp/never"], cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
+  assert proc.returncode == 2
+  assert proc.stderr.strip() == "error: hf_model_path '/nonexistent' is not a directory"
+  assert "Traceback" not in proc.stderr
