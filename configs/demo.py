@@ -1,4 +1,5 @@
-"""The demo model: 6 layers (KDA x2, MLA, KDA x2, MLA), width 256, 8 experts (2 routed) + 1 shared."""
+"""The demo model: 6 layers (KDA x2, MLA, KDA x2, MLA), width 256, 4 experts (2 routed) + 1 shared;
+special ids pad=0, bos=2, eos=3 as written by tools.train_tokenizer."""
 
 from configs import base
 
@@ -20,12 +21,12 @@ def get_config():
   c.qk_rope_head_dim = 16
   c.v_head_dim = 32
   c.first_k_dense_replace = 1
-  c.num_experts = 8
+  c.num_experts = 4
   c.num_experts_per_tok = 2
-  c.moe_intermediate_size = 128
+  c.moe_intermediate_size = 64
   c.num_shared_experts = 1
-  c.bos_token_id = 1
-  c.eos_token_id = 2
+  c.bos_token_id = 2
+  c.eos_token_id = 3
   c.pad_token_id = 0
   c.max_num_segments = 8
   c.max_cache_length = 512
