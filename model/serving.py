@@ -1,0 +1,332 @@
+"""Batched generation for the Kimi-Linear host: one packed prefill, then a jitted decode loop.
+
+A group of prompts (token-id lists of different lengths) is packed into ONE prefill row `[1, T]`
+with segment IDs: prompt i gets label i + 1, so it becomes decode sequence i of the cache
+(`KimiLinearForCausalLM.prefill`, decode layout S = N). T is the total prompt length rounded up to
+`prefill_multiple` (padding has segment 0 and touches no state), so prompt sets of similar size reuse
+one compiled prefill. Every sequence then advances one token per `decode` step with its own KDA
+state, conv windows and MLA latent cache; the step is compiled ahead of time once per
+(N, cache length) and takes fixed shapes, so nothing recompiles while decoding. A sequence that
+emitted EOS (or an unused slot of a short group) keeps running, masked: its outputs are replaced by
+`pad_id` and ignored, never removed from the batch.
+
+Sampling (`model.sampling.sample_tokens`) runs inside the compiled functions. Each sequence draws
+with its own key `fold_in(fold_in(seed_key, step), slot)`, so greedy results never depend on which
+other prompts share the batch.
+
+Timings (host wall clock; compilation and one warm-up run are excluded and reported apart): time to first token = prefill
+plus the first sampled token on the host; prefill tokens/s = real prompt tokens / that time; decode
+tokens/s = tokens produced by decode steps for live sequences / the decode loop's time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model import sampling
+from model.kimi_linear import last_token_logits
+
+
+class GenerationError(ValueError):
+  """A generation request the engine cannot serve (empty prompt, too long, ids out of range...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """A validated sampling configuration (see `model.sampling`).
+
+  Attributes:
+    strategy: "greedy", "weighted", "topk" or "nucleus".
+    temperature: > 0 (ignored by greedy). top_k: candidates for "topk". top_p: mass for "nucleus".
+  """
+
+  strategy: str = "greedy"
+  temperature: float = 1.0
+  top_k: int | None = None
+  top_p: float | None = None
+
+  def __post_init__(self):
+    try:
+      sampling.check_sampling_args(self.strategy, self.temperature,
+                                   self.top_k if self.strategy == "topk" else None,
+                                   self.top_p if self.strategy == "nucleus" else None)
+    except ValueError as e:
+      raise GenerationError(str(e)) from None
+
+
+@dataclasses.dataclass
+class SequenceResult:
+  """One prompt's outcome: its ids, the generated ids (EOS included when emitted) and why it stopped
+  ("eos" or "length")."""
+
+  prompt_ids: list[int]
+  token_ids: list[int]
+  finish_reason: str
+
+
+@dataclasses.dataclass
+class Timings:
+  """Wall-clock figures of a `generate` call, in seconds and tokens (summed over prompt groups)."""
+
+  compile_s: float = 0.0
+  time_to_first_token_s: float = 0.0
+  prefill_s: float = 0.0
+  prefill_tokens: int = 0
+  decode_s: float = 0.0
+  decode_tokens: int = 0
+  decode_steps: int = 0
+
+  @property
+  def prefill_tokens_per_s(self) -> float:
+    return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+  def as_dict(self) -> dict:
+    return dict(dataclasses.asdict(self), prefill_tokens_per_s=self.prefill_tokens_per_s,
+                decode_tokens_per_s=self.decode_tokens_per_s)
+
+
+def round_up(n: int, multiple: int) -> int:
+  """Smallest multiple of `multiple` that is >= max(n, 1)."""
+  return -(-max(int(n), 1) // multiple) * multiple
+
+
+def pack_prompts(prompts: Sequence[Sequence[int]], num_slots: int, length: int):
+  """Packs prompts into one row: `(ids int32 [1, length], segment_ids int32 [1, length])`.
+
+  Prompt i occupies the next `len(prompts[i])` positions with label i + 1; the rest is padding
+  (id 0, label 0). Labels above `len(prompts)` (up to `num_slots`) are simply absent.
+
+  Raises:
+    ValueError: more prompts than slots, or more tokens than `length`.
+  """
+  if len(prompts) > num_slots:
+    raise ValueError(f"{len(prompts)} prompts do not fit {num_slots} slots")
+  total = sum(len(p) for p in prompts)
+  if total > length:
+    raise ValueError(f"{total} prompt tokens do not fit a row of {length}")
+  ids = np.zeros((1, length), np.int32)
+  seg = np.zeros((1, length), np.int32)
+  u = 0
+  for i, p in enumerate(prompts):
+    ids[0, u:u + len(p)] = np.asarray(p, np.int32)
+    seg[0, u:u + len(p)] = i + 1
+    u += len(p)
+  return ids, seg
+
+
+def _sample_rows(logits, key, step, params: SamplingParams):
+  """int32 `[S]`: one token per row, row s drawn with `fold_in(fold_in(key, step), s)`."""
+  if params.strategy == "greedy":
+    return sampling.sample_tokens(logits, None, strategy="greedy")
+  step_key = jax.random.fold_in(key, step)
+  keys = jax.vmap(lambda s: jax.random.fold_in(step_key, s))(jnp.arange(logits.shape[0]))
+  draw = lambda row, k: sampling.sample_tokens(row[None], k, strategy=params.strategy,
+                                               temperature=params.temperature, top_k=params.top_k,
+                                               top_p=params.top_p)[0]
+  return jax.vmap(draw)(logits, keys)
+
+
+class Generator:
+  """Serves greedy or sampled generation from a `KimiLinearForCausalLM`.
+
+  Args:
+    model: the model (its parameters are split out once; the model object is not modified).
+    max_length: the longest sequence (prompt + generated tokens) a request may need; normally
+      `config.max_cache_length` (the MLA latent cache length per sequence).
+    eos_id: the id that ends a sequence (when `stop_at_eos`), or None.
+    pad_id: the id fed to finished sequences and reported for them.
+    batch_size: at most this many prompts share one packed prefill and decode batch; larger requests
+      run in consecutive groups (every group padded to the same slot count, so one compilation).
+    prefill_multiple, cache_multiple: prefill row length and MLA cache length are rounded up to
+      these, so requests of similar size reuse compiled functions.
+
+  Raises:
+    GenerationError: non-positive sizes.
+  """
+
+  def __init__(self, model, *, max_length: int, eos_id: int | None, pad_id: int = 0, batch_size: int = 8,
+               prefill_multiple: int = 64, cache_multiple: int = 64):
+    for name, v in (("max_length", max_length), ("batch_size", batch_size),
+                    ("prefill_multiple", prefill_multiple), ("cache_multiple", cache_multiple)):
+      if int(v) < 1:
+        raise GenerationError(f"{name} must be >= 1, got {v}")
+    self.vocab_size = int(model.args.vocab_size)
+    self.max_length = int(max_length)
+    self.eos_id = eos_id
+    self.pad_id = int(pad_id)
+    self.batch_size = int(batch_size)
+    self.prefill_multiple = int(prefill_multiple)
+    self.cache_multiple = int(cache_multiple)
+    graphdef, state = nnx.split(model)
+    self._graphdef = graphdef
+    # A flat leaf list is cheaper to pass per decode step than the nested nnx.State.
+    self._leaves, self._treedef = jax.tree.flatten(state)
+    self._compiled: dict = {}
+
+  # --- validation ---------------------------------------------------------------------------------
+  def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """Validates prompts and the token budget; returns them as lists of Python ints.
+
+    Raises:
+      GenerationError: no prompts, an empty prompt, ids outside [0, vocab_size), max_new_tokens < 1,
+        or a prompt whose length plus max_new_tokens exceeds `max_length` (names the prompt).
+    """
+    if int(max_new_tokens) < 1:
+      raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts:
+      raise GenerationError("no prompts to generate from")
+    out = []
+    for i, p in enumerate(prompts):
+      p = [int(t) for t in np.asarray(p).reshape(-1)]
+      if not p:
+        raise GenerationError(f"prompt {i} is empty (it has no tokens)")
+      bad = [t for t in p if not 0 <= t < self.vocab_size]
+      if bad:
+        raise GenerationError(f"prompt {i} holds token ids outside the vocabulary [0, {self.vocab_size}): "
+                              f"{bad[:8]}")
+      if len(p) > self.max_length:
+        raise GenerationError(f"prompt {i} has {len(p)} tokens, longer than the model's limit "
+                              f"max_cache_length={self.max_length}")
+      if len(p) + int(max_new_tokens) > self.max_length:
+        raise GenerationError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                              f"{len(p) + int(max_new_tokens)} > max_cache_length={self.max_length} cache entries "
+                              f"(lower max_new_tokens or raise max_cache_length)")
+      out.append(p)
+    return out
+
+  # --- compiled functions ---------------------------------------------------------------------------
+  def _model(self, leaves):
+    return nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, leaves))
+
+  def _functions(self, num_slots: int, row_length: int, cache_length: int, params: SamplingParams):
+    """(prefill, step, seconds to compile and warm up), compiled ahead of time for these static sizes
+    (cached)."""
+    key = (num_slots, row_length, cache_length, params)
+    if key in self._compiled:
+      return self._compiled[key]
+    eos = -1 if self.eos_id is None else int(self.eos_id)
+    pad = self.pad_id
+
+    def prefill(leaves, ids, seg, rng):
+      logits, cache = self._model(leaves).prefill(ids, seg, num_slots=num_slots, cache_length=cache_length)
+      tok = _sample_rows(last_token_logits(logits, seg, num_slots), rng, 0, params)
+      return tok, cache
+
+    def step(leaves, tok, cache, done, stop_at_eos, rng, index):
+      logits, cache = self._model(leaves).decode(tok, cache)
+      new = _sample_rows(logits, rng, index, params)
+      new = jnp.where(done, pad, new)
+      done = done | (stop_at_eos & (new == eos))
+      return new, cache, done
+
+    rng = jax.random.key(0)
+    ids = jax.ShapeDtypeStruct((1, row_length), jnp.int32)
+    t0 = time.perf_counter()
+    prefill_c = jax.jit(prefill).lower(self._leaves, ids, ids, rng).compile()
+    _, cache_shape = jax.eval_shape(prefill, self._leaves, ids, ids, rng)
+    vec = jax.ShapeDtypeStruct((num_slots,), jnp.int32)
+    flags = jax.ShapeDtypeStruct((num_slots,), jnp.bool_)
+    # The cache is donated: its buffers (the MLA latent cache above all) are updated in place.
+    step_c = jax.jit(step, donate_argnums=(2,)).lower(
+        self._leaves, vec, cache_shape, flags, jax.ShapeDtypeStruct((), jnp.bool_), rng,
+        jax.ShapeDtypeStruct((), jnp.int32)).compile()
+    # One warm-up run on an all-padding row: the first execution of a fresh executable pays one-time
+    # set-up costs (hundreds of ms on CPU) that belong with compilation, not with time to first token.
+    zeros = jnp.zeros((1, row_length), jnp.int32)
+    tok, cache = prefill_c(self._leaves, zeros, zeros, rng)
+    jax.block_until_ready(step_c(self._leaves, tok, cache, jnp.ones((num_slots,), bool), jnp.asarray(False), rng,
+                                 jnp.int32(1)))
+    self._compiled[key] = (prefill_c, step_c, time.perf_counter() - t0)
+    return self._compiled[key]
+
+  # --- generation -----------------------------------------------------------------------------------
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+               sampling_params: SamplingParams = SamplingParams(), seed: int = 0, stop_at_eos: bool = True,
+               on_tokens: Callable[[int, np.ndarray, np.ndarray], None] | None = None):
+    """Generates up to `max_new_tokens` tokens for every prompt.
+
+    Args:
+      prompts: token-id sequences (lists or 1-D integer arrays), any lengths.
+      max_new_tokens: tokens to generate per prompt (fewer when EOS comes first).
+      sampling_params: the sampling strategy. seed: PRNG seed of the random strategies.
+      stop_at_eos: stop a sequence at `eos_id` (the EOS token is kept in its output).
+      on_tokens: optional `fn(group_start, tokens int32 [n], live bool [n])` called after the first
+        token and after every decode step, for the `n` prompts of the group starting at prompt
+        `group_start`; `live[i]` says whether `tokens[i]` belongs to prompt group_start + i's output.
+        Used for streaming.
+
+    Returns:
+      `(list[SequenceResult] in prompt order, Timings)`.
+
+    Raises:
+      GenerationError: see `check_request`.
+    """
+    prompts = self.check_request(prompts, max_new_tokens)
+    max_new_tokens = int(max_new_tokens)
+    n = min(len(prompts), self.batch_size)
+    groups = [prompts[i:i + n] for i in range(0, len(prompts), n)]
+    row = round_up(max(sum(len(p) for p in g) for g in groups), self.prefill_multiple)
+    # check_request guarantees need <= max_length, so the clamp never cuts below need.
+    need = max(len(p) for p in prompts) + max_new_tokens
+    cache_length = min(round_up(need, self.cache_multiple), self.max_length)
+    fresh = (n, row, cache_length, sampling_params) not in self._compiled
+    prefill, step, compile_s = self._functions(n, row, cache_length, sampling_params)
+    timings = Timings(compile_s=compile_s if fresh else 0.0)
+    rng = jax.random.key(int(seed))
+    results: list[SequenceResult] = []
+    group_rngs = [jax.random.fold_in(rng, gi) for gi in range(len(groups))]  # outside the timed region
+    for gi, group in enumerate(groups):
+      group_rng = group_rngs[gi]
+      results.extend(self._run_group(group, gi * n, n, row, max_new_tokens, prefill, step, group_rng,
+                                     stop_at_eos, on_tokens, timings, first=gi == 0))
+    return results, timings
+
+  def _run_group(self, group, start, n, row, max_new_tokens, prefill, step, rng, stop_at_eos, on_tokens,
+                 timings, first):
+    ids, seg = pack_prompts(group, n, row)
+    real = np.arange(n) < len(group)
+    stop = stop_at_eos and self.eos_id is not None
+    ids, seg, stop_flag = jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(stop)
+    t0 = time.perf_counter()
+    tok, cache = prefill(self._leaves, ids, seg, rng)
+    tok_host = np.asarray(tok)
+    t1 = time.perf_counter()
+    if first:
+      timings.time_to_first_token_s = t1 - t0
+    timings.prefill_s += t1 - t0
+    timings.prefill_tokens += int(sum(len(p) for p in group))
+    outputs = [[int(tok_host[i])] for i in range(len(group))]
+    done_host = ~real | (stop & (tok_host == (self.eos_id if stop else -1)))
+    if on_tokens is not None:
+      on_tokens(start, tok_host[:len(group)], real[:len(group)])
+    done = jnp.asarray(done_host)
+    t2 = time.perf_counter()
+    for i in range(1, max_new_tokens):
+      if done_host.all():
+        break
+      live = ~done_host
+      tok, cache, done = step(self._leaves, tok, cache, done, stop_flag, rng, jnp.int32(i))
+      tok_host, done_host = np.asarray(tok), np.asarray(done)
+      timings.decode_steps += 1
+      timings.decode_tokens += int(live[:len(group)].sum())
+      for j in np.nonzero(live[:len(group)])[0]:
+        outputs[j].append(int(tok_host[j]))
+      if on_tokens is not None:
+        on_tokens(start, tok_host[:len(group)], live[:len(group)])
+    timings.decode_s += time.perf_counter() - t2
+    results = []
+    for p, out in zip(group, outputs):
+      reason = "eos" if stop and out and out[-1] == self.eos_id else "length"
+      results.append(SequenceResult(list(p), out, reason))
+    return results

@@ -1,0 +1,198 @@
+r"""Generate text (or token ids) from a checkpoint: packed prefill of every prompt, then cached decoding.
+
+Usage:
+  python -m tools.generate load_parameters_path=DIR [tokenizer_path=FILE] [attention=kda_native]
+      (prompt="text" | prompts_file=FILE | prompt_ids="1,2,3") max_new_tokens=N
+      decode_sampling_strategy=greedy|weighted|topk|nucleus [decode_sampling_temperature=T]
+      [decode_sampling_top_k=K] [decode_sampling_nucleus_p=P] [seed=S] [output_json=FILE]
+
+The model config comes from the checkpoint (DIR/config.json); any key=value of configs/base.py given
+here overrides it (e.g. attention=kda_reference, max_cache_length=4096, dtype=bfloat16).
+
+Keys:
+  load_parameters_path  checkpoint directory (tools.convert_checkpoint or training output). Required.
+  tokenizer_path        sentencepiece .model file; default: the checkpoint's copy, if any. Without a
+                        tokenizer the tool works on token ids only.
+  prompt                one text prompt (needs a tokenizer); BOS is prepended when generate_add_bos
+                        is true and the tokenizer has one. Its text streams to stdout as it is made.
+  prompts_file          UTF-8 file, one prompt per non-blank line: text with a tokenizer, else token
+                        ids separated by spaces or commas.
+  prompt_ids            one prompt as token ids "1,2,3" (used verbatim: no BOS added).
+  max_new_tokens        tokens to generate per prompt; a sequence stops earlier at EOS when
+                        decode_stop_at_eos is true (the EOS token is part of its output).
+  decode_sampling_strategy   greedy (argmax) | weighted (softmax draw) | topk | nucleus.
+  decode_sampling_temperature  > 0, divides the logits before a draw (not used by greedy).
+  decode_sampling_top_k       candidates of topk.   decode_sampling_nucleus_p  mass of nucleus, (0, 1].
+  seed                  PRNG seed of the random strategies (each prompt draws with its own key).
+  generate_batch_size   prompts packed into one prefill row and decoded together (default 8).
+  max_cache_length      the model's limit: prompt + max_new_tokens must fit (MLA cache per sequence).
+  output_json           write, per prompt, the prompt ids, generated ids, text (with a tokenizer) and
+                        finish reason, plus the timings, to this file (atomically).
+
+Prints the generated text (or ids), then the time to first token, prefill tokens/s and decode
+tokens/s (compilation is done first and reported apart). Bad input (missing checkpoint or tokenizer,
+an empty prompt, a prompt longer than the model's limit, a file that is not UTF-8, ids outside the
+vocabulary, an unknown sampling strategy, ...) prints one `error:` line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from model.input_pipeline import DataFormatError, parse_ids_documents, read_text_file
+from model.serving import GenerationError, Generator, SamplingParams
+from model.tokenizer import TokenizerError
+from tools import serving_common as common
+
+_PROMPT_KEYS = ("prompt", "prompts_file", "prompt_ids")
+
+
+def sampling_params(cfg) -> SamplingParams:
+  """The `SamplingParams` of the decode_sampling_* keys (GenerationError naming the bad key)."""
+  strategy = cfg.decode_sampling_strategy
+  try:
+    return SamplingParams(strategy, cfg.decode_sampling_temperature,
+                          top_k=cfg.decode_sampling_top_k if strategy == "topk" else None,
+                          top_p=cfg.decode_sampling_nucleus_p if strategy == "nucleus" else None)
+  except GenerationError as e:
+    raise GenerationError(f"decode_sampling_*: {e}") from None
+
+
+def read_prompts(cfg, given: set[str], tokenizer, vocab_size: int) -> tuple[list[str | None], list[list[int]]]:
+  """`(texts, ids)` of the prompts named by exactly one of prompt / prompts_file / prompt_ids.
+
+  Raises:
+    UsageError: none or several of the three keys; GenerationError: an empty prompt or file;
+    TokenizerError: text without a tokenizer; DataFormatError: non-UTF-8 or malformed ids;
+    FileNotFoundError: a missing prompts_file.
+  """
+  chosen = [k for k in _PROMPT_KEYS if k in given or cfg[k]]
+  if len(chosen) != 1:
+    raise common.UsageError(f"give exactly one of prompt=, prompts_file= or prompt_ids= (got "
+                            f"{', '.join(chosen) if chosen else 'none'})")
+  key = chosen[0]
+  bos = [tokenizer.bos_id] if cfg.generate_add_bos and tokenizer.bos_id is not None else []
+  if key == "prompt":
+    if not cfg.prompt.strip():
+      raise GenerationError("prompt is empty: give some text, e.g. prompt=\"Once upon a time\"")
+    if tokenizer.ids_only:
+      raise TokenizerError("prompt= (text) needs a tokenizer: pass tokenizer_path=FILE, or give token ids "
+                           "with prompt_ids=")
+    return [cfg.prompt], [bos + tokenizer.encode(cfg.prompt)]
+  if key == "prompt_ids":
+    docs = parse_ids_documents(cfg.prompt_ids, "prompt_ids", vocab_size=vocab_size)
+    if not docs:
+      raise GenerationError("prompt_ids is empty: give token ids, e.g. prompt_ids=\"1,2,3\"")
+    if len(docs) > 1:
+      raise common.UsageError("prompt_ids holds one prompt on one line; put several in prompts_file=")
+    return [None], [docs[0].tolist()]
+  path = cfg.prompts_file
+  if not path:
+    raise GenerationError("prompts_file is empty: give the path of a prompts file")
+  try:
+    text = read_text_file(path)
+  except FileNotFoundError:
+    raise FileNotFoundError(f"prompts_file={path!r} does not exist (or is not a file)") from None
+  except DataFormatError as e:
+    raise DataFormatError(f"prompts_file: {e}") from None
+  if tokenizer.ids_only:
+    ids = [d.tolist() for d in parse_ids_documents(text, path, vocab_size=vocab_size)]
+    texts = [None] * len(ids)
+  else:
+    texts = [line for line in text.split("\n") if line.strip()]
+    texts = [t.removesuffix("\r") for t in texts]
+    ids = [bos + tokenizer.encode(t) for t in texts]
+  if not ids:
+    raise GenerationError(f"prompts_file={path!r} holds no prompt (every line is blank)")
+  return texts, ids
+
+
+class _Streamer:
+  """Prints one prompt and its continuation as it is produced. The text is decoded from prompt +
+  generated ids together, so pieces that start a word keep their leading space."""
+
+  def __init__(self, tokenizer, eos_id, prompt_ids):
+    self.tokenizer, self.eos_id = tokenizer, eos_id
+    self.ids: list[int] = list(prompt_ids)
+    self.printed = self._render()
+    sys.stdout.write(self.printed)
+    sys.stdout.flush()
+
+  def _render(self) -> str:
+    shown = [t for t in self.ids if t != self.eos_id]
+    return self.tokenizer.decode(shown) if not self.tokenizer.ids_only else " ".join(map(str, shown))
+
+  def __call__(self, start, tokens, live):
+    if not live[0]:
+      return
+    self.ids.append(int(tokens[0]))
+    text = self._render()
+    if text.startswith(self.printed):
+      sys.stdout.write(text[len(self.printed):])
+    else:  # an earlier piece changed with later tokens (rare): print the whole text on a new line
+      sys.stdout.write("\n" + text)
+    sys.stdout.flush()
+    self.printed = text
+
+
+def _text(tokenizer, ids, eos_id):
+  if tokenizer.ids_only:
+    return None
+  return tokenizer.decode([t for t in ids if t != eos_id])
+
+
+def main(argv: list[str]) -> int:
+  overrides, cfg = common.parse_args(argv)
+  given = common.given_keys(argv)
+  params = sampling_params(cfg)
+  if cfg.max_new_tokens < 1:
+    raise GenerationError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+  if cfg.generate_batch_size < 1 or cfg.prefill_length_multiple < 1:
+    raise common.UsageError("generate_batch_size and prefill_length_multiple must be >= 1")
+  model, mcfg = common.load(cfg, overrides)
+  tokenizer = common.tokenizer_for(mcfg)
+  vocab = int(mcfg.vocab_size)
+  texts, prompts = read_prompts(cfg, given, tokenizer, vocab)
+  eos = tokenizer.eos_id if tokenizer.eos_id is not None else None
+  pad = tokenizer.pad_id if tokenizer.pad_id is not None and tokenizer.pad_id < vocab else 0
+  gen = Generator(model, max_length=int(mcfg.max_cache_length), eos_id=eos, pad_id=pad,
+                  batch_size=cfg.generate_batch_size, prefill_multiple=cfg.prefill_length_multiple,
+                  cache_multiple=cfg.prefill_length_multiple)
+  gen.check_request(prompts, cfg.max_new_tokens)
+  print(f"model {mcfg.model_name} from {mcfg.load_parameters_path}: attention={mcfg.attention}, "
+        f"dtype={mcfg.dtype}; {len(prompts)} prompt(s), {sum(map(len, prompts))} tokens; "
+        f"sampling {params.strategy}", file=sys.stderr)
+  stream = _Streamer(tokenizer, eos, prompts[0]) if len(prompts) == 1 else None
+  results, timings = gen.generate(prompts, cfg.max_new_tokens, sampling_params=params, seed=cfg.seed,
+                                  stop_at_eos=cfg.decode_stop_at_eos, on_tokens=stream)
+  if stream is not None:
+    sys.stdout.write("\n")
+  else:
+    for i, r in enumerate(results):
+      shown = _text(tokenizer, r.token_ids, eos)
+      print(f"[{i}] {texts[i] if texts[i] is not None else ' '.join(map(str, r.prompt_ids))}")
+      print(f"  -> {shown if shown is not None else ' '.join(map(str, r.token_ids))}  ({r.finish_reason})")
+  t = timings
+  print(f"compile {t.compile_s:.2f} s | time to first token {t.time_to_first_token_s * 1e3:.1f} ms | "
+        f"prefill {t.prefill_tokens} tokens, {t.prefill_tokens_per_s:.1f} tokens/s | decode {t.decode_tokens} "
+        f"tokens in {t.decode_steps} steps, {t.decode_tokens_per_s:.1f} tokens/s")
+  if cfg.output_json:
+    common.write_json_atomic(cfg.output_json, {
+        "checkpoint": str(mcfg.load_parameters_path), "attention": mcfg.attention, "dtype": mcfg.dtype,
+        "tokenizer": mcfg.tokenizer_path or None, "max_new_tokens": cfg.max_new_tokens,
+        "sampling": {"strategy": params.strategy, "temperature": params.temperature, "top_k": params.top_k,
+                     "top_p": params.top_p, "seed": cfg.seed},
+        "stop_at_eos": cfg.decode_stop_at_eos, "eos_id": eos,
+        "timings": t.as_dict(),
+        "results": [{"prompt": texts[i], "prompt_ids": r.prompt_ids, "generated_ids": r.token_ids,
+                     "text": _text(tokenizer, r.token_ids, eos), "finish_reason": r.finish_reason}
+                    for i, r in enumerate(results)],
+    })
+    print(f"wrote {cfg.output_json}", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(common.run_tool(main, __doc__))

@@ -1,0 +1,154 @@
+r"""Perplexity of a checkpoint on a corpus, with documents packed and long documents carried across windows.
+
+Usage:
+  python -m tools.perplexity load_parameters_path=DIR eval_data=FILE [eval_format=text|jsonl|ids]
+      [tokenizer_path=FILE] max_target_length=N [attention=kda_native] [compare_attention=NAME]
+      [compare_tolerance=X] [dump_logprobs=true] [output_json=FILE]
+
+The model config comes from the checkpoint (DIR/config.json); any key=value of configs/base.py given
+here overrides it.
+
+Keys:
+  load_parameters_path  checkpoint directory. Required.
+  eval_data             the corpus; every document in it is scored (no held-out split is taken).
+  eval_format           text: documents are blocks of non-blank lines separated by blank lines;
+                        jsonl: one JSON string or {"text": ...} per line; ids: one document of token
+                        ids (spaces/commas) per line. text/jsonl need a tokenizer.
+  tokenizer_path        sentencepiece .model; default: the checkpoint's copy, if any.
+  eval_add_bos, eval_add_eos   frame text/jsonl documents with BOS / EOS (default both, as training
+                        does; the EOS prediction is scored). ids documents are scored verbatim.
+  max_target_length     T, tokens per window row. Documents are packed with segment IDs (they never
+                        see each other); a document that does not fit continues in the next window
+                        from its carried state (KDA state, conv windows, MLA latents): never truncated.
+  eval_batch_size       rows (independent document streams) per window.
+  max_num_segments      documents per row (the model's packing slots).
+  compare_attention     also score with this attention backend; report the max |log-prob difference|
+                        and the perplexity difference; exit status 1 when the former exceeds
+                        compare_tolerance.
+  dump_logprobs         add every document's token ids and per-token log-probs to output_json.
+  output_json           write the figures (and dumps) to this file, atomically.
+
+Reports perplexity = exp(mean negative log-likelihood per scored token), bits per byte (text/jsonl:
+total NLL in bits / UTF-8 bytes of the documents), the token count and tokens/s (compilation
+excluded), with a progress bar over windows. Bad input prints one `error:` line and exits with 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from tqdm import tqdm
+
+from model.input_pipeline import FORMATS, DataFormatError, read_documents, tokenize_documents
+from model.scoring import Scorer
+from model.tokenizer import TokenizerError
+from tools import serving_common as common
+
+
+def load_documents(cfg, tokenizer, vocab_size: int):
+  """`(token documents, UTF-8 byte count or None)` of eval_data.
+
+  Raises:
+    UsageError: no eval_data, a bad eval_format, an empty corpus, BOS/EOS framing the tokenizer
+      cannot do. FileNotFoundError, DataFormatError (file and line), TokenizerError.
+  """
+  if not cfg.eval_data:
+    raise common.UsageError("eval_data is required: the corpus file to score")
+  if cfg.eval_format not in FORMATS:
+    raise common.UsageError(f"eval_format must be one of {list(FORMATS)}, got {cfg.eval_format!r}")
+  if cfg.eval_format != "ids" and tokenizer.ids_only:
+    raise TokenizerError(f"eval_format={cfg.eval_format} needs a tokenizer: pass tokenizer_path=FILE "
+                                f"(or use eval_format=ids)")
+  try:
+    docs = read_documents(cfg.eval_data, cfg.eval_format, vocab_size=vocab_size)
+  except FileNotFoundError:
+    raise FileNotFoundError(f"eval_data={cfg.eval_data!r} does not exist (or is not a file)") from None
+  except DataFormatError as e:
+    raise DataFormatError(f"eval_data: {e}") from None
+  if not docs:
+    raise common.UsageError(f"eval_data={cfg.eval_data!r} holds no document")
+  if cfg.eval_format == "ids":
+    return [np.asarray(d, np.int32) for d in docs], None
+  for key, tok_id, want in (("eval_add_bos", tokenizer.bos_id, cfg.eval_add_bos),
+                            ("eval_add_eos", tokenizer.eos_id, cfg.eval_add_eos)):
+    if want and tok_id is None:
+      raise common.UsageError(f"{key}=true but the tokenizer has no such token; pass {key}=false")
+  ids = tokenize_documents(docs, tokenizer, add_bos=cfg.eval_add_bos, add_eos=cfg.eval_add_eos)
+  return ids, sum(len(d.encode("utf-8")) for d in docs)
+
+
+def _progress(desc):
+  return lambda it, total: tqdm(it, total=total, desc=desc, unit="window", file=sys.stderr, leave=False)
+
+
+def score(model, cfg, mcfg, docs, desc):
+  """`ScoreResult` of `docs` under `model` with the tool's window settings."""
+  if cfg.max_target_length < 2:
+    raise common.UsageError(f"max_target_length must be >= 2, got {cfg.max_target_length}")
+  if cfg.eval_batch_size < 1:
+    raise common.UsageError(f"eval_batch_size must be >= 1, got {cfg.eval_batch_size}")
+  pad = int(mcfg.pad_token_id) if 0 <= int(mcfg.pad_token_id) < int(mcfg.vocab_size) else 0
+  scorer = Scorer(model, seq_len=cfg.max_target_length, batch_size=cfg.eval_batch_size,
+                  num_slots=int(mcfg.max_num_segments), pad_id=pad, cache_multiple=cfg.prefill_length_multiple)
+  return scorer.score(docs, progress=_progress(desc))
+
+
+def _figures(res, num_bytes):
+  out = {"perplexity": res.perplexity, "num_tokens": res.num_tokens, "total_logprob": res.total_logprob,
+         "tokens_per_s": res.tokens_per_s, "seconds": res.seconds, "compile_s": res.compile_s,
+         "num_windows": res.num_windows}
+  if num_bytes is not None:
+    out["bits_per_byte"] = res.bits_per_byte(num_bytes)
+    out["num_bytes"] = num_bytes
+  return out
+
+
+def _report(name, figs):
+  bpb = f", {figs['bits_per_byte']:.4f} bits/byte" if "bits_per_byte" in figs else ""
+  print(f"[{name}] perplexity {figs['perplexity']:.4f}{bpb} | {figs['num_tokens']} tokens in "
+        f"{figs['num_windows']} windows, {figs['tokens_per_s']:.1f} tokens/s (compile {figs['compile_s']:.1f} s)")
+
+
+def main(argv: list[str]) -> int:
+  overrides, cfg = common.parse_args(argv)
+  model, mcfg = common.load(cfg, overrides)
+  tokenizer = common.tokenizer_for(mcfg)
+  vocab = int(mcfg.vocab_size)
+  docs, num_bytes = load_documents(cfg, tokenizer, vocab)
+  print(f"model {mcfg.model_name} from {mcfg.load_parameters_path}: attention={mcfg.attention}, dtype={mcfg.dtype}; "
+        f"{len(docs)} documents, {sum(d.size for d in docs)} tokens, windows of {cfg.eval_batch_size} x "
+        f"{cfg.max_target_length}", file=sys.stderr)
+  res = score(model, cfg, mcfg, docs, mcfg.attention)
+  figs = _figures(res, num_bytes)
+  _report(mcfg.attention, figs)
+  result = {"checkpoint": str(mcfg.load_parameters_path), "eval_data": cfg.eval_data, "eval_format": cfg.eval_format,
+            "attention": mcfg.attention, "dtype": mcfg.dtype, "max_target_length": cfg.max_target_length,
+            "eval_batch_size": cfg.eval_batch_size, "num_documents": len(docs), **figs}
+  status = 0
+  if cfg.compare_attention:
+    other, ocfg = common.load(cfg, overrides, [f"attention={cfg.compare_attention}"])
+    ores = score(other, cfg, ocfg, docs, cfg.compare_attention)
+    ofigs = _figures(ores, num_bytes)
+    _report(cfg.compare_attention, ofigs)
+    a = np.concatenate([lp for lp in res.logprobs] + [np.zeros(0)])
+    b = np.concatenate([lp for lp in ores.logprobs] + [np.zeros(0)])
+    max_diff = float(np.max(np.abs(a - b))) if a.size else 0.0
+    ppl_diff = ofigs["perplexity"] - figs["perplexity"]
+    ok = max_diff <= cfg.compare_tolerance
+    print(f"compare {mcfg.attention} vs {cfg.compare_attention}: max |log-prob diff| {max_diff:.3e}, "
+          f"perplexity diff {ppl_diff:+.3e} -> {'OK' if ok else 'FAIL'} (tolerance {cfg.compare_tolerance:g})")
+    result["compare"] = {"attention": cfg.compare_attention, **ofigs, "max_abs_logprob_diff": max_diff,
+                         "perplexity_diff": ppl_diff, "tolerance": cfg.compare_tolerance, "within_tolerance": ok}
+    status = 0 if ok else 1
+  if cfg.dump_logprobs:
+    result["documents"] = [{"index": i, "token_ids": d.tolist(), "logprobs": lp.tolist()}
+                           for i, (d, lp) in enumerate(zip(docs, res.logprobs))]
+  if cfg.output_json:
+    common.write_json_atomic(cfg.output_json, result)
+    print(f"wrote {cfg.output_json}", file=sys.stderr)
+  return status
+
+
+if __name__ == "__main__":
+  sys.exit(common.run_tool(main, __doc__))

@@ -1,0 +1,128 @@
+"""Plumbing shared by `tools.generate` and `tools.perplexity`: argument handling, model and tokenizer
+loading, the one-line error contract and atomic JSON output.
+
+Error contract: every expected failure (bad key or value, missing checkpoint or tokenizer, unreadable
+or malformed input) is raised as one of `EXPECTED_ERRORS`; `run_tool` prints it as a single
+`error: ...` line on stderr and exits with status 2, with no traceback and no partial output file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+
+from configs import base
+from model.config import ConfigError, apply_overrides
+from model.input_pipeline import DataFormatError
+from model.registry import UnknownBackendError
+from model.scoring import ScoringError
+from model.serving import GenerationError
+from model.tokenizer import TokenizerError, load_tokenizer
+
+
+class UsageError(ValueError):
+  """A command line that names no or contradictory inputs (the message names the keys)."""
+
+
+def _checkpoint_error():
+  from model.checkpointing import CheckpointError
+  return CheckpointError
+
+
+EXPECTED_ERRORS = (UsageError, ConfigError, DataFormatError, GenerationError, TokenizerError, FileNotFoundError,
+                   IsADirectoryError, UnknownBackendError, ScoringError)
+
+
+def parse_args(argv: Sequence[str]) -> tuple[list[str], object]:
+  """Checks `key=value` arguments against configs/base.py.
+
+  Returns:
+    `(overrides, tool_config)`: the override strings (for the checkpoint's config) and the base
+    config with them applied (tool keys such as `prompt` are read from it, never from the
+    checkpoint's stored config).
+
+  Raises:
+    UsageError: a positional model-config name (the model comes from the checkpoint) or a missing
+      load_parameters_path. ConfigError: an unknown key or a value of the wrong type.
+  """
+  argv = list(argv)
+  if argv and "=" not in argv[0]:
+    raise UsageError(f"got {argv[0]!r}: the model config comes from the checkpoint (load_parameters_path=DIR); "
+                     f"write every setting as key=value (see --help)")
+  cfg = apply_overrides(base.get_config(), argv)
+  if not cfg.load_parameters_path:
+    raise UsageError("load_parameters_path is required: the checkpoint directory to serve (a converted or "
+                     "trained checkpoint with config.json and params/)")
+  return argv, cfg
+
+
+def given_keys(argv: Sequence[str]) -> set[str]:
+  """Keys written on the command line (so `prompt=` given empty differs from no prompt at all)."""
+  return {a.split("=", 1)[0].strip().lstrip("-") for a in argv if "=" in a}
+
+
+def load(tool_config, overrides: Sequence[str], extra: Sequence[str] = ()):
+  """`(model, model_config)`: the checkpoint's config with the command-line overrides (then
+  `extra`) applied, and its parameters. Raises CheckpointError / ConfigError."""
+  from model.checkpointing import load_model
+  return load_model(tool_config.load_parameters_path, list(overrides) + list(extra))
+
+
+def tokenizer_for(model_config, *, required_for: str | None = None):
+  """The tokenizer of `model_config.tokenizer_path`, or an ids-only one when it is empty.
+
+  Raises:
+    TokenizerError: a missing or invalid file; or no tokenizer when `required_for` names a use
+      that needs text.
+  """
+  path = model_config.tokenizer_path
+  if not path and required_for:
+    raise TokenizerError(f"{required_for} needs a tokenizer: pass tokenizer_path=FILE (the checkpoint has none)")
+  vocab = int(model_config.vocab_size)
+  special = lambda i: int(i) if 0 <= int(i) < vocab else None
+  return load_tokenizer(path or None, vocab_size=vocab, bos_id=special(model_config.bos_token_id),
+                        eos_id=special(model_config.eos_token_id), pad_id=special(model_config.pad_token_id))
+
+
+def write_json_atomic(path: str | os.PathLike, data) -> None:
+  """Writes `data` as JSON to `path` through a temporary file in the same directory, then renames it
+  (readers never see a half-written file).
+
+  Raises:
+    UsageError: the parent directory does not exist.
+  """
+  path = pathlib.Path(path)
+  parent = path.parent if str(path.parent) else pathlib.Path(".")
+  if not parent.is_dir():
+    raise UsageError(f"output_json={str(path)!r}: directory {str(parent)!r} does not exist")
+  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(data, f, indent=1)
+      f.write("\n")
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def run_tool(main: Callable[[list[str]], int], doc: str, argv: Sequence[str] | None = None) -> int:
+  """Runs `main(argv)` with `--help` and the one-line error contract; returns the exit status."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if any(a in ("-h", "--help", "help") for a in argv):
+    print(doc.strip())
+    return 0
+  try:
+    return main(argv)
+  except EXPECTED_ERRORS + (_checkpoint_error(),) as e:
+    msg = str(e) or type(e).__name__
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    return 130
