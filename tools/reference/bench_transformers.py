@@ -137,7 +137,7 @@ def main(argv=None):
       "transformers": transformers.__version__, "torch": torch.__version__,
       "python": platform.python_version(), "cpu_count": os.cpu_count(), "threads": args.threads,
       "loadavg_at_end": os.getloadavg(),
-      "model": {"source": str(args.model_dir) if args.model_dir else "random init (seed %d)" % args.seed,
+      "model": {"source": str(args.model_dir) if args.model_dir else f"random init (seed {args.seed})",
                 "parameters": n_params, "layer_types": cfg.layer_types,
                 "mlp_layer_types": cfg.mlp_layer_types, "hidden_size": cfg.hidden_size,
                 "vocab_size": cfg.vocab_size, "kda_heads": cfg.linear_num_heads,
@@ -157,13 +157,15 @@ def main(argv=None):
   args.json.write_text(json.dumps(result, indent=2) + "\n")
   print(f"transformers {transformers.__version__}, torch {torch.__version__}, {args.threads} threads, "
         f"{n_params / 1e6:.2f} M parameters, float32, CPU")
-  print(f"prefill  {args.prefill_tokens} tokens, batch 1: median {result['prefill']['median_s'] * 1e3:8.1f} ms "
-        f"-> {result['prefill']['tokens_per_s']:8.1f} tokens/s (best {result['prefill']['tokens_per_s_best']:.1f})  (runs: "
-        + ", ".join(f"{s * 1e3:.1f}" for s in prefill_s) + " ms)")
+  pre, dec = result["prefill"], result["decode"]
+  runs_ms = lambda xs: ", ".join(f"{x * 1e3:.1f}" for x in xs)
+  print(f"prefill  {args.prefill_tokens} tokens, batch 1: median {pre['median_s'] * 1e3:8.1f} ms -> "
+        f"{pre['tokens_per_s']:8.1f} tokens/s (best {pre['tokens_per_s_best']:.1f})  "
+        f"(runs: {runs_ms(prefill_s)} ms)")
   print(f"decode   {args.decode_tokens} tokens after {args.prefill_tokens}, batch 1: median "
-        f"{result['decode']['median_s'] * 1e3:8.1f} ms -> {result['decode']['tokens_per_s']:8.1f} tokens/s, "
-        f"{result['decode']['ms_per_token']:.2f} ms/token (best {result['decode']['tokens_per_s_best']:.1f} tokens/s)  (runs: "
-        + ", ".join(f"{s * 1e3:.1f}" for s in decode_s) + " ms)")
+        f"{dec['median_s'] * 1e3:8.1f} ms -> {dec['tokens_per_s']:8.1f} tokens/s, "
+        f"{dec['ms_per_token']:.2f} ms/token (best {dec['tokens_per_s_best']:.1f} tokens/s)  "
+        f"(runs: {runs_ms(decode_s)} ms)")
   print(f"wrote {args.json}; load average at the end: {result['loadavg_at_end'][0]:.2f} "
         "(other processes on these cores inflate the timings)")
 
