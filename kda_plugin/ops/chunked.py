@@ -60,38 +60,6 @@ def _safe_exp(mask, x):
   return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
-class _Plan(NamedTuple):
-  """Per-chunk segment bookkeeping (`[NC, B]` unless noted)."""
-
-  segc: jax.Array          # [NC, B, C] labels
-  same: jax.Array          # [NC, B, C, C] rows r and i hold the same document (not padding)
-  cont_row: jax.Array      # [NC, B, C] row belongs to the document carried in from chunk c-1
-  last_row: jax.Array      # [NC, B, C] row belongs to the document open at row C-1
-  last_is_cont: jax.Array  # the document at row C-1 is the carried one
-  cont_closes: jax.Array   # a carried document exists and ends in this chunk
-  slot_cont: jax.Array     # its state slot
-  slot_last: jax.Array     # slot of the document at row C-1
-
-
-def _plan(segc, n_slots):
-  nc, b, c = segc.shape
-  valid = segc > 0
-  same = (segc[..., :, None] == segc[..., None, :]) & valid[..., :, None]
-  zeros = jnp.zeros((1, b), segc.dtype)
-  prev_last = jnp.concatenate([zeros, segc[:-1, :, -1]], axis=0)
-  next_first = jnp.concatenate([segc[1:, :, 0], zeros], axis=0)
-  first = segc[:, :, 0]
-  cont_label = jnp.where((first == prev_last) & (first > 0), first, 0)
-  last_label = segc[:, :, -1]
-  cont_row = (segc == cont_label[..., None]) & (cont_label[..., None] > 0)
-  last_row = (segc == last_label[..., None]) & (last_label[..., None] > 0)
-  last_is_cont = (cont_label > 0) & (last_label == cont_label)
-  cont_closes = (cont_label > 0) & ~(last_is_cont & (next_first == cont_label))
-  slot = lambda lab: jnp.clip(lab - 1, 0, n_slots - 1)
-  return _Plan(segc, same, cont_row, last_row, last_is_cont, cont_closes, slot(cont_label),
-               slot(last_label))
-
-
 def _between(tb):
   """`D[x, y] = sum_{y < z < x} Tb[z]` for sub-blocks x > y (0 elsewhere): `[..., NB, K] -> [..., NB, NB, K]`."""
   nb = tb.shape[-2]
@@ -130,67 +98,100 @@ def _decay_to_row(gb, ce, tb, e):
   return out.reshape(out.shape[:-3] + (nb * sub, kd))
 
 
-def _scores_factor(qs, k, gb, ce, tb):
-  """Raw `Aqk, Akk [..., C, C]` with every sub-block product factored (fast; needs |Tb| <= FACTOR_LIMIT).
+def _scores_chunk(q, k, gb, tb, ce):
+  """Raw `Aqk, Akk [..., C, C]` from one factorisation per chunk (needs |G_{C-1}| <= FACTOR_LIMIT).
 
-  Diagonal sub-blocks factor exp(G_r - G_i) around the sub-block midpoint m = Tb / 2; an
-  off-diagonal block (row sub-block x > column sub-block y) uses the same row factor
-  exp(G_r - m_x) and the column factor exp(m_x + D[x, y] + ce_i) <= 1. Entries above the diagonal
-  are garbage (finite) and must be masked by the caller.
+  exp(G_r - G_i) = exp(G_r - m) exp(m - G_i) with m = G_{C-1} / 2 per channel: every factor is at most
+  exp(FACTOR_LIMIT / 2), every product (masked entries included) at most exp(FACTOR_LIMIT). Entries
+  above the diagonal are finite garbage that the caller masks.
+  """
+  del ce
+  g_full = _chunk_cumsum(gb, tb)
+  m = 0.5 * g_full[..., -1:, :]
+  row_f = jnp.exp(g_full - m)
+  col = k * jnp.exp(m - g_full)
+  col_t = jnp.swapaxes(col, -1, -2)                                   # [..., K, C]: NN matmuls
+  return _mm("...rk,...ki->...ri", q * row_f, col_t), _mm("...rk,...ki->...ri", k * row_f, col_t)
+
+
+def _scores_blocked(q, k, gb, tb, ce, *, exact):
+  """Raw `Aqk, Akk [..., C, C]` built from 16-row sub-blocks (row block x, column block y <= x).
+
+  Off-diagonal blocks (y < x) factor exp(G_r - G_i) at the boundary between them, so both factors are
+  <= 1 for any decay. Diagonal blocks are factored around their midpoint Tb / 2 (needs
+  |Tb| <= FACTOR_LIMIT) or, with `exact`, built elementwise with the exponent masked before `exp`.
   """
   nb, sub, kd = gb.shape[-3:]
-  m = 0.5 * tb[..., None, :]                                           # [..., NB, 1, K]
-  row_f = jnp.exp(gb - m)
-  col_diag = k * jnp.exp(m - gb)
-  col_off = k * jnp.exp(ce)
-  scale_xy = jnp.exp(m[..., :, None, 0, :] + _between(tb))            # [..., NB(x), NB(y), K]
-  x = jnp.arange(nb)[:, None, None, None]
-  y = jnp.arange(nb)[None, :, None, None]
-  cols = jnp.where(x == y, col_diag[..., None, :, :, :],
-                   jnp.where(y < x, col_off[..., None, :, :, :] * scale_xy[..., :, :, None, :], 0.0))
-  rows = jnp.concatenate([qs * row_f, k * row_f], axis=-2)            # [..., NB, 2 SUB, K]
-  a = _mm("...xrk,...xyik->...xryi", rows, cols)                      # [..., NB, 2SUB, NB, SUB]
-  return _split_scores(a)
-
-
-def _scores_exact(qs, k, gb, ce, tb):
-  """Raw `Aqk, Akk [..., C, C]` with diagonal sub-blocks built elementwise (safe for any decay)."""
-  nb, sub, kd = gb.shape[-3:]
-  x = jnp.arange(nb)[:, None, None, None]
-  y = jnp.arange(nb)[None, :, None, None]
-  col_off = k * jnp.exp(ce)
-  scale_xy = jnp.exp(_between(tb))
-  cols = jnp.where(y < x, col_off[..., None, :, :, :] * scale_xy[..., :, :, None, :], 0.0)
-  row_f = jnp.exp(gb)
-  rows = jnp.concatenate([qs * row_f, k * row_f], axis=-2)
-  a = _mm("...xrk,...xyik->...xryi", rows, cols)
-  causal = jnp.arange(sub)[:, None] >= jnp.arange(sub)[None, :]      # [SUB(r), SUB(i)]
-  diag = _diag_exact(qs, k, gb, causal[:, :, None])
-  on_diag = jnp.eye(nb, dtype=bool)[:, None, :, None]                # [NB(x), 1, NB(y), 1]
-  a = a + jnp.where(on_diag, diag[..., :, :, None, :], 0.0)
-  return _split_scores(a)
+  c = nb * sub
+  qb = q.reshape(q.shape[:-2] + (nb, sub, kd))
+  kb = k.reshape(k.shape[:-2] + (nb, sub, kd))
+  between = _between(tb)                                               # [..., NB(x), NB(y), K]
+  col_off = kb * jnp.exp(ce)                                           # <= |k|
+  if exact:
+    row_f = jnp.exp(gb)                                                # <= 1
+    scale = jnp.exp(between)                                           # <= 1
+    diag = _diag_exact(qb, kb, gb)                                     # [..., NB, 2SUB, SUB]
+  else:
+    m = 0.5 * tb[..., None, :]
+    row_f = jnp.exp(gb - m)
+    col_diag = kb * jnp.exp(m - gb)
+    scale = jnp.exp(m[..., :, None, 0, :] + between)                  # exp(m_x + D[x, y]) <= 1
+  aq_rows, ak_rows = [], []
+  for x in range(nb):
+    rq, rk = qb[..., x, :, :] * row_f[..., x, :, :], kb[..., x, :, :] * row_f[..., x, :, :]
+    cols = [col_off[..., y, :, :] * scale[..., x, y, None, :] for y in range(x)]
+    if not exact:
+      cols.append(col_diag[..., x, :, :])
+    parts_q, parts_k = [], []
+    if cols:
+      cmat = jnp.swapaxes(jnp.concatenate(cols, axis=-2) if len(cols) > 1 else cols[0], -1, -2)
+      parts_q.append(_mm("...rk,...ki->...ri", rq, cmat))
+      parts_k.append(_mm("...rk,...ki->...ri", rk, cmat))
+    if exact:
+      parts_q.append(diag[..., x, :sub, :])
+      parts_k.append(diag[..., x, sub:, :])
+    width = (x + 1) * sub
+    if width < c:
+      zeros = jnp.zeros(rq.shape[:-1] + (c - width,), jnp.float32)
+      parts_q.append(zeros)
+      parts_k.append(zeros)
+    aq_rows.append(jnp.concatenate(parts_q, axis=-1))
+    ak_rows.append(jnp.concatenate(parts_k, axis=-1))
+  return jnp.concatenate(aq_rows, axis=-2), jnp.concatenate(ak_rows, axis=-2)
 
 
 @jax.checkpoint
-def _diag_exact(qs, k, gb, causal):
-  # [..., NB, SUB(r), SUB(i), K] exponents masked before exp; fused into the reduction by XLA and
-  # recomputed in the backward pass rather than stored (16x the size of the inputs).
+def _diag_exact(qb, kb, gb):
+  # [..., NB, SUB(r), SUB(i), K] exponents masked before exp; XLA fuses this into the reduction, and
+  # the backward pass recomputes it rather than storing 16x the size of the inputs.
+  sub = gb.shape[-2]
+  causal = (jnp.arange(sub)[:, None] >= jnp.arange(sub)[None, :])[:, :, None]
   e = _safe_exp(causal, gb[..., :, None, :] - gb[..., None, :, :])
-  ki = k[..., None, :, :]
-  aq = jnp.sum(qs[..., :, None, :] * ki * e, axis=-1)
-  ak = jnp.sum(k[..., :, None, :] * ki * e, axis=-1)
+  ki = kb[..., None, :, :]
+  aq = jnp.sum(qb[..., :, None, :] * ki * e, axis=-1)
+  ak = jnp.sum(kb[..., :, None, :] * ki * e, axis=-1)
   return jnp.concatenate([aq, ak], axis=-2)                           # [..., NB, 2SUB, SUB]
 
 
-def _split_scores(a):
-  """`[..., NB, 2SUB, NB, SUB]` (q rows then k rows per row sub-block) -> `Aqk, Akk [..., C, C]`."""
-  nb, two_sub = a.shape[-4], a.shape[-3]
-  sub = two_sub // 2
-  c = nb * sub
-  lead = a.shape[:-4]
-  aqk = a[..., :, :sub, :, :].reshape(lead + (c, c))
-  akk = a[..., :, sub:, :, :].reshape(lead + (c, c))
-  return aqk, akk
+def _chunk_cumsum(gb, tb):
+  """Inclusive cumulative gate over the chunk, `[..., NB, SUB, K] -> [..., C, K]`: the sub-block sums
+  plus the totals of the earlier sub-blocks (all terms share a sign, so no cancellation)."""
+  nb, sub, kd = gb.shape[-3:]
+  prefix = jnp.cumsum(tb, axis=-2) - tb                                # sum_{z < x} Tb[z]
+  return (gb + prefix[..., None, :]).reshape(gb.shape[:-3] + (nb * sub, kd))
+
+
+def _scores(q, k, gb, tb, ce, diag_mode):
+  """Dispatches the score construction (see `kda_chunk_core`, `diag_mode`)."""
+  blocked = lambda exact: functools.partial(_scores_blocked, exact=exact)
+  if diag_mode == "exact":
+    return blocked(True)(q, k, gb, tb, ce)
+  whole = jnp.all(jnp.sum(tb, axis=-2) >= -FACTOR_LIMIT)
+  if diag_mode == "factor":
+    return lax.cond(whole, _scores_chunk, blocked(False), q, k, gb, tb, ce)
+  blocks = jnp.all(tb >= -FACTOR_LIMIT)
+  branch = jnp.where(whole, 0, jnp.where(blocks, 1, 2))
+  return lax.switch(branch, [_scores_chunk, blocked(False), blocked(True)], q, k, gb, tb, ce)
 
 
 def _unit_lower_inverse(lmat):
@@ -221,20 +222,78 @@ def _unit_lower_inverse(lmat):
   return x.reshape(lead + (c, c))
 
 
-def _to_chunks(x, c):
-  """`[B, Tp, H, D] -> [NC, B, H, C, D]`."""
-  b, tp, h = x.shape[:3]
-  x = x.reshape((b, tp // c, c, h) + x.shape[3:])
-  return jnp.moveaxis(x, (1, 2), (0, 3))
+class _ChunkTerms(NamedTuple):
+  """Per-chunk operands of the state recurrence (`[..., H, ...]`, float32)."""
+
+  kgb: jax.Array    # [..., H, C, K] beta * k * exp(G - G_a)   (multiplies S_in in R)
+  qd: jax.Array     # [..., H, C, K] q~ * exp(G - G_a)         (multiplies S_in in O)
+  rv: jax.Array     # [..., H, C, V] beta * v
+  p: jax.Array      # [..., H, C, C] Aqk L^-1
+  kd_p: jax.Array   # [..., H, K, C] (L^-T (k * exp(G_e - G) on the target rows))^T
+  dec: jax.Array    # [..., H, K]    exp(G_e - G_a(e)): decay of S_in up to the target row e
 
 
-def _gather_chunks(x, c_idx):
-  """`x [NC, B, ...]` at chunk `c_idx [B, N]` of each row -> `[B, N, ...]`."""
-  return x[c_idx, jnp.arange(x.shape[1])[:, None]]
+def _chunk_terms(q, k, v, g, beta, seg, *, scale, target_row, target_mask, diag_mode):
+  """Everything one chunk contributes that does not depend on the carried state.
+
+  Args:
+    q, k, g: `[..., C, H, K]` (any float dtype, upcast here); v: `[..., C, H, V]`; beta:
+      `[..., C, H]`; seg: int32 `[..., C]` labels (padding rows are zeroed here, NaN-safe).
+    scale: the query scale.
+    target_row: int (static, C - 1) or int array `[...]`: the row e whose state `kd_p`, `dec` build.
+    target_mask: bool `[..., C]`: the rows whose deltas enter that state (e's document).
+    diag_mode: see `kda_chunk_core`.
+
+  Returns:
+    `_ChunkTerms` in head-major layout.
+  """
+  c, h, kd = q.shape[-3:]
+  nb = c // SUB
+  lead = q.shape[:-3]
+  valid = seg > 0
+  hm = lambda x: jnp.swapaxes(x, -3, -2)                                          # -> [..., H, C, D]
+  clean = lambda x, mul=1.0: hm(jnp.where(valid[..., None, None], x.astype(jnp.float32) * mul, 0.0))
+  qh, kh, vh, gh = clean(q, scale), clean(k), clean(v), clean(g)
+  bh = jnp.swapaxes(jnp.where(valid[..., None], beta.astype(jnp.float32), 0.0), -1, -2)[..., None]
+  same = (seg[..., :, None] == seg[..., None, :]) & valid[..., :, None]           # [..., C, C]
+  causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
+  strict = jnp.arange(c)[:, None] > jnp.arange(c)[None, :]
+
+  gb = jnp.cumsum(gh.reshape(gh.shape[:-2] + (nb, SUB, kd)), axis=-2)            # within sub-blocks
+  tb = gb[..., -1, :]
+  ce = tb[..., None, :] - gb                                                      # <= 0
+  # G_r - G_a(r): the decay since the row's document entered the chunk. Without a document start
+  # after row 0 this is the chunk cumulative gate; otherwise a masked (same document, causal) sum.
+  starts_inside = jnp.any(seg[..., 1:] != seg[..., :-1])
+  g_run = lax.cond(starts_inside,
+                   lambda: hm(_mm("...ri,...ihk->...rhk", (same & causal).astype(jnp.float32),
+                                  jnp.where(valid[..., None, None], g.astype(jnp.float32), 0.0))),
+                   lambda: _chunk_cumsum(gb, tb))
+  egl = jnp.exp(g_run)                                                            # <= 1
+
+  aqk, akk = _scores(qh, kh, gb, tb, ce, diag_mode)
+  same_h = same[..., None, :, :]
+  aqk = jnp.where(same_h & causal, aqk, 0.0)
+  akk = jnp.where(same_h & strict, akk, 0.0)
+  linv = _unit_lower_inverse(jnp.eye(c, dtype=jnp.float32) + bh * akk)
+  p = _mm("...ri,...ij->...rj", aqk, linv)
+
+  if isinstance(target_row, int):
+    assert target_row == c - 1
+    suffix = jnp.cumsum(tb[..., ::-1, :], axis=-2)[..., ::-1, :] - tb             # sum_{z > x} Tb[z]
+    decay = jnp.exp(ce + suffix[..., None, :]).reshape(lead + (h, c, kd))
+    dec = egl[..., c - 1, :]
+  else:
+    e = jnp.broadcast_to(jnp.asarray(target_row)[..., None], lead + (h,))
+    decay = _decay_to_row(gb, ce, tb, e)
+    dec = jnp.take_along_axis(egl, e[..., None, None], axis=-2)[..., 0, :]
+  kd_t = jnp.swapaxes(jnp.where(target_mask[..., None, :, None], kh * decay, 0.0), -1, -2)
+  kd_p = _mm("...ki,...ir->...kr", kd_t, linv)                                   # (L^-T Kd)^T
+  return _ChunkTerms(bh * kh * egl, qh * egl, bh * vh, p, kd_p, dec)
 
 
 def _slot_spans(seg, n_slots):
-  """First and last position of each label 1..N in each row: `[B, N]` int32 (present = last >= 0)."""
+  """First and last position of each label 1..N in each row: `[B, N]` int32, and presence."""
   tp = seg.shape[1]
   pos = jnp.arange(tp, dtype=jnp.int32)
   last = jax.vmap(lambda s: jax.ops.segment_max(pos, s, num_segments=n_slots + 1))(seg)[:, 1:]
@@ -245,16 +304,21 @@ def _slot_spans(seg, n_slots):
 
 def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, diag_mode="auto",
                    chunk=CHUNK):
-  """The segment-native chunked KDA algorithm on validated, float32, activated inputs.
+  """The segment-native chunked KDA algorithm on validated, activated inputs.
 
   Shared by `kda_chunked` (training, differentiated by JAX) and `kda_inference_xla` (forward).
+  One `lax.scan` step per chunk does all of that chunk's work for every batch row and head (the
+  working set stays in cache); the carry is the state of the document open at the chunk edge plus,
+  when final states are wanted, one slot buffer written only where a carried document closes.
 
   Args:
-    q, k, g: float32 `[B, T, H, K]` (g <= 0, activated); v: float32 `[B, T, H, V]`; beta: float32
-      `[B, T, H]`; seg: int32 `[B, T]` labels (0 = padding); h0: float32 `[B, N, H, K, V]` or None.
+    q, k, g: `[B, T, H, K]` (g <= 0, activated); v: `[B, T, H, V]`; beta: `[B, T, H]`; any float
+      dtype (upcast to float32 once). seg: int32 `[B, T]` labels (0 = padding).
+    h0: float32 `[B, N, H, K, V]` or None (zeros).
     scale: Python float multiplying q. n_slots: N. want_final: also return `[B, N, H, K, V]` states.
-    diag_mode: "factor" (every 16-row sub-block decays by at most FACTOR_LIMIT nats, e.g. a bounded
-      gate), "exact" (elementwise diagonal sub-blocks), or "auto" (decided at run time).
+    diag_mode: "factor" (every 16-row sub-block decays by at most FACTOR_LIMIT nats per channel, e.g.
+      a bounded gate), "exact" (elementwise diagonal sub-blocks), or "auto" (chosen per chunk at
+      run time).
     chunk: rows per chunk, a multiple of 16.
 
   Returns:
@@ -266,132 +330,100 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
     raise ValueError(f"chunk must be a positive multiple of {SUB}, got {chunk}")
   b, t, h, kd = q.shape
   vd = v.shape[-1]
-  c, nb = chunk, chunk // SUB
+  c = chunk
   tp = -(-t // c) * c
   nc = tp // c
   pad = tp - t
   seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, pad)))
-  valid = (seg > 0)[:, :, None]
 
-  def prep(x):  # pad, zero padding rows (NaN-safe), chunk: [B, T, H, D] -> [NC, B, H, C, D]
-    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    return _to_chunks(jnp.where(valid[..., None], x, 0.0), c)
+  def prep(x):  # padded, [NC, B, C, ...] (a free reshape when B = 1 and T is a multiple of C)
+    x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) if pad else x
+    return jnp.moveaxis(x.reshape((b, nc, c) + x.shape[2:]), 1, 0)
 
-  qc, kc, vc, gc = prep(q * scale), prep(k), prep(v), prep(g)
-  bc = prep(beta[..., None])[..., 0]                                   # [NC, B, H, C]
-  segc = jnp.moveaxis(seg.reshape(b, nc, c), 1, 0)                     # [NC, B, C]
-  plan = _plan(segc, n_slots)
+  qc, kc, vc, gc, bc = prep(q), prep(k), prep(v), prep(g), prep(beta)
+  segc = jnp.moveaxis(seg.reshape(b, nc, c), 1, 0)                               # [NC, B, C]
 
-  # Cumulative gates: within 16-row sub-blocks (precise), and within each document's run in the chunk.
-  gb = jnp.cumsum(gc.reshape(gc.shape[:-2] + (nb, SUB, kd)), axis=-2)  # [NC, B, H, NB, SUB, K]
-  tb = gb[..., -1, :]
-  ce = tb[..., None, :] - gb
-  run_mask = (plan.same & (jnp.arange(c)[:, None] >= jnp.arange(c)[None, :])).astype(jnp.float32)
-  g_run = _mm("nbri,nbhik->nbhrk", run_mask, gc)                        # G_r - G_a(r)
-  egl = jnp.exp(g_run)                                                  # <= 1
-  qd = qc * egl                                                         # q~ exp(G - G_a)
-  kg = kc * egl                                                         # k exp(G - G_a)
-
-  qs_b = qc.reshape(qc.shape[:-2] + (nb, SUB, kd))
-  k_b = kc.reshape(kc.shape[:-2] + (nb, SUB, kd))
-  if diag_mode == "factor":
-    aqk, akk = _scores_factor(qs_b, k_b, gb, ce, tb)
-  elif diag_mode == "exact":
-    aqk, akk = _scores_exact(qs_b, k_b, gb, ce, tb)
-  else:
-    ok = jnp.all(tb >= -FACTOR_LIMIT)
-    aqk, akk = lax.cond(ok, _scores_factor, _scores_exact, qs_b, k_b, gb, ce, tb)
-  causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
-  strict = jnp.arange(c)[:, None] > jnp.arange(c)[None, :]
-  same = plan.same[:, :, None]
-  aqk = jnp.where(same & causal, aqk, 0.0)
-  akk = jnp.where(same & strict, akk, 0.0)
-  lmat = jnp.eye(c, dtype=jnp.float32) + bc[..., None] * akk
-  linv = _unit_lower_inverse(lmat)
-  p_mat = _mm("...ri,...ij->...rj", aqk, linv)                          # Aqk L^-1
-
-  last = jnp.full((nc, b, h), c - 1, jnp.int32)
-  kd_last = kc * _decay_to_row(gb, ce, tb, last) * plan.last_row[:, :, None, :, None]
-  kd_p = _mm("...ir,...ik->...rk", linv, kd_last)                       # L^-T Kd
-  dec = egl[..., c - 1, :]                                              # [NC, B, H, K]
-
-  cont = plan.cont_row[:, :, None, :, None]
-  kgb = kg * bc[..., None]
-  qk_cont = jnp.concatenate([jnp.where(cont, kgb, 0.0), jnp.where(cont, qd, 0.0)], axis=-2)
-  rv = vc * bc[..., None]
-  o_add = None
+  # Which document is carried across each chunk edge, and where it closes.
+  zeros = jnp.zeros((1, b), jnp.int32)
+  prev_last = jnp.concatenate([zeros, segc[:-1, :, -1]], axis=0)
+  next_first = jnp.concatenate([segc[1:, :, 0], zeros], axis=0)
+  first_lab, last_lab = segc[:, :, 0], segc[:, :, -1]
+  cont_lab = jnp.where((first_lab == prev_last) & (first_lab > 0), first_lab, 0)   # [NC, B]
+  last_is_cont = (cont_lab > 0) & (last_lab == cont_lab)
+  cont_closes = (cont_lab > 0) & ~(last_is_cont & (next_first == cont_lab))
+  slot = lambda lab: jnp.clip(lab - 1, 0, n_slots - 1)
   bidx = jnp.arange(b)
-  if n_slots is None:
-    raise ValueError("n_slots is required")
+  labels = jnp.arange(1, n_slots + 1, dtype=jnp.int32)
   first, lastpos, present = _slot_spans(seg, n_slots)
-  if h0 is not None:
-    # Documents that start inside a chunk enter with their own initial state: their rows' part of
-    # W S_in and q~ S_in is computed here, one chunk per slot, and scattered into the scan inputs.
-    c_s = jnp.clip(first // c, 0, nc - 1)
-    rows_s = (_gather_chunks(segc, c_s) == jnp.arange(1, n_slots + 1)[None, :, None]) & present[..., None]
-    qkf = _gather_chunks(jnp.concatenate([kgb, qd], axis=-2), c_s)     # [B, N, H, 2C, K]
-    rows2 = jnp.concatenate([rows_s, rows_s], axis=-1)[:, :, None, :, None]
-    x = _mm("bnhrk,bnhkv->bnhrv", jnp.where(rows2, qkf, 0.0), h0)
-    corr = jnp.zeros((nc, b, h, 2 * c, vd), jnp.float32).at[c_s, bidx[:, None]].add(x)
-    rv = rv - corr[..., :c, :]
-    o_add = corr[..., c:, :]
+  terms = functools.partial(_chunk_terms, scale=scale, diag_mode=diag_mode)
+  gat = lambda x, ci: x[ci, bidx[:, None]]                                       # [NC, B, ...] -> [B, N, ...]
 
-  out_prec = _HI
+  corr = None
+  if h0 is not None:
+    # Documents that start inside a chunk enter it with their own initial state: their rows' part
+    # of `kgb S_in` and `qd S_in` is computed here, one chunk per slot, and scattered into the scan.
+    c_s = jnp.clip(first // c, 0, nc - 1)
+    seg_s = gat(segc, c_s)
+    rows_s = (seg_s == labels[None, :, None]) & present[..., None]
+    ts = terms(gat(qc, c_s), gat(kc, c_s), gat(vc, c_s), gat(gc, c_s), gat(bc, c_s), seg_s,
+               target_row=c - 1, target_mask=rows_s)
+    both = jnp.concatenate([ts.kgb, ts.qd], axis=-2)                             # [B, N, H, 2C, K]
+    rows2 = jnp.concatenate([rows_s, rows_s], axis=-1)[:, :, None, :, None]
+    x = _mm("bnhrk,bnhkv->bnhrv", jnp.where(rows2, both, 0.0), h0)
+    corr = jnp.zeros((nc, b, h, 2 * c, vd), jnp.float32).at[c_s, bidx[:, None]].add(x)
 
   def step(carry, xs):
     s, buf = carry
-    qk_c, rv_c, p_c, kdp_c, dec_c, lic, sl, cc, sc = xs[:9]
-    xw = _mm("bhrk,bhkv->bhrv", qk_c, s)
-    r = rv_c - xw[..., :c, :]
-    o = xw[..., c:, :] + _mm("bhri,bhiv->bhrv", p_c, r, out_prec)
-    if o_add is not None:
-      o = o + xs[9]
-    if h0 is not None:
-      fresh = h0[bidx, sl]
-    else:
-      fresh = jnp.zeros_like(s)
+    qx, kx, vx, gx, bx, sx, cl, lic, cc = xs[:9]
+    last_row = (sx == sx[:, -1:]) & (sx[:, -1:] > 0)
+    tm = terms(qx, kx, vx, gx, bx, sx, target_row=c - 1, target_mask=last_row)
+    cont = ((sx == cl[:, None]) & (cl[:, None] > 0))[:, None, :, None]
+    qk = jnp.concatenate([jnp.where(cont, tm.kgb, 0.0), jnp.where(cont, tm.qd, 0.0)], axis=-2)
+    xw = _mm("bhrk,bhkv->bhrv", qk, s)
+    r = tm.rv - xw[..., :c, :]
+    o = xw[..., c:, :]
+    if corr is not None:
+      r = r - xs[9][..., :c, :]
+      o = o + xs[9][..., c:, :]
+    o = o + _mm("bhri,bhiv->bhrv", tm.p, r)
+    fresh = h0[bidx, slot(sx[:, -1])] if h0 is not None else jnp.zeros_like(s)
     base = jnp.where(lic[:, None, None, None], s, fresh)
-    s_next = dec_c[..., None] * base + _mm("bhik,bhiv->bhkv", kdp_c, r)
+    s_next = tm.dec[..., None] * base + _mm("bhki,bhiv->bhkv", tm.kd_p, r)
     if buf is not None:
-      old = buf[bidx, sc]
-      buf = buf.at[bidx, sc].set(jnp.where(cc[:, None, None, None], s, old))
-    return (s_next, buf), o
+      sc = slot(cl)
+      buf = buf.at[bidx, sc].set(jnp.where(cc[:, None, None, None], s, buf[bidx, sc]))
+    return (s_next, buf), jnp.swapaxes(o, 1, 2).astype(out_dtype)                 # [B, C, H, V]
 
-  xs = (qk_cont, rv, p_mat, kd_p, dec, plan.last_is_cont, plan.slot_last, plan.cont_closes,
-        plan.slot_cont)
-  if o_add is not None:
-    xs = xs + (o_add,)
+  out_dtype = q.dtype
+  xs = (qc, kc, vc, gc, bc, segc, cont_lab, last_is_cont, cont_closes)
+  if corr is not None:
+    xs = xs + (corr,)
   s0 = jnp.zeros((b, h, kd, vd), jnp.float32)
   buf0 = jnp.zeros((b, n_slots, h, kd, vd), jnp.float32) if want_final else None
   (_, buf), o = lax.scan(step, (s0, buf0), xs)
-  o = jnp.moveaxis(o, (0, 3), (1, 2)).reshape(b, tp, h, vd)[:, :t]
-
+  o = jnp.moveaxis(o, 0, 1).reshape(b, tp, h, vd)[:, :t]
   if not want_final:
     return o, None
-  # Final states, one chunk per slot: the chunk holding the document's last row.
+
+  # Final states, one chunk per slot: the chunk holding the document's last row e. The state entering
+  # that chunk is the saved carry (document began earlier) or the slot's initial state.
   c_e = jnp.clip(lastpos // c, 0, nc - 1)
   e_row = jnp.clip(lastpos - c_e * c, 0, c - 1)
-  cont_e = first < c_e * c
   init = h0 if h0 is not None else jnp.zeros((b, n_slots, h, kd, vd), jnp.float32)
-  s_base = jnp.where(cont_e[:, :, None, None, None], buf, init)
-  rows_e = (_gather_chunks(segc, c_e) == jnp.arange(1, n_slots + 1)[None, :, None])[:, :, None, :, None]
-  gat = lambda x: _gather_chunks(x, c_e)
-  r_n = gat(bc)[..., None] * (gat(vc) - _mm("bnhrk,bnhkv->bnhrv", gat(kg), s_base))
-  r_n = jnp.where(rows_e, r_n, 0.0)
-  e_b = jnp.broadcast_to(e_row[:, :, None], (b, n_slots, h))
-  kd_n = gat(kc) * _decay_to_row(gat(gb), gat(ce), gat(tb), e_b)
-  kd_n = jnp.where(rows_e, kd_n, 0.0)
-  kdp_n = _mm("bnhir,bnhik->bnhrk", gat(linv), kd_n)
-  dec_n = jnp.take_along_axis(gat(egl), e_b[..., None, None], axis=-2)[..., 0, :]  # [B, N, H, K]
-  final = dec_n[..., None] * s_base + _mm("bnhik,bnhiv->bnhkv", kdp_n, r_n)
-  final = jnp.where(present[:, :, None, None, None], final, init)
-  return o, final
+  s_base = jnp.where((first < c_e * c)[:, :, None, None, None], buf, init)
+  seg_e = gat(segc, c_e)
+  rows_e = seg_e == labels[None, :, None]
+  te = terms(gat(qc, c_e), gat(kc, c_e), gat(vc, c_e), gat(gc, c_e), gat(bc, c_e), seg_e,
+             target_row=e_row, target_mask=rows_e)
+  r_n = jnp.where(rows_e[:, :, None, :, None],
+                  te.rv - _mm("bnhrk,bnhkv->bnhrv", te.kgb, s_base), 0.0)
+  final = te.dec[..., None] * s_base + _mm("bnhki,bnhiv->bnhkv", te.kd_p, r_n)
+  return o, jnp.where(present[:, :, None, None, None], final, init)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "n_slots", "want_final", "diag_mode"))
 def _chunked_jit(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, diag_mode):
-  f32 = lambda x: x.astype(jnp.float32)
-  return kda_chunk_core(f32(q), f32(k), f32(v), f32(g), f32(beta), seg, h0, scale=scale,
+  return kda_chunk_core(q, k, v, g, beta, seg, h0, scale=scale,
                         n_slots=n_slots, want_final=want_final, diag_mode=diag_mode)
 
 
