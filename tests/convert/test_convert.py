@@ -378,3 +378,35 @@ def test_cli_help_and_clean_error():
   assert proc.returncode == 2
   assert proc.stderr.strip() == "error: hf_model_path '/nonexistent' is not a directory"
   assert "Traceback" not in proc.stderr
+
+
+def test_released_style_config_maps_to_48b():
+  """A config.json in the released checkpoints' style (Moonshot keys, `torch_dtype`, `auto_map`,
+  RoPE keys that NoPE MLA ignores) maps onto configs/kimi_linear_48b_a3b.py; the table then lists
+  the 20,493 HF tensors / 603 parameters that model/README.md counts."""
+  from model.config import load_config
+  full = [4, 8, 12, 16, 20, 24, 27]
+  hf = {"architectures": ["KimiLinearForCausalLM"], "auto_map": {"AutoConfig": "configuration_kimi.KimiLinearConfig"},
+        "model_type": "kimi_linear", "torch_dtype": "bfloat16", "vocab_size": 163840, "hidden_size": 2304,
+        "intermediate_size": 9216, "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "rope_scaling": None, "tie_word_embeddings": False, "use_cache": True, "model_max_length": 1048576,
+        "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+        "linear_attn_config": {"kda_layers": [i for i in range(1, 28) if i not in full], "full_attn_layers": full,
+                               "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4},
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "mla_use_nope": True, "num_experts": 256, "num_experts_per_token": 8,
+        "num_shared_experts": 1, "moe_intermediate_size": 1024, "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 2.446, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+        "num_nextn_predict_layers": 0}
+  cfg, ignored = hl.config_from_hf(hf, name="kimi-linear-48b-a3b", weight_dtype="bfloat16")
+  assert ignored == []
+  ref = load_config(["kimi-linear-48b-a3b"])
+  arch = [k for k in ref if k not in ("max_cache_length", "dtype", "load_parameters_path", "tokenizer_path",
+                                      "model_name") and not k.startswith(("ici_", "logical_", "distributed_",
+                                                                          "coordinator_", "num_processes", "process_id"))]
+  assert {k: cfg[k] for k in arch} == {k: ref[k] for k in arch}
+  table = hl.parameter_table(cfg)
+  assert len(table) == 603 and sum(len(e.hf_names) for e in table) == 20493
+  assert sum(int(np.prod(e.shape)) for e in table) == 49_122_681_728
