@@ -233,7 +233,7 @@ class _ChunkTerms(NamedTuple):
   dec: jax.Array    # [..., H, K]    exp(G_e - G_a(e)): decay of S_in up to the target row e
 
 
-def _chunk_terms(q, k, v, g, beta, seg, *, scale, target_row, target_mask, diag_mode):
+def _chunk_terms(q, k, v, g, beta, seg, *, scale, target_row, target_mask, diag_mode, prep=None):
   """Everything one chunk contributes that does not depend on the carried state.
 
   Args:
@@ -242,7 +242,7 @@ def _chunk_terms(q, k, v, g, beta, seg, *, scale, target_row, target_mask, diag_
     scale: the query scale.
     target_row: int (static, C - 1) or int array `[...]`: the row e whose state `kd_p`, `dec` build.
     target_mask: bool `[..., C]`: the rows whose deltas enter that state (e's document).
-    diag_mode: see `kda_chunk_core`.
+    diag_mode, prep: see `kda_chunk_core`.
 
   Returns:
     `_ChunkTerms` in head-major layout.
@@ -252,6 +252,9 @@ def _chunk_terms(q, k, v, g, beta, seg, *, scale, target_row, target_mask, diag_
   lead = q.shape[:-3]
   valid = seg > 0
   hm = lambda x: jnp.swapaxes(x, -3, -2)                                          # -> [..., H, C, D]
+  q, k, g = (x.astype(jnp.float32) for x in (q, k, g))
+  if prep is not None:
+    q, k, g = prep(q, k, g)
   clean = lambda x, mul=1.0: hm(jnp.where(valid[..., None, None], x.astype(jnp.float32) * mul, 0.0))
   qh, kh, vh, gh = clean(q, scale), clean(k), clean(v), clean(g)
   bh = jnp.swapaxes(jnp.where(valid[..., None], beta.astype(jnp.float32), 0.0), -1, -2)[..., None]
@@ -267,7 +270,7 @@ def _chunk_terms(q, k, v, g, beta, seg, *, scale, target_row, target_mask, diag_
   starts_inside = jnp.any(seg[..., 1:] != seg[..., :-1])
   g_run = lax.cond(starts_inside,
                    lambda: hm(_mm("...ri,...ihk->...rhk", (same & causal).astype(jnp.float32),
-                                  jnp.where(valid[..., None, None], g.astype(jnp.float32), 0.0))),
+                                  jnp.where(valid[..., None, None], g, 0.0))),
                    lambda: _chunk_cumsum(gb, tb))
   egl = jnp.exp(g_run)                                                            # <= 1
 
@@ -303,7 +306,7 @@ def _slot_spans(seg, n_slots):
 
 
 def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, diag_mode="auto",
-                   chunk=CHUNK):
+                   prep=None, chunk=CHUNK):
   """The segment-native chunked KDA algorithm on validated, activated inputs.
 
   Shared by `kda_chunked` (training, differentiated by JAX) and `kda_inference_xla` (forward).
@@ -319,10 +322,13 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
     diag_mode: "factor" (every 16-row sub-block decays by at most FACTOR_LIMIT nats per channel, e.g.
       a bounded gate), "exact" (elementwise diagonal sub-blocks), or "auto" (chosen per chunk at
       run time).
+    prep: optional `(q, k, g) -> (q, k, g)` applied per chunk to the float32 inputs before anything
+      else (the in-kernel gate activation and q/k L2 norm of `kda_inference_xla`, fused this way
+      into the chunk's elementwise work instead of extra passes over the whole sequence).
     chunk: rows per chunk, a multiple of 16.
 
   Returns:
-    `(o [B, T, H, V] float32, final [B, N, H, K, V] float32 or None)`.
+    `(o [B, T, H, V] in q's dtype, final [B, N, H, K, V] float32 or None)`.
   """
   if diag_mode not in DIAG_MODES:
     raise ValueError(f"diag_mode must be one of {DIAG_MODES}, got {diag_mode!r}")
@@ -336,11 +342,11 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   pad = tp - t
   seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, pad)))
 
-  def prep(x):  # padded, [NC, B, C, ...] (a free reshape when B = 1 and T is a multiple of C)
+  def layout(x):  # padded, [NC, B, C, ...] (a free reshape when B = 1 and T is a multiple of C)
     x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) if pad else x
     return jnp.moveaxis(x.reshape((b, nc, c) + x.shape[2:]), 1, 0)
 
-  qc, kc, vc, gc, bc = prep(q), prep(k), prep(v), prep(g), prep(beta)
+  qc, kc, vc, gc, bc = layout(q), layout(k), layout(v), layout(g), layout(beta)
   segc = jnp.moveaxis(seg.reshape(b, nc, c), 1, 0)                               # [NC, B, C]
 
   # Which document is carried across each chunk edge, and where it closes.
@@ -355,7 +361,7 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   bidx = jnp.arange(b)
   labels = jnp.arange(1, n_slots + 1, dtype=jnp.int32)
   first, lastpos, present = _slot_spans(seg, n_slots)
-  terms = functools.partial(_chunk_terms, scale=scale, diag_mode=diag_mode)
+  terms = functools.partial(_chunk_terms, scale=scale, diag_mode=diag_mode, prep=prep)
   gat = lambda x, ci: x[ci, bidx[:, None]]                                       # [NC, B, ...] -> [B, N, ...]
 
   corr = None

@@ -1,0 +1,107 @@
+"""XLA backend of `kda_inference`: the segment-native chunked forward of `kda_chunked`, with the gate
+activation and the q/k L2 norm applied per chunk inside the scan.
+
+Math: ../shared/docs/kda.md sections 2 and 4, ../shared/docs/segment_native_chunk.md. The algorithm
+is `kda_plugin.ops.chunked.kda_chunk_core` (shared with the training path, not a second copy); this
+module only validates the arguments, chooses the static score factorisation a bounded gate permits,
+and fuses the gate / L2 norm into the per-chunk work.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kda_plugin.ops._contract import check_kda_inputs, default_scale, is_concrete
+from kda_plugin.ops.chunked import FACTOR_LIMIT, SUB, kda_chunk_core
+from kda_plugin.ops.gates import activate_gate, check_lower_bound, l2norm
+
+
+def kda_inference_xla(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
+                      output_final_state=False, scale=None, a_log=None, dt_bias=None,
+                      lower_bound=None, use_qk_l2norm=False, max_num_segments=None):
+  """KDA forward over (packed) sequences in plain XLA (any platform; the CPU path of `kda_inference`).
+
+  Equal to `kda_reference` applied to the explicitly activated gate and normalised q, k.
+
+  Args:
+    q, k: `[B, T, H, K]` float32 or bfloat16 (computed in float32, upcast once per chunk).
+    v: `[B, T, H, V]`.
+    g: `[B, T, H, K]`: the log-space decay (<= 0), or with `a_log` the raw gate input, activated in
+      float32 by `kda_gate_softplus` (or `kda_gate_bounded` when `lower_bound` is given).
+    beta: `[B, T, H]` in [0, 1].
+    segment_ids: int32 `[B, T]` or `[T]`; 0 = padding, label n uses state slot n-1.
+    initial_state: float32 `[B, N, H, K, V]` with segment_ids, else `[B, H, K, V]`; zeros if None.
+    output_final_state: also return the final state(s) (an absent label keeps its initial state).
+    scale: query scale (a Python float), default K**-0.5.
+    a_log: `[H]` per-head log decay rate; turns on the in-kernel gate.
+    dt_bias: `[H*K]` or `[H, K]` gate bias (with a_log only), zeros if None.
+    lower_bound: static float in [-5, 0) selecting the bounded gate (with a_log only).
+    use_qk_l2norm: L2-normalise q and k per head (eps 1e-6 inside the sqrt, `gates.l2norm`).
+    max_num_segments: N (static); needed under jit when no initial_state gives it.
+
+  Returns:
+    `(o, final_state)`: o `[B, T, H, V]` in q's dtype (exactly 0 on padding); final_state float32 in
+    initial_state's layout, or None.
+
+  Raises:
+    ValueError, TypeError: invalid inputs (see `check_kda_inputs`), dt_bias or lower_bound without
+      a_log, lower_bound outside [-5, 0), or a_log / dt_bias of the wrong size.
+  """
+  g_is_raw = a_log is not None
+  p = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
+                       max_num_segments=max_num_segments, scale=scale, g_is_raw=g_is_raw)
+  if not g_is_raw and (dt_bias is not None or lower_bound is not None):
+    raise ValueError("dt_bias and lower_bound configure the in-kernel gate and require a_log "
+                     "(without a_log, g must already be the activated log-space decay)")
+  lb = None if lower_bound is None else check_lower_bound(lower_bound)
+  gate = None
+  if g_is_raw:
+    a_log = jnp.asarray(a_log, jnp.float32)
+    if a_log.size != p.num_heads:
+      raise ValueError(f"a_log must have H={p.num_heads} values (shape [H]), got shape {a_log.shape}")
+    if dt_bias is None:
+      dt_bias = jnp.zeros((p.num_heads, p.key_dim), jnp.float32)
+    dt_bias = jnp.asarray(dt_bias, jnp.float32)
+    if dt_bias.size != p.num_heads * p.key_dim:
+      raise ValueError(f"dt_bias must have H*K={p.num_heads * p.key_dim} values (shape [H*K] or "
+                       f"[H, K]), got shape {dt_bias.shape}")
+    gate = (a_log.reshape(p.num_heads), dt_bias.reshape(p.num_heads, p.key_dim))
+  if scale is not None and not is_concrete(scale):
+    raise ValueError("scale must be a static Python float, not a traced value")
+  # A bounded gate decays by less than |lower_bound| nats per token, so every 16-row sub-block stays
+  # inside the range where the midpoint factorisation is exact: no run-time check is needed.
+  diag_mode = "factor" if (lb is not None and SUB * abs(lb) <= FACTOR_LIMIT) else "auto"
+  packed = p.segment_ids is not None
+  n = p.num_segments if packed else 1
+  seg = p.segment_ids if packed else jnp.ones((p.batch, p.seq_len), jnp.int32)
+  h0 = None
+  if initial_state is not None:
+    h0 = jnp.asarray(initial_state, jnp.float32)
+    if not packed:
+      h0 = h0[:, None]
+  o, final = _forward(q, k, v, g, beta, seg, h0, gate, scale=float(default_scale(scale, p.key_dim)),
+                      n_slots=n, want_final=bool(output_final_state), diag_mode=diag_mode,
+                      lower_bound=lb, use_l2norm=bool(use_qk_l2norm))
+  if not output_final_state:
+    return o, None
+  return o, (final if packed else final[:, 0])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "n_slots", "want_final", "diag_mode",
+                                             "lower_bound", "use_l2norm"))
+def _forward(q, k, v, g, beta, seg, h0, gate, *, scale, n_slots, want_final, diag_mode, lower_bound,
+             use_l2norm):
+  def prep(qc, kc, gc):  # float32 chunk [..., C, H, K]
+    if use_l2norm:
+      qc, kc = l2norm(qc), l2norm(kc)
+    if gate is not None:
+      gc = activate_gate(gc, gate[0], gate[1], lower_bound)
+    return qc, kc, gc
+
+  use_prep = use_l2norm or gate is not None
+  return kda_chunk_core(q, k, v, g, beta, seg, h0, scale=scale, n_slots=n_slots,
+                        want_final=want_final, diag_mode=diag_mode,
+                        prep=prep if use_prep else None)
