@@ -5,6 +5,7 @@ Batch-first layout: `q, k, g [B, T, H, K]`, `v [B, T, H, V]`, `beta [B, T, H]`, 
 ../shared/docs/kda.md for the math and the packing contract.
 """
 
+from kda_plugin.ops.chunked import kda_chunked
 from kda_plugin.ops.decode import kda_decode_step
 from kda_plugin.ops.gates import activate_gate, kda_gate_bounded, kda_gate_softplus, l2norm
 from kda_plugin.ops.inference import estimate_peak_memory, kda_inference
@@ -14,6 +15,7 @@ from kda_plugin.ops.short_conv import short_conv, short_conv_step
 __all__ = [
     "activate_gate",
     "estimate_peak_memory",
+    "kda_chunked",
     "kda_decode_step",
     "kda_gate_bounded",
     "kda_gate_softplus",
