@@ -148,5 +148,33 @@ def get_config() -> ml_collections.ConfigDict:
   c.export_every = 0  # also export parameters to output_dir/params-STEP every N steps (0 = only at the end)
   c.export_dtype = "float32"  # dtype of exported matrices/embeddings ("bfloat16" halves the size); vectors stay float32
 
+  # ---- Device mesh and sharding (model/sharding.py) -----------------------------------------------
+  # Mesh axes, outermost first: data, fsdp, expert, tensor. Each size >= 1, or -1 for "every device
+  # left" (at most one -1); the product must equal the device count (all processes together).
+  c.ici_data_parallelism = -1  # "data": batch split, parameters replicated (pure data parallel)
+  c.ici_fsdp_parallelism = 1  # "fsdp": batch split and parameters sharded on `embed` (ZeRO-3 style)
+  c.ici_expert_parallelism = 1  # "expert": MoE experts split; must divide num_experts
+  c.ici_tensor_parallelism = 1  # "tensor": KDA/MLA heads, FFN width and vocab split; must divide both head counts
+  # Logical axis -> mesh axes, one "logical:axis+axis" string per rule ("logical:" = replicated).
+  # Logical axes left out are replicated; parameters use embed/heads/kv/mlp/expert/vocab (model/layers.py).
+  c.logical_axis_rules = [
+      "activation_batch:data+fsdp",  # batch rows of activations and decode sequences of caches
+      "activation_length:",  # the token axis (no sequence parallelism)
+      "activation_embed:",  # the residual width of activations
+      "activation_heads:tensor",  # KDA/MLA heads of activations and caches (KDA kernel runs per shard)
+      "activation_vocab:tensor",  # logits' vocabulary axis
+      "embed:fsdp",  # parameters' residual-width axis
+      "heads:tensor",  # parameters' heads x head-dim axis
+      "kv:",  # MLA latent width
+      "mlp:tensor",  # dense FFN / expert width
+      "expert:expert",  # stacked experts
+      "vocab:tensor",  # embedding rows and lm_head columns
+  ]
+  # Multi-host start-up: jax.distributed.initialize() before any device is touched (one process per host).
+  c.distributed_init = False  # true: call jax.distributed.initialize (needed on >1 host)
+  c.coordinator_address = ""  # "host:port" of process 0; "" = auto-detect (TPU pods, SLURM, Open MPI, ...)
+  c.num_processes = -1  # processes in the job; -1 = auto-detect
+  c.process_id = -1  # this process's index in [0, num_processes); -1 = auto-detect
+
   c.lock()
   return c

@@ -221,6 +221,8 @@ def validate_config(cfg) -> None:
     raise ConfigError(f"kda_gate_lower_bound must be None or in [-5, 0), got {lb}")
   if cfg.q_lora_rank is not None and cfg.q_lora_rank < 1:
     raise ConfigError(f"q_lora_rank must be None or >= 1, got {cfg.q_lora_rank}")
+  from model import sharding  # local: sharding imports this module
+  sharding.validate_mesh_config(cfg)  # mesh sizes, axis rules, heads/experts vs. their mesh axes
 
 
 def config_to_json(cfg) -> str:

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from model import cache as cache_lib
+from model import sharding
 from model.layers import RMSNorm, as_dtype, inverse_softplus, linear, param, uniform_init
 
 
@@ -75,9 +76,6 @@ class KimiDeltaAttention(nnx.Module):
   def _heads(self, x):
     return x.reshape(x.shape[:-1] + (self.num_heads, self.head_dim))
 
-  def _gate_params(self):
-    return dict(a_log=self.A_log[...], dt_bias=self.dt_bias[...], lower_bound=self.lower_bound)
-
   def _output(self, o, x):
     # Gated per-head RMSNorm (fla FusedRMSNormGated, activation sigmoid), then o_proj.
     gate = self._heads(self.g_b_proj(self.g_a_proj(x))).astype(jnp.float32)
@@ -111,10 +109,21 @@ class KimiDeltaAttention(nnx.Module):
     (q, cq), (k, ck), (v, cv) = convs
     g_raw = self._heads(self.f_b_proj(self.f_a_proj(x)))
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
-    o, state = be.kda(self._heads(q), self._heads(k), self._heads(v), g_raw, beta, mode=mode,
-                      segment_ids=segment_ids, initial_state=None if cache is None else to_slots(cache.state),
-                      output_final_state=return_cache, max_num_segments=num_slots, impl=self.impl,
-                      **self._gate_params())
+
+    def kernel(q, k, v, g_raw, beta, segment_ids, h0, a_log, dt_bias):
+      o, st = be.kda(q, k, v, g_raw, beta, mode=mode, segment_ids=segment_ids, initial_state=h0,
+                     output_final_state=return_cache, max_num_segments=num_slots, impl=self.impl,
+                     a_log=a_log, dt_bias=dt_bias, lower_bound=self.lower_bound)
+      return (o, st) if return_cache else (o,)
+
+    # Inside a mesh the kernel runs on each device's rows and heads (heads are independent).
+    s = sharding
+    outs = s.per_shard(
+        kernel, (self._heads(q), self._heads(k), self._heads(v), g_raw, beta, segment_ids,
+                 None if cache is None else to_slots(cache.state), self.A_log[...], self.dt_bias[...]),
+        in_axes=(s.HEADS_BTHK,) * 4 + (s.HEADS_BTH, s.BATCH_TOKENS, s.STATE_BNHKV, s.HEAD_PARAM, s.HEAD_PARAM),
+        out_axes=(s.HEADS_BTHK, s.STATE_BNHKV)[:1 + bool(return_cache)])
+    o, state = outs[0], (outs[1] if return_cache else None)
     y = self._output(o, x)
     if not return_cache:
       return y, None
@@ -135,6 +144,14 @@ class KimiDeltaAttention(nnx.Module):
     v, cv = be.short_conv_step(self.v_proj(x), self.v_conv1d.kernel[...], cache.conv_v)
     g_raw = self._heads(self.f_b_proj(self.f_a_proj(x)))
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
-    o, state = be.kda_decode(self._heads(q), self._heads(k), self._heads(v), g_raw, beta, cache.state,
-                             impl=self.impl, **self._gate_params())
+    def kernel(q, k, v, g_raw, beta, state, a_log, dt_bias):
+      return be.kda_decode(q, k, v, g_raw, beta, state, impl=self.impl, a_log=a_log, dt_bias=dt_bias,
+                           lower_bound=self.lower_bound)
+
+    s = sharding
+    o, state = s.per_shard(
+        kernel, (self._heads(q), self._heads(k), self._heads(v), g_raw, beta, cache.state, self.A_log[...],
+                 self.dt_bias[...]),
+        in_axes=(s.HEADS_SHK,) * 4 + (s.HEADS_SH, s.STATE_SHKV, s.HEAD_PARAM, s.HEAD_PARAM),
+        out_axes=(s.HEADS_SHK, s.STATE_SHKV))
     return self._output(o, x), cache_lib.KDALayerCache(state, cq, ck, cv)

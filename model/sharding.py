@@ -1,0 +1,585 @@
+"""Device mesh, logical-axis sharding and multi-host start-up for the Kimi-Linear host.
+
+Everything here is JAX's own machinery (`jax.make_mesh`, `NamedSharding`, `jax.set_mesh`,
+`jax.shard_map`, `jax.lax.with_sharding_constraint`, `jax.distributed`) and Flax NNX's
+(`nnx.logical_axis_rules`, `nnx.get_partition_spec`, `nnx.eval_shape`); this module only maps the
+config onto it, in the manner of MaxText:
+
+- **Mesh.** Four axes, outermost first: `data`, `fsdp`, `expert`, `tensor`, sized by the config
+  keys `ici_data_parallelism`, `ici_fsdp_parallelism`, `ici_expert_parallelism`,
+  `ici_tensor_parallelism` (-1 = every device left). `jax.make_mesh` lays them out on the physical
+  topology (tensor innermost, on the fastest links); on several hosts devices are ordered by
+  process, so the outer `data` axis is the one that crosses hosts.
+- **Logical axes.** The model names the axes of every parameter (`embed`, `heads`, `kv`, `mlp`,
+  `expert`, `vocab`; see `model/layers.py`) and of its activations (`activation_batch`,
+  `activation_length`, `activation_embed`, `activation_heads`, `activation_vocab`). The config's
+  `logical_axis_rules` (strings `"logical:mesh+mesh"`) map each name to mesh axes; a name left out
+  is replicated. Defaults: batch on `data`+`fsdp`, parameters' `embed` on `fsdp` (ZeRO-3 style),
+  heads / FFN width / vocab on `tensor`, experts on `expert`.
+- **KDA per head shard.** Inside a mesh, the KDA mixer calls its backend's kernels through
+  `per_shard` (a `jax.shard_map`): each device runs the kernel on its batch rows and its heads only.
+  KDA heads never exchange data, so this needs no collective; it is also what lets a Pallas kernel,
+  which GSPMD cannot partition, run on a sharded model. Everything else is left to GSPMD.
+- **Parameters and checkpoints.** `abstract_state` gives `jax.ShapeDtypeStruct`s that carry their
+  `NamedSharding`: the target of a sharded random init (`init_sharded`, one jitted init whose outputs
+  are born sharded) and of an Orbax restore (`restore_checkpoint`: each device reads its own slices;
+  no full host copy), whatever mesh the checkpoint was written under.
+- **Multi-host.** With `distributed_init=true`, `initialize_distributed(cfg)` calls
+  `jax.distributed.initialize` (explicit `coordinator_address`/`num_processes`/`process_id`, or
+  auto-detection on TPU pods, SLURM, Open MPI, ...). It must run in every process before anything
+  touches a device; then `jax.devices()` lists every host's devices and the mesh spans them all.
+
+Usage (one program for one device or many)::
+
+    cfg = load_config(argv)
+    initialize_distributed(cfg)                  # no-op unless distributed_init=true
+    mesh = create_mesh(cfg)                      # ConfigError on an impossible mesh
+    model = init_sharded(cfg, mesh)              # or restore_checkpoint(path, cfg, mesh)
+    with mesh_context(mesh, cfg):                # jax.set_mesh + nnx.logical_axis_rules
+      step = jax.jit(train_step, in_shardings=..., out_shardings=...)
+
+Functions that build or run the model must be traced inside `mesh_context` so that the KDA kernels
+run per shard and the activation constraints apply; outside a mesh every hook is the identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.core import spmd as flax_spmd
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from model.config import ConfigError
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+PARALLELISM_KEYS = {"data": "ici_data_parallelism", "fsdp": "ici_fsdp_parallelism",
+                    "expert": "ici_expert_parallelism", "tensor": "ici_tensor_parallelism"}
+# Every logical axis name the model uses (parameters: model/layers.py; activations: this module).
+PARAM_AXES = ("embed", "heads", "kv", "mlp", "expert", "vocab")
+ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed", "activation_heads",
+                   "activation_vocab")
+LOGICAL_AXES = ACTIVATION_AXES + PARAM_AXES
+
+# Logical axes of activations and caches, shared by the model hooks and the helpers below.
+BATCH_TOKENS = ("activation_batch", "activation_length")                         # ids, segment_ids [B, T]
+HIDDEN = ("activation_batch", "activation_length", "activation_embed")          # [B, T, d]
+LOGITS = ("activation_batch", "activation_length", "activation_vocab")          # [B, T, V]
+DECODE_HIDDEN = ("activation_batch", "activation_embed")                        # [S, d]
+DECODE_LOGITS = ("activation_batch", "activation_vocab")                        # [S, V]
+HEADS_BTHK = ("activation_batch", "activation_length", "activation_heads", None)  # q, k, v, g, o
+HEADS_BTH = ("activation_batch", "activation_length", "activation_heads")       # beta
+STATE_BNHKV = ("activation_batch", None, "activation_heads", None, None)        # per-slot KDA states
+HEADS_SHK = ("activation_batch", "activation_heads", None)                      # decode q, k, v, g
+HEADS_SH = ("activation_batch", "activation_heads")                             # decode beta
+STATE_SHKV = ("activation_batch", "activation_heads", None, None)               # decode KDA state
+HEAD_PARAM = ("activation_heads",)                                              # A_log [H], dt_bias [H*K]
+
+Rules = tuple[tuple[str, "str | tuple[str, ...] | None"], ...]
+_RULE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*:\s*([A-Za-z_+\s]*)$")
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: rules, mesh shape, validation
+# ---------------------------------------------------------------------------------------------
+def parse_logical_axis_rules(items: Sequence[str]) -> Rules:
+  """Parses `logical_axis_rules` strings into Flax's rule format.
+
+  Args:
+    items: strings `"logical:axis+axis"` (`"logical:"` or `"logical:none"` = replicated), e.g.
+      `["activation_batch:data+fsdp", "heads:tensor", "kv:"]`.
+
+  Returns:
+    `((logical, mesh_axes), ...)` for every name of `LOGICAL_AXES`, in that order; `mesh_axes` is
+    None (replicated), one axis name, or a tuple of names (the dimension is split over their
+    product, first name outermost). Names not listed map to None.
+
+  Raises:
+    ConfigError: a malformed rule, an unknown logical or mesh axis name, a name given twice, or a
+      mesh axis used twice in one rule.
+  """
+  if isinstance(items, str) or not isinstance(items, Sequence):
+    raise ConfigError(f"logical_axis_rules must be a list of 'logical:axis+axis' strings, got {items!r}")
+  found: dict[str, str | tuple[str, ...] | None] = {}
+  for item in items:
+    m = _RULE.match(item) if isinstance(item, str) else None
+    if m is None:
+      raise ConfigError(f"logical_axis_rules entry {item!r} must be written 'logical:axis+axis' "
+                        f"(mesh axes {list(MESH_AXES)}; 'logical:' replicates)")
+    name, rhs = m.group(1), m.group(2).strip()
+    if name not in LOGICAL_AXES:
+      raise ConfigError(f"logical_axis_rules names unknown logical axis {name!r}; known: {list(LOGICAL_AXES)}")
+    if name in found:
+      raise ConfigError(f"logical_axis_rules gives logical axis {name!r} more than once")
+    axes = tuple(a.strip() for a in rhs.split("+")) if rhs and rhs.lower() != "none" else ()
+    bad = [a for a in axes if a not in MESH_AXES]
+    if bad:
+      raise ConfigError(f"logical_axis_rules entry {item!r} names unknown mesh axes {bad}; "
+                        f"mesh axes are {list(MESH_AXES)}")
+    if len(set(axes)) != len(axes):
+      raise ConfigError(f"logical_axis_rules entry {item!r} uses a mesh axis twice")
+    found[name] = None if not axes else axes[0] if len(axes) == 1 else axes
+  return tuple((name, found.get(name)) for name in LOGICAL_AXES)
+
+
+def rules_from_config(cfg) -> Rules:
+  """`parse_logical_axis_rules(cfg.logical_axis_rules)`."""
+  return parse_logical_axis_rules(list(cfg.logical_axis_rules))
+
+
+def _axes_of(rules: Rules, logical: str) -> tuple[str, ...]:
+  value = dict(rules).get(logical)
+  return () if value is None else (value,) if isinstance(value, str) else tuple(value)
+
+
+def _check_model_divisibility(cfg, sizes: dict[str, int], rules: Rules) -> None:
+  """Head and expert counts against the mesh axes they are split over (sizes may hold -1: skipped)."""
+  def split(logical):
+    axes = _axes_of(rules, logical)
+    if any(sizes[a] == -1 for a in axes):
+      return None, axes
+    return math.prod(sizes[a] for a in axes), axes
+
+  for logical in ("heads", "activation_heads"):
+    n, axes = split(logical)
+    if n is None or n == 1:
+      continue
+    for key in ("kda_num_heads", "num_attention_heads"):
+      if cfg[key] % n:
+        raise ConfigError(
+            f"{key}={cfg[key]} is not divisible by {n}, the size of the mesh axes {'x'.join(axes)} that "
+            f"logical axis {logical!r} is split over ({_sizes_text(sizes, axes)}); each device must hold "
+            f"whole heads: change ici_tensor_parallelism or logical_axis_rules")
+  n, axes = split("expert")
+  if n is not None and n > 1 and cfg.num_experts % n:
+    raise ConfigError(
+        f"num_experts={cfg.num_experts} is not divisible by {n}, the size of the mesh axes {'x'.join(axes)} "
+        f"that logical axis 'expert' is split over ({_sizes_text(sizes, axes)}): change "
+        f"ici_expert_parallelism or logical_axis_rules")
+
+
+def _sizes_text(sizes, axes) -> str:
+  return ", ".join(f"{PARALLELISM_KEYS[a]}={sizes[a]}" for a in axes)
+
+
+def _raw_sizes(cfg) -> dict[str, int]:
+  sizes = {}
+  for axis, key in PARALLELISM_KEYS.items():
+    value = cfg[key]
+    if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
+      raise ConfigError(f"{key} must be a positive int or -1 (every device left), got {value!r}")
+    sizes[axis] = value
+  auto = [PARALLELISM_KEYS[a] for a, v in sizes.items() if v == -1]
+  if len(auto) > 1:
+    raise ConfigError(f"at most one mesh axis may be -1 (the devices left), got {auto}")
+  return sizes
+
+
+def validate_mesh_config(cfg, num_devices: int | None = None) -> None:
+  """Checks the mesh and sharding keys; `model.config.validate_config` calls it with no devices.
+
+  Without `num_devices` only what the config alone decides is checked (sizes, rules, head and
+  expert counts against the explicitly sized axes); with it, the -1 axis is resolved and the
+  product checked against the devices too.
+
+  Raises:
+    ConfigError: naming the key(s) and what was expected.
+  """
+  sizes = _raw_sizes(cfg)
+  rules = rules_from_config(cfg)
+  for key in ("num_processes", "process_id"):
+    if cfg[key] < -1:
+      raise ConfigError(f"{key} must be >= 0 or -1 (auto-detect), got {cfg[key]}")
+  if cfg.num_processes > 0 and cfg.process_id >= cfg.num_processes:
+    raise ConfigError(f"process_id={cfg.process_id} must be < num_processes={cfg.num_processes}")
+  if num_devices is not None:
+    sizes = mesh_shape(cfg, num_devices)
+  _check_model_divisibility(cfg, sizes, rules)
+
+
+def mesh_shape(cfg, num_devices: int) -> dict[str, int]:
+  """Resolves the four `ici_*_parallelism` keys against `num_devices`.
+
+  Returns:
+    `{"data": n, "fsdp": n, "expert": n, "tensor": n}` whose product is `num_devices`.
+
+  Raises:
+    ConfigError: sizes whose product does not equal (or, with a -1, does not divide)
+      `num_devices`, or head/expert counts not divisible by their mesh axes.
+  """
+  if not isinstance(num_devices, int) or num_devices < 1:
+    raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
+  sizes = _raw_sizes(cfg)
+  fixed = math.prod(v for v in sizes.values() if v != -1)
+  text = ", ".join(f"{PARALLELISM_KEYS[a]}={v}" for a, v in sizes.items())
+  if -1 in sizes.values():
+    if num_devices % fixed:
+      raise ConfigError(f"the mesh axes of fixed size ({text}) multiply to {fixed}, which does not divide "
+                        f"the {num_devices} devices, so no size fits the -1 axis")
+    sizes = {a: (num_devices // fixed if v == -1 else v) for a, v in sizes.items()}
+  elif fixed != num_devices:
+    raise ConfigError(f"the mesh axes ({text}) multiply to {fixed} but there are {num_devices} devices; "
+                      f"make the product equal the device count or set one axis to -1")
+  _check_model_divisibility(cfg, sizes, rules_from_config(cfg))
+  return sizes
+
+
+def create_mesh(cfg, devices: Sequence | None = None) -> Mesh:
+  """The device mesh described by the config (axes `MESH_AXES`, every axis `AxisType.Auto`).
+
+  Args:
+    cfg: a config from `model.config.load_config`.
+    devices: the devices to lay out; default `jax.devices()` (every process's devices).
+
+  Returns:
+    A `jax.sharding.Mesh` from `jax.make_mesh` (physical-topology aware on TPU).
+
+  Raises:
+    ConfigError: an impossible mesh (see `mesh_shape`).
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = mesh_shape(cfg, len(devices))
+  shape = tuple(sizes[a] for a in MESH_AXES)
+  # Auto axes: GSPMD propagates shardings from the annotated inputs, parameters and constraints.
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def _as_rules(rules_or_cfg) -> Rules:
+  if rules_or_cfg is None:
+    return default_rules()
+  if hasattr(rules_or_cfg, "logical_axis_rules"):
+    return rules_from_config(rules_or_cfg)
+  return tuple(rules_or_cfg)
+
+
+def default_rules() -> Rules:
+  """The rules of `configs/base.py`."""
+  from configs import base  # local: base is cheap, but keep import order obvious
+  return parse_logical_axis_rules(list(base.get_config().logical_axis_rules))
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh, rules_or_cfg=None):
+  """`jax.set_mesh(mesh)` and `nnx.logical_axis_rules(rules)` together.
+
+  Trace (jit) and run the model inside it: the KDA kernels then run per shard and the logical
+  activation constraints apply. `rules_or_cfg`: a config, parsed rules, or None (base defaults).
+  """
+  rules = _as_rules(rules_or_cfg)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    yield mesh
+
+
+# ---------------------------------------------------------------------------------------------
+# Logical axes -> PartitionSpec
+# ---------------------------------------------------------------------------------------------
+def current_rules() -> Rules:
+  """The rules of the enclosing `mesh_context` (`nnx.logical_axis_rules`), else the base defaults."""
+  rules = flax_spmd.get_logical_axis_rules()
+  return tuple(rules) if rules else default_rules()
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules | None = None) -> P:
+  """`PartitionSpec` of an array whose dimensions carry `logical_axes` (None = replicated).
+
+  Raises:
+    ValueError: a logical name with no rule and not in `LOGICAL_AXES`.
+  """
+  table = dict(current_rules() if rules is None else rules)
+  out = []
+  for name in logical_axes:
+    if name is None:
+      out.append(None)
+    elif name in table:
+      out.append(table[name])
+    elif name in LOGICAL_AXES:
+      out.append(None)
+    else:
+      raise ValueError(f"logical axis {name!r} has no sharding rule; known: {sorted(table)}")
+  return P(*out)
+
+
+def _active_mesh():
+  """The context mesh when it has more than one device, else None (every hook is then a no-op)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or mesh.size == 1:
+    return None
+  return mesh
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _undividable(spec: P, shape: Sequence[int], mesh) -> set[str]:
+  """Mesh axes to drop so that every split dimension of `shape` divides evenly.
+
+  Keeps, per dimension, the longest prefix of its mesh axes whose product divides the dimension
+  (e.g. a batch of 2 on data=2 x fsdp=2 stays split on data only)."""
+  drop: set[str] = set()
+  for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    prod = 1
+    for i, axis in enumerate(_spec_axes(entry)):
+      prod *= mesh.shape[axis]
+      if dim % prod:
+        drop.update(_spec_axes(entry)[i:])
+        break
+  return drop
+
+
+def _without(spec: P, drop: set[str]) -> P:
+  out = []
+  for entry in spec:
+    kept = tuple(a for a in _spec_axes(entry) if a not in drop)
+    out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  return P(*out)
+
+
+def fitted_spec(logical_axes, shape, mesh, rules: Rules | None = None) -> P:
+  """`logical_to_spec`, minus mesh axes that do not divide their dimension of `shape` (replicated
+  there instead), so that e.g. a batch of 1 runs on a data-parallel mesh."""
+  spec = logical_to_spec(logical_axes, rules)
+  return _without(spec, _undividable(spec, shape, mesh))
+
+
+def constrain(x, logical_axes):
+  """`jax.lax.with_sharding_constraint(x, spec of logical_axes)` inside a multi-device mesh
+  context; `x` unchanged otherwise. Undividable dimensions are left replicated (`fitted_spec`)."""
+  mesh = _active_mesh()
+  if mesh is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, fitted_spec(logical_axes, x.shape, mesh))
+
+
+def per_shard(fn: Callable, args: Sequence, in_axes: Sequence, out_axes: Sequence):
+  """Runs `fn(*args)` on each device's shard under `jax.shard_map` (identity wrapper off-mesh).
+
+  Used by the KDA mixer so that a kernel runs on its device's batch rows and heads only: KDA heads
+  are independent, so no collective is needed, and a Pallas kernel (which GSPMD cannot split) works
+  on a sharded model. The same mesh axes are dropped from every spec when one does not divide its
+  dimension (e.g. a batch of 1 on a data-parallel mesh): that dimension is then replicated.
+
+  Args:
+    fn: positional function of `args`, returning a tuple of arrays (one per `out_axes` entry).
+    args: arrays (or None, passed through as None) with global shapes.
+    in_axes / out_axes: logical axes per argument / per output (e.g. `HEADS_BTHK`).
+
+  Returns:
+    The tuple of global outputs.
+  """
+  mesh = _active_mesh()
+  if mesh is None:
+    return tuple(fn(*args))
+  rules = current_rules()
+  present = [i for i, a in enumerate(args) if a is not None]
+  in_specs = [logical_to_spec(in_axes[i], rules) for i in present]
+  drop = set().union(*[_undividable(s, args[i].shape, mesh) for s, i in zip(in_specs, present)])
+  in_specs = tuple(_without(s, drop) for s in in_specs)
+  out_specs = tuple(_without(logical_to_spec(a, rules), drop) for a in out_axes)
+
+  def local(*xs):
+    full = [None] * len(args)
+    for i, x in zip(present, xs):
+      full[i] = x
+    return tuple(fn(*full))
+
+  # check_vma=False: backend kernels (scans seeded with zeros, Pallas calls) are written for plain
+  # arrays, not for JAX's varying-manual-axes typing. Correct here because every output is split on
+  # the same batch/head axes as the inputs it depends on; for axes an input does not mention (it is
+  # replicated there), shard_map's transpose sums the cotangent over them.
+  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)(*[args[i] for i in present])
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters: abstract state, sharded init, placement, checkpoints
+# ---------------------------------------------------------------------------------------------
+def _var_name(path) -> str:
+  return ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+
+
+def _named_shardings(abs_state, mesh: Mesh):
+  """NamedSharding per variable (rules from the context); checks names and divisibility."""
+  specs = nnx.get_partition_spec(abs_state)
+
+  def check(path, leaf, spec):
+    for dim, entry in zip(leaf.shape, tuple(spec)):
+      axes = _spec_axes(entry)
+      bad = [a for a in axes if a not in mesh.shape]
+      if bad:
+        raise ConfigError(f"parameter {_var_name(path)} is annotated with logical axis {bad[0]!r}, which has no "
+                          f"rule in logical_axis_rules (known logical axes: {list(LOGICAL_AXES)})")
+      n = math.prod(mesh.shape[a] for a in axes)
+      if dim % n:
+        raise ConfigError(f"parameter {_var_name(path)} of shape {tuple(leaf.shape)} cannot be split: a dimension "
+                          f"of size {dim} is mapped to mesh axes {'x'.join(axes)} of size {n}; change the "
+                          f"ici_*_parallelism keys or logical_axis_rules")
+    return NamedSharding(mesh, spec)
+
+  return jax.tree.map_with_path(check, abs_state, specs)
+
+
+def abstract_state(cfg, mesh: Mesh, rules_or_cfg=None):
+  """The model's graph definition and its state as sharded `jax.ShapeDtypeStruct`s (no memory).
+
+  Args:
+    cfg: model config. mesh: the target mesh. rules_or_cfg: rules (default: `cfg`'s).
+
+  Returns:
+    `(graphdef, state)`: `state` is an `nnx.State` whose leaves are `ShapeDtypeStruct`s carrying
+    their `NamedSharding`; a target for `jax.jit(out_shardings=...)` or an Orbax restore.
+
+  Raises:
+    ConfigError: a parameter dimension not divisible by its mesh axes, or an unmapped name.
+  """
+  from model.kimi_linear import KimiLinearForCausalLM  # local: kimi_linear imports this module
+  rules = _as_rules(cfg if rules_or_cfg is None else rules_or_cfg)
+  with mesh_context(mesh, rules):
+    abs_model = nnx.eval_shape(lambda: KimiLinearForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abs_state = nnx.split(abs_model)
+    shardings = _named_shardings(abs_state, mesh)
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, shardings)
+  return graphdef, state
+
+
+def state_shardings(state) -> object:
+  """The `NamedSharding` tree of an abstract state from `abstract_state` (for jit in/out shardings)."""
+  return jax.tree.map(lambda a: a.sharding, state)
+
+
+def init_sharded(cfg, mesh: Mesh, rules_or_cfg=None, *, seed: int | None = None):
+  """Random initialisation whose parameters are created sharded (no full copy on one device).
+
+  The init function is jitted with `out_shardings` from `abstract_state`, so each device computes
+  (and holds) only its shards; the values equal an unsharded `KimiLinearForCausalLM(cfg)` init
+  because JAX's threefry random bits do not depend on the partitioning.
+
+  Args:
+    cfg: model config. mesh: the mesh. rules_or_cfg: rules (default: `cfg`'s).
+    seed: PRNG seed, default `cfg.init_seed`.
+
+  Returns:
+    A `KimiLinearForCausalLM` whose arrays are sharded over `mesh`.
+  """
+  from model.kimi_linear import KimiLinearForCausalLM
+  seed = int(cfg.init_seed if seed is None else seed)
+  graphdef, abs_state = abstract_state(cfg, mesh, rules_or_cfg)
+
+  def init():
+    return nnx.state(KimiLinearForCausalLM(cfg, rngs=nnx.Rngs(seed)))
+
+  return nnx.merge(graphdef, jax.jit(init, out_shardings=state_shardings(abs_state))())
+
+
+def shard_state(state, cfg, mesh: Mesh, rules_or_cfg=None):
+  """Places an existing model state (e.g. loaded on the host) onto the mesh with `jax.device_put`."""
+  _, abs_state = abstract_state(cfg, mesh, rules_or_cfg)
+  return jax.device_put(state, state_shardings(abs_state))
+
+
+def restore_checkpoint(directory, cfg, mesh: Mesh, rules_or_cfg=None, *, checkpointer=None):
+  """Restores a model state saved by Orbax directly into this mesh's shardings.
+
+  The checkpoint may have been written under any mesh (or one device): Orbax reads, on each
+  device, only the slices its target `NamedSharding` asks for, so no full copy of the parameters is
+  ever made on one host or device.
+
+  Args:
+    directory: an Orbax checkpoint of `nnx.state(model)` as a pure dict (`state.to_pure_dict()`,
+      written with `orbax.checkpoint.StandardCheckpointer().save`).
+    cfg: the model config. mesh: the target mesh. rules_or_cfg: rules (default: `cfg`'s).
+    checkpointer: an `orbax.checkpoint` checkpointer; default `StandardCheckpointer()`.
+
+  Returns:
+    A `KimiLinearForCausalLM` whose arrays live sharded on `mesh`.
+  """
+  import orbax.checkpoint as ocp
+  graphdef, abs_state = abstract_state(cfg, mesh, rules_or_cfg)
+  ckpt = checkpointer or ocp.StandardCheckpointer()
+  restored = ckpt.restore(directory, abs_state.to_pure_dict())
+  nnx.replace_by_pure_dict(abs_state, restored)
+  return nnx.merge(graphdef, abs_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches and caches
+# ---------------------------------------------------------------------------------------------
+def batch_sharding(mesh: Mesh, shape: Sequence[int], logical_axes=BATCH_TOKENS, rules_or_cfg=None) -> NamedSharding:
+  """Sharding of a batch array (default `[B, T]` ids / segment ids: rows on `activation_batch`),
+  replicated along any mesh axis that does not divide its dimension."""
+  rules = _as_rules(rules_or_cfg)
+  axes = tuple(logical_axes)[:len(shape)] + (None,) * max(0, len(shape) - len(logical_axes))
+  return NamedSharding(mesh, fitted_spec(axes, shape, mesh, rules))
+
+
+def cache_logical_axes(cache):
+  """Logical axes of each leaf of a `model.cache.ModelCache` (same tree structure).
+
+  KDA state `[S, H, K, V]` and convs `[S, W-1, H*K]` split on sequences and heads; MLA latents
+  `[S, L, C]` and `lengths [S]` on sequences only.
+  """
+  from model import cache as cache_lib
+
+  def layer_axes(layer):
+    if isinstance(layer, cache_lib.KDALayerCache):
+      conv = ("activation_batch", None, "activation_heads")
+      return cache_lib.KDALayerCache(STATE_SHKV, conv, conv, conv)
+    return cache_lib.MLALayerCache(("activation_batch", None, None))
+
+  return cache_lib.ModelCache(tuple(layer_axes(c) for c in cache.layers), ("activation_batch",))
+
+
+def cache_shardings(cache, mesh: Mesh, rules_or_cfg=None):
+  """`NamedSharding` per leaf of a `ModelCache` (arrays or `ShapeDtypeStruct`s), via
+  `cache_logical_axes`; dimensions that do not divide stay replicated."""
+  rules = _as_rules(rules_or_cfg)
+  axes = cache_logical_axes(cache)
+  is_axes = lambda x: isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
+  flat_axes = jax.tree.leaves(axes, is_leaf=is_axes)
+  leaves, treedef = jax.tree.flatten(cache)
+  return jax.tree.unflatten(treedef, [NamedSharding(mesh, fitted_spec(a, x.shape, mesh, rules))
+                                      for a, x in zip(flat_axes, leaves)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-host start-up
+# ---------------------------------------------------------------------------------------------
+def initialize_distributed(cfg) -> bool:
+  """Starts JAX's multi-process runtime when `cfg.distributed_init` is true.
+
+  Call it first thing in every process of a multi-host job (before anything touches a device:
+  afterwards `jax.devices()` lists every process's devices and `create_mesh` spans them all). Empty
+  `coordinator_address` and -1 `num_processes` / `process_id` leave them to
+  `jax.distributed.initialize`'s cluster auto-detection (Cloud TPU, SLURM, Open MPI, ...); on a
+  plain cluster give all three (the same coordinator "host:port" of process 0 everywhere).
+  Safe to call twice (the second call does nothing).
+
+  Returns:
+    True when this call initialised the runtime, False when it was off or already running.
+  """
+  if not cfg.distributed_init:
+    return False
+  from jax._src import distributed as _dist  # the public API offers no "is initialised" query
+  if getattr(_dist.global_state, "client", None) is not None:
+    return False
+  kwargs = {}
+  if cfg.coordinator_address:
+    kwargs["coordinator_address"] = cfg.coordinator_address
+  if cfg.num_processes >= 0:
+    kwargs["num_processes"] = cfg.num_processes
+  if cfg.process_id >= 0:
+    kwargs["process_id"] = cfg.process_id
+  jax.distributed.initialize(**kwargs)
+  return True
+
+
+def describe_mesh(mesh: Mesh) -> str:
+  """One line for logs, e.g. `mesh data=2 fsdp=2 expert=1 tensor=2 (8 devices, 1 process)`."""
+  axes = " ".join(f"{a}={n}" for a, n in mesh.shape.items())
+  procs = len({d.process_index for d in np.asarray(mesh.devices).flat})
+  return f"mesh {axes} ({mesh.size} devices, {procs} process{'es' if procs > 1 else ''})"
