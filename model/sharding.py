@@ -22,8 +22,9 @@ config onto it, in the manner of MaxText:
   which GSPMD cannot partition, run on a sharded model. Everything else is left to GSPMD.
 - **Parameters and checkpoints.** `abstract_state` gives `jax.ShapeDtypeStruct`s that carry their
   `NamedSharding`: the target of a sharded random init (`init_sharded`, one jitted init whose outputs
-  are born sharded) and of an Orbax restore (`restore_checkpoint`: each device reads its own slices;
-  no full host copy), whatever mesh the checkpoint was written under.
+  are born sharded) and of an Orbax restore (each device reads its own slices;
+  no full host copy), whatever mesh the checkpoint was written under (`restore_parameters`,
+  `load_sharded`; the checkpoint layout is `model/checkpointing.py`'s, so converted checkpoints too).
 - **Multi-host.** With `distributed_init=true`, `initialize_distributed(cfg)` calls
   `jax.distributed.initialize` (explicit `coordinator_address`/`num_processes`/`process_id`, or
   auto-detection on TPU pods, SLURM, Open MPI, ...). It must run in every process before anything
@@ -34,7 +35,7 @@ Usage (one program for one device or many)::
     cfg = load_config(argv)
     initialize_distributed(cfg)                  # no-op unless distributed_init=true
     mesh = create_mesh(cfg)                      # ConfigError on an impossible mesh
-    model = init_sharded(cfg, mesh)              # or restore_checkpoint(path, cfg, mesh)
+    model = init_sharded(cfg, mesh)              # or restore_parameters(path, cfg, mesh)
     with mesh_context(mesh, cfg):                # jax.set_mesh + nnx.logical_axis_rules
       step = jax.jit(train_step, in_shardings=..., out_shardings=...)
 
@@ -482,28 +483,45 @@ def shard_state(state, cfg, mesh: Mesh, rules_or_cfg=None):
   return jax.device_put(state, state_shardings(abs_state))
 
 
-def restore_checkpoint(directory, cfg, mesh: Mesh, rules_or_cfg=None, *, checkpointer=None):
-  """Restores a model state saved by Orbax directly into this mesh's shardings.
+def restore_parameters(path, cfg, mesh: Mesh, rules_or_cfg=None):
+  """Restores a project checkpoint's parameters (`model/checkpointing.py` layout: written by
+  training, `save_parameters` or `tools.convert_checkpoint`) directly into this mesh's shardings.
 
-  The checkpoint may have been written under any mesh (or one device): Orbax reads, on each
-  device, only the slices its target `NamedSharding` asks for, so no full copy of the parameters is
-  ever made on one host or device.
+  The checkpoint may have been written under any mesh or on one device: the restore target is
+  `abstract_state(cfg, mesh)`, whose `NamedSharding`s make Orbax read, on each host, only the
+  chunks of its own shards; no full copy of the parameters is made on one host or device.
 
   Args:
-    directory: an Orbax checkpoint of `nnx.state(model)` as a pure dict (`state.to_pure_dict()`,
-      written with `orbax.checkpoint.StandardCheckpointer().save`).
-    cfg: the model config. mesh: the target mesh. rules_or_cfg: rules (default: `cfg`'s).
-    checkpointer: an `orbax.checkpoint` checkpointer; default `StandardCheckpointer()`.
+    path: the checkpoint directory. cfg: the model config (e.g. `checkpointing.read_config(path)`).
+    mesh: the target mesh. rules_or_cfg: rules (default: `cfg`'s).
 
   Returns:
     A `KimiLinearForCausalLM` whose arrays live sharded on `mesh`.
+
+  Raises:
+    model.checkpointing.CheckpointError: missing checkpoint or a mismatch with the model.
+    ConfigError: a parameter that cannot be split on this mesh.
   """
-  import orbax.checkpoint as ocp
+  from model import checkpointing
   graphdef, abs_state = abstract_state(cfg, mesh, rules_or_cfg)
-  ckpt = checkpointer or ocp.StandardCheckpointer()
-  restored = ckpt.restore(directory, abs_state.to_pure_dict())
-  nnx.replace_by_pure_dict(abs_state, restored)
-  return nnx.merge(graphdef, abs_state)
+  return nnx.merge(graphdef, checkpointing.restore_parameters(path, abs_state))
+
+
+def load_sharded(path, overrides: Sequence[str] = (), mesh: Mesh | None = None):
+  """`checkpointing.load_model` for a mesh: the stored config plus `key=value` overrides (e.g. the
+  `ici_*_parallelism` of this job), its mesh (`create_mesh`, unless `mesh` is given), and the
+  parameters restored sharded (`restore_parameters`).
+
+  Returns:
+    `(model, cfg, mesh)`.
+
+  Raises:
+    CheckpointError / ConfigError: as `checkpointing.read_config`, `create_mesh`, `restore_parameters`.
+  """
+  from model import checkpointing
+  cfg = checkpointing.read_config(path, overrides)
+  mesh = create_mesh(cfg) if mesh is None else mesh
+  return restore_parameters(path, cfg, mesh), cfg, mesh
 
 
 # ---------------------------------------------------------------------------------------------
