@@ -130,6 +130,13 @@ class MultiHeadLatentAttention(nnx.Module):
   def decode(self, x, latent_cache, lengths):
     """One token per sequence against the latent cache.
 
+    Computed in the absorbed form (DeepSeek-V2 section 2.1.2): with `kv_b_proj` split per head into
+    `W_uk [r, nH, dn]` and `W_uv [r, nH, dv]`, `q_nope . (c W_uk) = (W_uk q_nope) . c` and
+    `sum_l p_l (c_l W_uv) = (sum_l p_l c_l) W_uv`, so scores and outputs are taken against the
+    cached latents directly instead of re-expanding keys and values for every cached token: the
+    cost per step is O(L * nH * (r + dr)) instead of O(L * r * nH * (dn + dv)). Same math as
+    `__call__` up to float32 summation order (float32 throughout).
+
     Args:
       x: `[S, d]`. latent_cache: `[S, L, r + dr]`. lengths: int32 `[S]`, tokens already cached
         (the new token is written at index `lengths[s]`; callers keep `lengths < L`).
@@ -138,12 +145,17 @@ class MultiHeadLatentAttention(nnx.Module):
       `(y [S, d], new latent cache)`.
     """
     s = x.shape[0]
-    q = self.query(x).astype(jnp.float32)                                  # [S, nH, dq]
+    q = self.query(x).astype(jnp.float32)                                  # [S, nH, dn + dr]
     lat = self.latent(x).astype(latent_cache.dtype)
     cache = latent_cache.at[jnp.arange(s), lengths].set(lat, mode="drop")
-    k, v = self.expand(cache.astype(self.dtype))                           # [S, L, nH, *]
-    scores = jnp.einsum("shd,slhd->shl", q, k.astype(jnp.float32)) * self.scale
+    c = cache.astype(self.dtype).astype(jnp.float32)                       # as expand() sees it
+    w = self.kv_b_proj.kernel[...].astype(self.dtype).astype(jnp.float32)
+    w = w.reshape(self.rank, self.num_heads, self.dn + self.dv)
+    w_uk, w_uv = w[..., :self.dn], w[..., self.dn:]
+    q_lat = jnp.einsum("shd,rhd->shr", q[..., :self.dn], w_uk)             # [S, nH, r]
+    scores = (jnp.einsum("shr,slr->shl", q_lat, c[..., :self.rank])
+              + jnp.einsum("shd,sld->shl", q[..., self.dn:], c[..., self.rank:])) * self.scale
     mask = (jnp.arange(cache.shape[1])[None, :] <= lengths[:, None])[:, None, :]
     p = _masked_softmax(scores, mask)
-    o = jnp.einsum("shl,slhd->shd", p, v.astype(jnp.float32))
+    o = jnp.einsum("shr,rhd->shd", jnp.einsum("shl,slr->shr", p, c[..., :self.rank]), w_uv)
     return self._out(o), cache

@@ -115,8 +115,22 @@ class Experts(nnx.Module):
     y = y * weights.reshape(-1)[order][:, None]
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[tokens].add(y)
 
+  def _gathered(self, x, weights, idx):
+    # Only the chosen experts' weights, gathered per (token, choice): reads N*k experts instead of E.
+    w1, w3, w2 = (p[...][idx].astype(self.dtype) for p in (self.w1, self.w3, self.w2))   # [N, k, ...]
+    h = jax.nn.silu(jnp.einsum("nd,nkdi->nki", x, w1)) * jnp.einsum("nd,nkdi->nki", x, w3)
+    y = jnp.einsum("nki,nkid->nkd", h, w2)
+    return jnp.einsum("nk,nkd->nd", weights, y.astype(jnp.float32))
+
   def __call__(self, x, weights, idx):
-    """x `[N, d]`, weights/idx `[N, k]` -> float32 `[N, d]` = sum_k weight * expert_idx(x)."""
+    """x `[N, d]`, weights/idx `[N, k]` -> float32 `[N, d]` = sum_k weight * expert_idx(x).
+
+    When fewer (token, expert) pairs than experts are routed (N*k < E, e.g. decoding a few
+    sequences), only those experts' weights are gathered and run, whatever `moe_impl` says: the same
+    sum, reading N*k experts instead of all E (decode is bound by reading weights)."""
+    n, k = idx.shape
+    if n * k < self.w1.shape[0]:
+      return self._gathered(x, weights, idx)
     return self._dense(x, weights, idx) if self.impl == "dense" else self._ragged(x, weights, idx)
 
 
