@@ -31,6 +31,11 @@ from model.input_pipeline import EvalWindow, pack_eval_windows
 from model.serving import round_up
 
 
+# Compiled window functions per (graphdef, treedef, T, B, N, cache length), shared by every Scorer in
+# the process.
+_COMPILED: dict = {}
+
+
 class ScoringError(ValueError):
   """Documents the model cannot score (token ids outside its vocabulary)."""
 
@@ -111,15 +116,16 @@ class Scorer:
     self.pad_id, self.cache_multiple = int(pad_id), int(cache_multiple)
     self._graphdef, state = nnx.split(model)
     self._leaves, self._treedef = jax.tree.flatten(state)
-    self._compiled: dict = {}
 
   def _window_fn(self, cache_length: int):
-    if cache_length in self._compiled:
-      return self._compiled[cache_length], 0.0
+    key = (self._graphdef, self._treedef, self.seq_len, self.batch_size, self.num_slots, cache_length)
+    if key in _COMPILED:
+      return _COMPILED[key], 0.0
     b, n = self.batch_size, self.num_slots
+    graphdef, treedef = self._graphdef, self._treedef  # not self: the cache must not keep parameters alive
 
     def run(leaves, cache, inputs, targets, loss_mask, segment_ids, continues, prev_label):
-      model = nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, leaves))
+      model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
       cache = _carry(cache, continues, prev_label, b, n)
       logits, cache = model.prefill(inputs, segment_ids, cache=cache)
       logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -138,7 +144,7 @@ class Scorer:
     fresh = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), cache)
     jax.block_until_ready(compiled(self._leaves, fresh, zeros, zeros, zeros.astype(bool), zeros,
                                    jnp.zeros((b, n), bool), jnp.zeros((b, n), jnp.int32)))
-    self._compiled[cache_length] = compiled
+    _COMPILED[key] = compiled
     return compiled, time.perf_counter() - t0
 
   def windows(self, docs: Sequence[np.ndarray]) -> list[EvalWindow]:

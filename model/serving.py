@@ -34,6 +34,12 @@ from model import sampling
 from model.kimi_linear import last_token_logits
 
 
+# Compiled (prefill, step, seconds) per (graphdef, treedef, sizes, sampling): shared by every
+# Generator in the process, so a second Generator over an equal model (e.g. the same checkpoint
+# loaded again) reuses the executables.
+_COMPILED: dict = {}
+
+
 class GenerationError(ValueError):
   """A generation request the engine cannot serve (empty prompt, too long, ids out of range...)."""
 
@@ -125,8 +131,10 @@ def pack_prompts(prompts: Sequence[Sequence[int]], num_slots: int, length: int):
   return ids, seg
 
 
-def _sample_rows(logits, key, step, params: SamplingParams):
-  """int32 `[S]`: one token per row, row s drawn with `fold_in(fold_in(key, step), s)`."""
+def _sample_rows(logits, key, step, params: SamplingParams, vocab_limit):
+  """int32 `[S]`: one token per row, row s drawn with `fold_in(fold_in(key, step), s)`, among ids
+  below `vocab_limit` only (a model's vocabulary may be padded beyond its tokenizer's)."""
+  logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits.astype(jnp.float32), -jnp.inf)
   if params.strategy == "greedy":
     return sampling.sample_tokens(logits, None, strategy="greedy")
   step_key = jax.random.fold_in(key, step)
@@ -150,18 +158,23 @@ class Generator:
       run in consecutive groups (every group padded to the same slot count, so one compilation).
     prefill_multiple, cache_multiple: prefill row length and MLA cache length are rounded up to
       these, so requests of similar size reuse compiled functions.
+    vocab_limit: only ids below it are ever generated (the tokenizer's vocabulary size when the
+      model's vocabulary is padded beyond it); default the model's vocabulary.
 
   Raises:
-    GenerationError: non-positive sizes.
+    GenerationError: non-positive sizes, or vocab_limit outside [1, vocab_size].
   """
 
   def __init__(self, model, *, max_length: int, eos_id: int | None, pad_id: int = 0, batch_size: int = 8,
-               prefill_multiple: int = 64, cache_multiple: int = 64):
+               prefill_multiple: int = 64, cache_multiple: int = 64, vocab_limit: int | None = None):
     for name, v in (("max_length", max_length), ("batch_size", batch_size),
                     ("prefill_multiple", prefill_multiple), ("cache_multiple", cache_multiple)):
       if int(v) < 1:
         raise GenerationError(f"{name} must be >= 1, got {v}")
     self.vocab_size = int(model.args.vocab_size)
+    self.vocab_limit = self.vocab_size if vocab_limit is None else int(vocab_limit)
+    if not 1 <= self.vocab_limit <= self.vocab_size:
+      raise GenerationError(f"vocab_limit must be in [1, {self.vocab_size}], got {vocab_limit}")
     self.max_length = int(max_length)
     self.eos_id = eos_id
     self.pad_id = int(pad_id)
@@ -172,7 +185,6 @@ class Generator:
     self._graphdef = graphdef
     # A flat leaf list is cheaper to pass per decode step than the nested nnx.State.
     self._leaves, self._treedef = jax.tree.flatten(state)
-    self._compiled: dict = {}
 
   # --- validation ---------------------------------------------------------------------------------
   def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
@@ -206,49 +218,50 @@ class Generator:
     return out
 
   # --- compiled functions ---------------------------------------------------------------------------
-  def _model(self, leaves):
-    return nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, leaves))
+  def _key(self, num_slots, row_length, cache_length, params):
+    return (self._graphdef, self._treedef, num_slots, row_length, cache_length, params)
 
   def _functions(self, num_slots: int, row_length: int, cache_length: int, params: SamplingParams):
     """(prefill, step, seconds to compile and warm up), compiled ahead of time for these static sizes
     (cached)."""
-    key = (num_slots, row_length, cache_length, params)
-    if key in self._compiled:
-      return self._compiled[key]
-    eos = -1 if self.eos_id is None else int(self.eos_id)
-    pad = self.pad_id
+    key = self._key(num_slots, row_length, cache_length, params)
+    if key in _COMPILED:
+      return _COMPILED[key]
+    graphdef, treedef = self._graphdef, self._treedef  # not self: the cache must not keep parameters alive
+    model_of = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
-    def prefill(leaves, ids, seg, rng):
-      logits, cache = self._model(leaves).prefill(ids, seg, num_slots=num_slots, cache_length=cache_length)
-      tok = _sample_rows(last_token_logits(logits, seg, num_slots), rng, 0, params)
+    def prefill(leaves, ids, seg, rng, vocab_limit):
+      logits, cache = model_of(leaves).prefill(ids, seg, num_slots=num_slots, cache_length=cache_length)
+      tok = _sample_rows(last_token_logits(logits, seg, num_slots), rng, 0, params, vocab_limit)
       return tok, cache
 
-    def step(leaves, tok, cache, done, stop_at_eos, rng, index):
-      logits, cache = self._model(leaves).decode(tok, cache)
-      new = _sample_rows(logits, rng, index, params)
+    def step(leaves, tok, cache, done, eos, pad, vocab_limit, rng, index):
+      # eos, pad and vocab_limit are runtime scalars (eos = -1: never stop): no recompilation.
+      logits, cache = model_of(leaves).decode(tok, cache)
+      new = _sample_rows(logits, rng, index, params, vocab_limit)
       new = jnp.where(done, pad, new)
-      done = done | (stop_at_eos & (new == eos))
-      return new, cache, done
+      return new, cache, done | (new == eos)
 
     rng = jax.random.key(0)
     ids = jax.ShapeDtypeStruct((1, row_length), jnp.int32)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
     t0 = time.perf_counter()
-    prefill_c = jax.jit(prefill).lower(self._leaves, ids, ids, rng).compile()
-    _, cache_shape = jax.eval_shape(prefill, self._leaves, ids, ids, rng)
+    prefill_c = jax.jit(prefill).lower(self._leaves, ids, ids, rng, scalar).compile()
+    _, cache_shape = jax.eval_shape(prefill, self._leaves, ids, ids, rng, scalar)
     vec = jax.ShapeDtypeStruct((num_slots,), jnp.int32)
     flags = jax.ShapeDtypeStruct((num_slots,), jnp.bool_)
     # The cache is donated: its buffers (the MLA latent cache above all) are updated in place.
     step_c = jax.jit(step, donate_argnums=(2,)).lower(
-        self._leaves, vec, cache_shape, flags, jax.ShapeDtypeStruct((), jnp.bool_), rng,
-        jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        self._leaves, vec, cache_shape, flags, scalar, scalar, scalar, rng, scalar).compile()
     # One warm-up run on an all-padding row: the first execution of a fresh executable pays one-time
     # set-up costs (hundreds of ms on CPU) that belong with compilation, not with time to first token.
     zeros = jnp.zeros((1, row_length), jnp.int32)
-    tok, cache = prefill_c(self._leaves, zeros, zeros, rng)
-    jax.block_until_ready(step_c(self._leaves, tok, cache, jnp.ones((num_slots,), bool), jnp.asarray(False), rng,
-                                 jnp.int32(1)))
-    self._compiled[key] = (prefill_c, step_c, time.perf_counter() - t0)
-    return self._compiled[key]
+    limit = jnp.int32(self.vocab_limit)
+    tok, cache = prefill_c(self._leaves, zeros, zeros, rng, limit)
+    jax.block_until_ready(step_c(self._leaves, tok, cache, jnp.ones((num_slots,), bool), jnp.int32(-1),
+                                 jnp.int32(0), limit, rng, jnp.int32(1)))
+    _COMPILED[key] = (prefill_c, step_c, time.perf_counter() - t0)
+    return _COMPILED[key]
 
   # --- generation -----------------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
@@ -280,7 +293,7 @@ class Generator:
     # check_request guarantees need <= max_length, so the clamp never cuts below need.
     need = max(len(p) for p in prompts) + max_new_tokens
     cache_length = min(round_up(need, self.cache_multiple), self.max_length)
-    fresh = (n, row, cache_length, sampling_params) not in self._compiled
+    fresh = self._key(n, row, cache_length, sampling_params) not in _COMPILED
     prefill, step, compile_s = self._functions(n, row, cache_length, sampling_params)
     timings = Timings(compile_s=compile_s if fresh else 0.0)
     rng = jax.random.key(int(seed))
@@ -297,9 +310,11 @@ class Generator:
     ids, seg = pack_prompts(group, n, row)
     real = np.arange(n) < len(group)
     stop = stop_at_eos and self.eos_id is not None
-    ids, seg, stop_flag = jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(stop)
+    eos = int(self.eos_id) if stop else -1
+    ids, seg, eos_arg, pad_arg = jnp.asarray(ids), jnp.asarray(seg), jnp.int32(eos), jnp.int32(self.pad_id)
+    limit = jnp.int32(self.vocab_limit)
     t0 = time.perf_counter()
-    tok, cache = prefill(self._leaves, ids, seg, rng)
+    tok, cache = prefill(self._leaves, ids, seg, rng, limit)
     tok_host = np.asarray(tok)
     t1 = time.perf_counter()
     if first:
@@ -307,7 +322,7 @@ class Generator:
     timings.prefill_s += t1 - t0
     timings.prefill_tokens += int(sum(len(p) for p in group))
     outputs = [[int(tok_host[i])] for i in range(len(group))]
-    done_host = ~real | (stop & (tok_host == (self.eos_id if stop else -1)))
+    done_host = ~real | (tok_host == eos)
     if on_tokens is not None:
       on_tokens(start, tok_host[:len(group)], real[:len(group)])
     done = jnp.asarray(done_host)
@@ -316,7 +331,7 @@ class Generator:
       if done_host.all():
         break
       live = ~done_host
-      tok, cache, done = step(self._leaves, tok, cache, done, stop_flag, rng, jnp.int32(i))
+      tok, cache, done = step(self._leaves, tok, cache, done, eos_arg, pad_arg, limit, rng, jnp.int32(i))
       tok_host, done_host = np.asarray(tok), np.asarray(done)
       timings.decode_steps += 1
       timings.decode_tokens += int(live[:len(group)].sum())

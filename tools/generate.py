@@ -159,7 +159,7 @@ def main(argv: list[str]) -> int:
   pad = tokenizer.pad_id if tokenizer.pad_id is not None and tokenizer.pad_id < vocab else 0
   gen = Generator(model, max_length=int(mcfg.max_cache_length), eos_id=eos, pad_id=pad,
                   batch_size=cfg.generate_batch_size, prefill_multiple=cfg.prefill_length_multiple,
-                  cache_multiple=cfg.prefill_length_multiple)
+                  cache_multiple=cfg.prefill_length_multiple, vocab_limit=min(vocab, tokenizer.vocab_size))
   gen.check_request(prompts, cfg.max_new_tokens)
   print(f"model {mcfg.model_name} from {mcfg.load_parameters_path}: attention={mcfg.attention}, "
         f"dtype={mcfg.dtype}; {len(prompts)} prompt(s), {sum(map(len, prompts))} tokens; "

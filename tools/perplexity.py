@@ -40,6 +40,7 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
+from model import registry
 from model.input_pipeline import FORMATS, DataFormatError, read_documents, tokenize_documents
 from model.scoring import Scorer
 from model.tokenizer import TokenizerError
@@ -112,6 +113,10 @@ def _report(name, figs):
 
 def main(argv: list[str]) -> int:
   overrides, cfg = common.parse_args(argv)
+  if cfg.compare_attention:
+    registry.get_backend(cfg.compare_attention)  # an unknown name fails now, not after the first pass
+  if cfg.compare_tolerance < 0:
+    raise common.UsageError(f"compare_tolerance must be >= 0, got {cfg.compare_tolerance}")
   model, mcfg = common.load(cfg, overrides)
   tokenizer = common.tokenizer_for(mcfg)
   vocab = int(mcfg.vocab_size)

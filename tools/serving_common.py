@@ -69,7 +69,9 @@ def load(tool_config, overrides: Sequence[str], extra: Sequence[str] = ()):
   """`(model, model_config)`: the checkpoint's config with the command-line overrides (then
   `extra`) applied, and its parameters. Raises CheckpointError / ConfigError."""
   from model.checkpointing import load_model
-  return load_model(tool_config.load_parameters_path, list(overrides) + list(extra))
+  # Absolute path: Orbax refuses relative checkpoint paths.
+  path = os.path.abspath(tool_config.load_parameters_path)
+  return load_model(path, list(overrides) + [f"load_parameters_path={path}"] + list(extra))
 
 
 def tokenizer_for(model_config, *, required_for: str | None = None):
@@ -122,6 +124,10 @@ def run_tool(main: Callable[[list[str]], int], doc: str, argv: Sequence[str] | N
   except EXPECTED_ERRORS + (_checkpoint_error(),) as e:
     msg = str(e) or type(e).__name__
     print(f"error: {msg}", file=sys.stderr)
+    return 2
+  except ImportError as e:  # an attention backend whose op is not installed on this machine
+    print(f"error: a module the chosen attention backend needs is missing ({e}); try another attention=",
+          file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)

@@ -1,0 +1,169 @@
+"""tools.generate and tools.perplexity end to end (in-process), and their one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from model.tokenizer import SentencePieceTokenizer
+from tools import generate, perplexity
+from tools.serving_common import run_tool
+
+
+def _gen(argv):
+  return run_tool(generate.main, generate.__doc__, [str(a) for a in argv])
+
+
+def _ppl(argv):
+  return run_tool(perplexity.main, perplexity.__doc__, [str(a) for a in argv])
+
+
+def _ids(a):
+  return ",".join(str(int(t)) for t in a)
+
+
+def test_generate_ids_prompt(checkpoints, reference, tmp_path, capsys):
+  ref = reference("dense")
+  out = tmp_path / "gen.json"
+  status = _gen([f"load_parameters_path={checkpoints['dense']}", "attention=kda_reference",
+                 f"prompt_ids={_ids(ref['prompt_ids'][0])}", "max_new_tokens=12", "decode_stop_at_eos=false",
+                 f"output_json={out}"])
+  text = capsys.readouterr().out
+  assert status == 0
+  data = json.loads(out.read_text())
+  (r,) = data["results"]
+  assert r["generated_ids"] == ref["greedy_ids"][0].tolist() and r["prompt_ids"] == ref["prompt_ids"][0].tolist()
+  assert r["text"] is None and r["finish_reason"] == "length"
+  # The single prompt streamed as ids: prompt then continuation on one line.
+  assert " ".join(map(str, ref["prompt_ids"][0].tolist() + ref["greedy_ids"][0].tolist())) in text
+  for what in ("time to first token", "tokens/s", "prefill 12 tokens", "decode 11 tokens"):
+    assert what in text
+  t = data["timings"]
+  assert t["prefill_tokens"] == 12 and t["decode_tokens"] == 11 and t["time_to_first_token_s"] > 0
+  assert list(tmp_path.iterdir()) == [out]    # no temporary left behind
+
+
+def test_generate_text_prompts(checkpoints, tokenizer_file, tmp_path, capsys):
+  tok = SentencePieceTokenizer(tokenizer_file)
+  base = [f"load_parameters_path={checkpoints['dense']}", "attention=kda_reference", f"tokenizer_path={tokenizer_file}",
+          "max_new_tokens=12", "decode_stop_at_eos=false"]
+  out = tmp_path / "one.json"
+  assert _gen(base + ["prompt=the cat sat on", f"output_json={out}"]) == 0
+  text = capsys.readouterr().out
+  (r,) = json.loads(out.read_text())["results"]
+  assert r["prompt_ids"] == [tok.bos_id] + tok.encode("the cat sat on")
+  assert r["text"] == tok.decode([t for t in r["generated_ids"] if t != tok.eos_id])
+  assert text.startswith(tok.decode(r["prompt_ids"] + r["generated_ids"]))  # streamed: prompt + continuation
+  # Three prompts from a file (blank lines skipped) generate as one packed batch, in order.
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_text("the cat sat on\n\na dog ran\nthe bird\n")
+  out3 = tmp_path / "three.json"
+  assert _gen(base + [f"prompts_file={prompts}", f"output_json={out3}"]) == 0
+  res = json.loads(out3.read_text())["results"]
+  assert [x["prompt"] for x in res] == ["the cat sat on", "a dog ran", "the bird"]
+  assert res[0]["generated_ids"] == r["generated_ids"]
+
+
+def test_perplexity_ids_and_compare(checkpoints, reference, tmp_path, capsys):
+  ref = reference("dense")
+  data = tmp_path / "ids.txt"
+  data.write_text("\n".join(_ids(row) for row in ref["input_ids"]) + "\n")
+  out = tmp_path / "ppl.json"
+  status = _ppl([f"load_parameters_path={checkpoints['dense']}", f"eval_data={data}", "eval_format=ids",
+                 "max_target_length=16", "eval_batch_size=1", "compare_attention=kda_reference",
+                 "compare_tolerance=0", "dump_logprobs=true", f"output_json={out}"])
+  text = capsys.readouterr().out
+  res = json.loads(out.read_text())
+  want = ref["next_token_logprobs"].astype(np.float64)
+  assert res["attention"] == "kda_native" and res["num_tokens"] == want.size and "bits_per_byte" not in res
+  assert res["perplexity"] == pytest.approx(math.exp(-want.mean()), rel=1e-4)
+  for doc, row, lp in zip(res["documents"], ref["input_ids"], want):
+    assert doc["token_ids"] == row.tolist()
+    np.testing.assert_allclose(doc["logprobs"], lp, atol=1e-4, rtol=0)
+  cmp = res["compare"]
+  assert cmp["attention"] == "kda_reference" and 0 <= cmp["max_abs_logprob_diff"] < 1e-5
+  # compare_tolerance=0: any difference at all fails the comparison (exit status 1).
+  assert status == (1 if cmp["max_abs_logprob_diff"] > 0 else 0) and cmp["within_tolerance"] == (status == 0)
+  assert "perplexity" in text and "tokens/s" in text and "max |log-prob diff|" in text
+
+
+def test_perplexity_text_bits_per_byte(checkpoints, tokenizer_file, tmp_path, capsys):
+  tok = SentencePieceTokenizer(tokenizer_file)
+  docs = ["the cat sat on a mat\nand the dog ran", "a bird in the tree", "the garden house"]
+  data = tmp_path / "corpus.txt"
+  data.write_text("\n\n".join(docs) + "\n")
+  out = tmp_path / "ppl.json"
+  assert _ppl([f"load_parameters_path={checkpoints['dense']}", "attention=kda_reference", f"eval_data={data}",
+               f"tokenizer_path={tokenizer_file}", "max_target_length=16", "eval_batch_size=1",
+               "dump_logprobs=true", f"output_json={out}"]) == 0
+  res = json.loads(out.read_text())
+  framed = [[tok.bos_id] + tok.encode(d) + [tok.eos_id] for d in docs]
+  assert [d["token_ids"] for d in res["documents"]] == framed
+  nll = -sum(sum(d["logprobs"]) for d in res["documents"])
+  assert res["num_bytes"] == sum(len(d.encode()) for d in docs)
+  assert res["bits_per_byte"] == pytest.approx(nll / math.log(2) / res["num_bytes"], rel=1e-9)
+  assert res["num_tokens"] == sum(len(f) - 1 for f in framed)
+
+
+@pytest.fixture()
+def bad_files(tmp_path):
+  latin1 = tmp_path / "latin1.txt"
+  latin1.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+  return {"latin1": latin1, "blank": _write(tmp_path / "blank.txt", "\n  \n")}
+
+
+def _write(path, text):
+  path.write_text(text)
+  return path
+
+
+def test_clear_errors(checkpoints, tokenizer_file, bad_files, tmp_path, capsys):
+  ck = f"load_parameters_path={checkpoints['dense']}"
+  out = tmp_path / "never.json"
+  cases = [
+      (_gen, ["load_parameters_path=/nonexistent/ckpt", "prompt_ids=3"], "checkpoint '/nonexistent/ckpt' does not exist"),
+      (_gen, [ck, "tokenizer_path=/nonexistent/tok.model", "prompt=hi"], "tokenizer file not found"),
+      (_gen, [ck, f"tokenizer_path={tokenizer_file}", "prompt="], "prompt is empty"),
+      (_gen, [ck, f"tokenizer_path={tokenizer_file}", "prompt=   "], "prompt is empty"),
+      (_gen, [ck, "prompt_ids="], "prompt_ids is empty"),
+      (_gen, [ck, f"prompts_file={bad_files['blank']}"], "holds no prompt"),
+      (_gen, [ck, "prompt_ids=" + ",".join(["3"] * 300)], "longer than the model's limit max_cache_length=256"),
+      (_gen, [ck, "prompt_ids=3,4", "max_new_tokens=255"], "raise max_cache_length"),
+      (_gen, [ck, f"prompts_file={bad_files['latin1']}"], "prompts_file: .*latin1.txt:1: not valid UTF-8"),
+      (_gen, [ck, "prompt_ids=3,512"], r"prompt_ids:1: token id 512 \(field 2\) is outside \[0, 512\)"),
+      (_gen, [ck, "prompt_ids=3", "decode_sampling_strategy=beam"], "unknown sampling strategy 'beam'"),
+      (_gen, [ck, "prompt_ids=3", "decode_sampling_strategy=topk", "decode_sampling_top_k=0"], "top_k must be"),
+      (_gen, [ck, "prompt=hello"], "needs a tokenizer"),
+      (_gen, [ck], "give exactly one of prompt=, prompts_file= or prompt_ids="),
+      (_gen, ["prompt_ids=3"], "load_parameters_path is required"),
+      (_gen, ["tiny", ck], "the model config comes from the checkpoint"),
+      (_gen, [ck, "promt=3"], "unknown config key 'promt'; did you mean prompt"),
+      (_gen, [ck, "max_new_tokens=many"], "max_new_tokens expects int"),
+      (_ppl, [ck, f"eval_data={bad_files['latin1']}", f"tokenizer_path={tokenizer_file}"],
+       "eval_data: .*latin1.txt:1: not valid UTF-8"),
+      (_ppl, [ck, "eval_data=/nonexistent.txt", "eval_format=ids"], "eval_data='/nonexistent.txt' does not exist"),
+      (_ppl, [ck], "eval_data is required"),
+      (_ppl, [ck, f"eval_data={bad_files['blank']}", "eval_format=ids"], "holds no document"),
+      (_ppl, [ck, f"eval_data={bad_files['blank']}"], "eval_format=text needs a tokenizer"),
+      (_ppl, [ck, f"eval_data={bad_files['blank']}", "eval_format=csv"], "eval_format must be one of"),
+      (_ppl, [ck, f"eval_data={_write(tmp_path / 'ids.txt', '3 4 900')}", "eval_format=ids"],
+       r"token id 900 \(field 3\) is outside \[0, 512\)"),
+      (_ppl, [ck, f"eval_data={_write(tmp_path / 'ok.txt', '3 4 5')}", "eval_format=ids",
+              "compare_attention=nope"], "nope"),
+  ]
+  for tool, argv, msg in cases:
+    status = tool(argv + [f"output_json={out}"])
+    err = capsys.readouterr().err
+    assert status == 2, (argv, err)
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, (argv, err)
+    assert __import__("re").search(msg, lines[0]), (argv, lines[0])
+    assert not out.exists()
+
+
+def test_help(capsys):
+  assert _gen(["--help"]) == 0 and "decode_sampling_strategy" in capsys.readouterr().out
+  assert _ppl(["--help"]) == 0 and "compare_attention" in capsys.readouterr().out
