@@ -182,31 +182,32 @@ def _chunk_cumsum(gb, tb):
 
 
 def _scores(q, k, gb, tb, ce, diag_mode):
-  """Dispatches the score construction (see `kda_chunk_core`, `diag_mode`)."""
-  blocked = lambda exact: functools.partial(_scores_blocked, exact=exact)
-  if diag_mode == "exact":
-    return blocked(True)(q, k, gb, tb, ce)
+  """Score construction, chosen per chunk at run time from the chunk's decay (see `diag_mode` of
+  `kda_chunk_core`): one factorisation per chunk when its decay allows it, else sub-blocks."""
   whole = jnp.all(jnp.sum(tb, axis=-2) >= -FACTOR_LIMIT)
-  if diag_mode == "factor":
-    return lax.cond(whole, _scores_chunk, blocked(False), q, k, gb, tb, ce)
-  blocks = jnp.all(tb >= -FACTOR_LIMIT)
-  branch = jnp.where(whole, 0, jnp.where(blocks, 1, 2))
-  return lax.switch(branch, [_scores_chunk, blocked(False), blocked(True)], q, k, gb, tb, ce)
+  fallback = functools.partial(_scores_blocked, exact=diag_mode != "factor")
+  if diag_mode == "exact":
+    return fallback(q, k, gb, tb, ce)
+  return lax.cond(whole, _scores_chunk, fallback, q, k, gb, tb, ce)
 
 
 def _unit_lower_inverse(lmat):
   """Inverse of unit lower-triangular `[..., C, C]` (C = 16 * 2^j): forward substitution inside the
-  16-row diagonal blocks, then blockwise doubling `X21 = -X22 L21 X11` (as in LAPACK trtri)."""
+  16-row diagonal blocks (a 15-step loop, all blocks at once), then blockwise doubling
+  `X21 = -X22 L21 X11` (the order of LAPACK trtri; as stable as plain forward substitution)."""
   c = lmat.shape[-1]
   nb = c // SUB
   lead = lmat.shape[:-2]
   blocks = jnp.stack([lmat[..., i * SUB:(i + 1) * SUB, i * SUB:(i + 1) * SUB] for i in range(nb)], -3)
+  strict = jnp.where(jnp.arange(SUB)[:, None] > jnp.arange(SUB)[None, :], blocks, 0.0)
   eye = jnp.eye(SUB, dtype=lmat.dtype)
-  rows = [jnp.broadcast_to(eye[0], blocks.shape[:-2] + (SUB,))]
-  for r in range(1, SUB):
-    prev = jnp.stack(rows, axis=-2)                                    # [..., NB, r, SUB]
-    rows.append(eye[r] - _mm("...j,...jc->...c", blocks[..., r, :r], prev))
-  x = jnp.stack(rows, axis=-2)                                         # [..., NB, SUB, SUB]
+
+  def row_step(r, x):  # row r of the inverse from the rows above it (rows >= r are still e_j)
+    l_r = lax.dynamic_index_in_dim(strict, r, axis=-2, keepdims=False)       # [..., NB, SUB]
+    row = lax.dynamic_index_in_dim(eye, r, axis=0, keepdims=False) - _mm("...j,...jc->...c", l_r, x)
+    return lax.dynamic_update_index_in_dim(x, row, r, axis=-2)
+
+  x = lax.fori_loop(1, SUB, row_step, jnp.broadcast_to(eye, blocks.shape))
   size = SUB
   while size < c:
     m = c // (2 * size)
@@ -222,77 +223,67 @@ def _unit_lower_inverse(lmat):
   return x.reshape(lead + (c, c))
 
 
-class _ChunkTerms(NamedTuple):
-  """Per-chunk operands of the state recurrence (`[..., H, ...]`, float32)."""
+class _ChunkPrep(NamedTuple):
+  """Elementwise per-chunk quantities (`[..., H, C, D]` head-major, float32, padding rows zero)."""
 
-  kgb: jax.Array    # [..., H, C, K] beta * k * exp(G - G_a)   (multiplies S_in in R)
-  qd: jax.Array     # [..., H, C, K] q~ * exp(G - G_a)         (multiplies S_in in O)
-  rv: jax.Array     # [..., H, C, V] beta * v
-  p: jax.Array      # [..., H, C, C] Aqk L^-1
-  kd_p: jax.Array   # [..., H, K, C] (L^-T (k * exp(G_e - G) on the target rows))^T
-  dec: jax.Array    # [..., H, K]    exp(G_e - G_a(e)): decay of S_in up to the target row e
+  qh: jax.Array     # q * scale
+  kh: jax.Array
+  vh: jax.Array
+  bh: jax.Array     # [..., H, C, 1] beta
+  gb: jax.Array     # [..., H, NB, SUB, K] inclusive cumulative gate inside each 16-row sub-block
+  tb: jax.Array     # [..., H, NB, K] total decay of each sub-block
+  ce: jax.Array     # [..., H, NB, SUB, K] decay from after row i to the end of its sub-block (<= 0)
+  egl: jax.Array    # [..., H, C, K] exp(G_r - G_a(r)): decay since the row's document entered the chunk
+  same: jax.Array   # [..., C, C] rows r and i belong to the same document (not padding)
 
 
-def _chunk_terms(q, k, v, g, beta, seg, *, scale, target_row, target_mask, diag_mode, prep=None):
-  """Everything one chunk contributes that does not depend on the carried state.
+def _chunk_prep(q, k, v, g, beta, seg, *, scale, prep=None):
+  """Upcasts, masks padding (NaN-safe), applies `prep`, and builds the cumulative gates of a chunk.
 
-  Args:
-    q, k, g: `[..., C, H, K]` (any float dtype, upcast here); v: `[..., C, H, V]`; beta:
-      `[..., C, H]`; seg: int32 `[..., C]` labels (padding rows are zeroed here, NaN-safe).
-    scale: the query scale.
-    target_row: int (static, C - 1) or int array `[...]`: the row e whose state `kd_p`, `dec` build.
-    target_mask: bool `[..., C]`: the rows whose deltas enter that state (e's document).
-    diag_mode, prep: see `kda_chunk_core`.
-
-  Returns:
-    `_ChunkTerms` in head-major layout.
+  Args: q, k, g `[..., C, H, K]`, v `[..., C, H, V]`, beta `[..., C, H]` (any float dtype);
+  seg int32 `[..., C]`; scale: the query scale; prep: see `kda_chunk_core`.
   """
   c, h, kd = q.shape[-3:]
   nb = c // SUB
-  lead = q.shape[:-3]
   valid = seg > 0
-  hm = lambda x: jnp.swapaxes(x, -3, -2)                                          # -> [..., H, C, D]
   q, k, g = (x.astype(jnp.float32) for x in (q, k, g))
   if prep is not None:
     q, k, g = prep(q, k, g)
-  clean = lambda x, mul=1.0: hm(jnp.where(valid[..., None, None], x.astype(jnp.float32) * mul, 0.0))
-  qh, kh, vh, gh = clean(q, scale), clean(k), clean(v), clean(g)
+  hm = lambda x: jnp.swapaxes(x, -3, -2)                                          # -> [..., H, C, D]
+  clean = lambda x: jnp.where(valid[..., None, None], x.astype(jnp.float32), 0.0)
+  g = clean(g)
+  qh, kh, vh, gh = hm(clean(q) * scale), hm(clean(k)), hm(clean(v)), hm(g)
   bh = jnp.swapaxes(jnp.where(valid[..., None], beta.astype(jnp.float32), 0.0), -1, -2)[..., None]
-  same = (seg[..., :, None] == seg[..., None, :]) & valid[..., :, None]           # [..., C, C]
+  same = (seg[..., :, None] == seg[..., None, :]) & valid[..., :, None]
   causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
-  strict = jnp.arange(c)[:, None] > jnp.arange(c)[None, :]
-
-  gb = jnp.cumsum(gh.reshape(gh.shape[:-2] + (nb, SUB, kd)), axis=-2)            # within sub-blocks
+  gb = jnp.cumsum(gh.reshape(gh.shape[:-2] + (nb, SUB, kd)), axis=-2)
   tb = gb[..., -1, :]
-  ce = tb[..., None, :] - gb                                                      # <= 0
-  # G_r - G_a(r): the decay since the row's document entered the chunk. Without a document start
-  # after row 0 this is the chunk cumulative gate; otherwise a masked (same document, causal) sum.
+  ce = tb[..., None, :] - gb
+  # G_r - G_a(r): without a document start after row 0 this is the chunk cumulative gate; otherwise
+  # a masked (same document, causal) sum, computed directly so that no large sums cancel.
   starts_inside = jnp.any(seg[..., 1:] != seg[..., :-1])
   g_run = lax.cond(starts_inside,
-                   lambda: hm(_mm("...ri,...ihk->...rhk", (same & causal).astype(jnp.float32),
-                                  jnp.where(valid[..., None, None], g, 0.0))),
+                   lambda: hm(_mm("...ri,...ihk->...rhk", (same & causal).astype(jnp.float32), g)),
                    lambda: _chunk_cumsum(gb, tb))
-  egl = jnp.exp(g_run)                                                            # <= 1
+  return _ChunkPrep(qh, kh, vh, bh, gb, tb, ce, jnp.exp(g_run), same)
 
-  aqk, akk = _scores(qh, kh, gb, tb, ce, diag_mode)
-  same_h = same[..., None, :, :]
+
+def _scores_and_inverse(cp, diag_mode):
+  """Masked `Aqk [..., H, C, C]` and `L^-1 = (I + Diag(beta) Akk)^-1` of a chunk."""
+  c = cp.qh.shape[-2]
+  causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
+  strict = jnp.arange(c)[:, None] > jnp.arange(c)[None, :]
+  aqk, akk = _scores(cp.qh, cp.kh, cp.gb, cp.tb, cp.ce, diag_mode)
+  same_h = cp.same[..., None, :, :]
   aqk = jnp.where(same_h & causal, aqk, 0.0)
   akk = jnp.where(same_h & strict, akk, 0.0)
-  linv = _unit_lower_inverse(jnp.eye(c, dtype=jnp.float32) + bh * akk)
-  p = _mm("...ri,...ij->...rj", aqk, linv)
+  return aqk, _unit_lower_inverse(jnp.eye(c, dtype=jnp.float32) + cp.bh * akk)
 
-  if isinstance(target_row, int):
-    assert target_row == c - 1
-    suffix = jnp.cumsum(tb[..., ::-1, :], axis=-2)[..., ::-1, :] - tb             # sum_{z > x} Tb[z]
-    decay = jnp.exp(ce + suffix[..., None, :]).reshape(lead + (h, c, kd))
-    dec = egl[..., c - 1, :]
-  else:
-    e = jnp.broadcast_to(jnp.asarray(target_row)[..., None], lead + (h,))
-    decay = _decay_to_row(gb, ce, tb, e)
-    dec = jnp.take_along_axis(egl, e[..., None, None], axis=-2)[..., 0, :]
-  kd_t = jnp.swapaxes(jnp.where(target_mask[..., None, :, None], kh * decay, 0.0), -1, -2)
-  kd_p = _mm("...ki,...ir->...kr", kd_t, linv)                                   # (L^-T Kd)^T
-  return _ChunkTerms(bh * kh * egl, qh * egl, bh * vh, p, kd_p, dec)
+
+def _decay_to_end(cp):
+  """exp(G_{C-1} - G_i) for every row of the chunk, `[..., H, C, K]` (sums of sub-block totals)."""
+  suffix = jnp.cumsum(cp.tb[..., ::-1, :], axis=-2)[..., ::-1, :] - cp.tb       # sum_{z > x} Tb[z]
+  return jnp.exp(cp.ce + suffix[..., None, :]).reshape(cp.kh.shape)
 
 
 def _slot_spans(seg, n_slots):
@@ -361,69 +352,77 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   bidx = jnp.arange(b)
   labels = jnp.arange(1, n_slots + 1, dtype=jnp.int32)
   first, lastpos, present = _slot_spans(seg, n_slots)
-  terms = functools.partial(_chunk_terms, scale=scale, diag_mode=diag_mode, prep=prep)
+  chunk_prep = functools.partial(_chunk_prep, scale=scale, prep=prep)
   gat = lambda x, ci: x[ci, bidx[:, None]]                                       # [NC, B, ...] -> [B, N, ...]
+  rows_of = lambda seg_n: seg_n == labels[None, :, None]                         # [B, N, C]
 
+  # Documents that start inside a chunk enter it with their own initial state: their rows' part of
+  # `kgb S_in` and `qd S_in` is computed here, one gathered chunk per slot, and scattered into the
+  # scan inputs (the carried state only ever multiplies the rows of the carried document).
   corr = None
+  init = h0 if h0 is not None else jnp.zeros((b, n_slots, h, kd, vd), jnp.float32)
   if h0 is not None:
-    # Documents that start inside a chunk enter it with their own initial state: their rows' part
-    # of `kgb S_in` and `qd S_in` is computed here, one chunk per slot, and scattered into the scan.
     c_s = jnp.clip(first // c, 0, nc - 1)
     seg_s = gat(segc, c_s)
-    rows_s = (seg_s == labels[None, :, None]) & present[..., None]
-    ts = terms(gat(qc, c_s), gat(kc, c_s), gat(vc, c_s), gat(gc, c_s), gat(bc, c_s), seg_s,
-               target_row=c - 1, target_mask=rows_s)
-    both = jnp.concatenate([ts.kgb, ts.qd], axis=-2)                             # [B, N, H, 2C, K]
-    rows2 = jnp.concatenate([rows_s, rows_s], axis=-1)[:, :, None, :, None]
-    x = _mm("bnhrk,bnhkv->bnhrv", jnp.where(rows2, both, 0.0), h0)
+    ps = chunk_prep(gat(qc, c_s), gat(kc, c_s), gat(vc, c_s), gat(gc, c_s), gat(bc, c_s), seg_s)
+    rows = (rows_of(seg_s) & present[..., None])[:, :, None, :, None]
+    both = jnp.concatenate([jnp.where(rows, ps.bh * ps.kh * ps.egl, 0.0),
+                            jnp.where(rows, ps.qh * ps.egl, 0.0)], axis=-2)      # [B, N, H, 2C, K]
+    x = _mm("bnhrk,bnhkv->bnhrv", both, h0)
     corr = jnp.zeros((nc, b, h, 2 * c, vd), jnp.float32).at[c_s, bidx[:, None]].add(x)
 
   def step(carry, xs):
     s, buf = carry
     qx, kx, vx, gx, bx, sx, cl, lic, cc = xs[:9]
-    last_row = (sx == sx[:, -1:]) & (sx[:, -1:] > 0)
-    tm = terms(qx, kx, vx, gx, bx, sx, target_row=c - 1, target_mask=last_row)
+    cp = chunk_prep(qx, kx, vx, gx, bx, sx)
+    aqk, linv = _scores_and_inverse(cp, diag_mode)
     cont = ((sx == cl[:, None]) & (cl[:, None] > 0))[:, None, :, None]
-    qk = jnp.concatenate([jnp.where(cont, tm.kgb, 0.0), jnp.where(cont, tm.qd, 0.0)], axis=-2)
-    xw = _mm("bhrk,bhkv->bhrv", qk, s)
-    r = tm.rv - xw[..., :c, :]
+    last = ((sx == sx[:, -1:]) & (sx[:, -1:] > 0))[:, None, :, None]
+    qk = jnp.concatenate([jnp.where(cont, cp.bh * cp.kh * cp.egl, 0.0),
+                          jnp.where(cont, cp.qh * cp.egl, 0.0)], axis=-2)          # [B, H, 2C, K]
+    xw = _mm("bhrk,bhkv->bhrv", qk, s)                                           # kgb S, qd S
+    r = cp.bh * cp.vh - xw[..., :c, :]
     o = xw[..., c:, :]
     if corr is not None:
       r = r - xs[9][..., :c, :]
       o = o + xs[9][..., c:, :]
-    o = o + _mm("bhri,bhiv->bhrv", tm.p, r)
+    vnew = _mm("bhri,bhiv->bhrv", linv, r)                                       # per-token deltas
+    o = o + _mm("bhri,bhiv->bhrv", aqk, vnew, out_precision)
     fresh = h0[bidx, slot(sx[:, -1])] if h0 is not None else jnp.zeros_like(s)
     base = jnp.where(lic[:, None, None, None], s, fresh)
-    s_next = tm.dec[..., None] * base + _mm("bhki,bhiv->bhkv", tm.kd_p, r)
+    kd_last = jnp.swapaxes(jnp.where(last, cp.kh * _decay_to_end(cp), 0.0), -1, -2)   # [B, H, K, C]
+    s_next = cp.egl[..., c - 1, :, None] * base + _mm("bhki,bhiv->bhkv", kd_last, vnew)
     if buf is not None:
       sc = slot(cl)
       buf = buf.at[bidx, sc].set(jnp.where(cc[:, None, None, None], s, buf[bidx, sc]))
-    return (s_next, buf), jnp.swapaxes(o, 1, 2).astype(out_dtype)                 # [B, C, H, V]
+    out = jnp.swapaxes(o, 1, 2).astype(out_dtype)                               # [B, C, H, V]
+    return (s_next, buf), ((out, vnew) if buf is not None else out)
 
   out_dtype = q.dtype
+  out_precision = _HI if out_dtype == jnp.float32 else lax.Precision.DEFAULT
   xs = (qc, kc, vc, gc, bc, segc, cont_lab, last_is_cont, cont_closes)
   if corr is not None:
     xs = xs + (corr,)
   s0 = jnp.zeros((b, h, kd, vd), jnp.float32)
   buf0 = jnp.zeros((b, n_slots, h, kd, vd), jnp.float32) if want_final else None
-  (_, buf), o = lax.scan(step, (s0, buf0), xs)
+  (_, buf), ys = lax.scan(step, (s0, buf0), xs)
+  o, vnew = ys if want_final else (ys, None)
   o = jnp.moveaxis(o, 0, 1).reshape(b, tp, h, vd)[:, :t]
   if not want_final:
     return o, None
 
-  # Final states, one chunk per slot: the chunk holding the document's last row e. The state entering
-  # that chunk is the saved carry (document began earlier) or the slot's initial state.
+  # Final states, one gathered chunk per slot: the chunk holding the document's last row e, from the
+  # state that entered it (the carry saved by the scan, or the initial state) and the saved deltas:
+  # S_e = exp(G_e - G_a) S_in + sum_{i in doc} (k_i exp(G_e - G_i)) Vnew_i^T.
   c_e = jnp.clip(lastpos // c, 0, nc - 1)
   e_row = jnp.clip(lastpos - c_e * c, 0, c - 1)
-  init = h0 if h0 is not None else jnp.zeros((b, n_slots, h, kd, vd), jnp.float32)
-  s_base = jnp.where((first < c_e * c)[:, :, None, None, None], buf, init)
   seg_e = gat(segc, c_e)
-  rows_e = seg_e == labels[None, :, None]
-  te = terms(gat(qc, c_e), gat(kc, c_e), gat(vc, c_e), gat(gc, c_e), gat(bc, c_e), seg_e,
-             target_row=e_row, target_mask=rows_e)
-  r_n = jnp.where(rows_e[:, :, None, :, None],
-                  te.rv - _mm("bnhrk,bnhkv->bnhrv", te.kgb, s_base), 0.0)
-  final = te.dec[..., None] * s_base + _mm("bnhki,bnhiv->bnhkv", te.kd_p, r_n)
+  pe = chunk_prep(gat(qc, c_e), gat(kc, c_e), gat(vc, c_e), gat(gc, c_e), gat(bc, c_e), seg_e)
+  e_b = jnp.broadcast_to(e_row[:, :, None], (b, n_slots, h))
+  kd_n = jnp.where(rows_of(seg_e)[:, :, None, :, None], pe.kh * _decay_to_row(pe.gb, pe.ce, pe.tb, e_b), 0.0)
+  dec_n = jnp.take_along_axis(pe.egl, e_b[..., None, None], axis=-2)[..., 0, :]   # [B, N, H, K]
+  s_base = jnp.where((first < c_e * c)[:, :, None, None, None], buf, init)
+  final = dec_n[..., None] * s_base + _mm("bnhik,bnhiv->bnhkv", kd_n, gat(vnew, c_e))
   return o, jnp.where(present[:, :, None, None, None], final, init)
 
 
