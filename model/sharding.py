@@ -457,8 +457,9 @@ def init_sharded(cfg, mesh: Mesh, rules_or_cfg=None, *, seed: int | None = None)
   """Random initialisation whose parameters are created sharded (no full copy on one device).
 
   The init function is jitted with `out_shardings` from `abstract_state`, so each device computes
-  (and holds) only its shards; the values equal an unsharded `KimiLinearForCausalLM(cfg)` init
-  because JAX's threefry random bits do not depend on the partitioning.
+  (and holds) only its shards; the values equal the same jitted init on one device, bit for bit,
+  because JAX's threefry random bits do not depend on the partitioning (an eager, un-jitted init
+  can differ in the last ulp: XLA fuses the initialisers' arithmetic differently).
 
   Args:
     cfg: model config. mesh: the mesh. rules_or_cfg: rules (default: `cfg`'s).

@@ -30,13 +30,17 @@ BASE = ("tiny", "kda_num_heads=8", "kda_head_dim=4", "num_attention_heads=8", "q
         "qk_rope_head_dim=4", "v_head_dim=4", "kv_lora_rank=8", "num_experts=8", "num_experts_per_tok=2",
         "moe_intermediate_size=8", "intermediate_size=32", "num_hidden_layers=2", "kda_layers=[1]",
         "full_attn_layers=[2]", "attention=kda_reference", "max_num_segments=3", "max_cache_length=16")
-ONE_DEVICE = ("ici_data_parallelism=1",)
-MESHES = {
-    "data8": ("ici_data_parallelism=8",),
-    "fsdp2_tensor2_data2": ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
-    "tensor8": ("ici_data_parallelism=1", "ici_tensor_parallelism=8"),
-    "expert4_data2": ("ici_data_parallelism=2", "ici_expert_parallelism=4"),
+SIZES = {  # data, fsdp, expert, tensor
+    "one_device": (1, 1, 1, 1),
+    "data8": (8, 1, 1, 1),
+    "fsdp2_tensor2_data2": (2, 2, 1, 2),
+    "tensor8": (1, 1, 1, 8),
+    "expert4_data2": (2, 1, 4, 1),
 }
+# Every mesh key given, so that they also override a checkpoint's stored mesh.
+MESHES = {name: tuple(f"ici_{axis}_parallelism={n}" for axis, n in zip(("data", "fsdp", "expert", "tensor"), sizes))
+          for name, sizes in SIZES.items()}
+ONE_DEVICE = MESHES.pop("one_device")
 B, T, N, CACHE = 8, 12, 3, 16
 DECODE_STEPS = 4
 

@@ -1,0 +1,101 @@
+"""8 simulated devices: sharded init, checkpoints saved under one mesh restored under another (and
+on one device) with identical values, converted Hugging Face checkpoints restored sharded, and the
+Generator serving on a mesh.
+
+Run by tests/sharding/test_multidevice.py (in a subprocess: the device count is fixed per process).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from model import checkpointing, sharding
+from model.kimi_linear import KimiLinearForCausalLM
+from tests.sharding.multidevice import common as c
+
+FIXTURE = pathlib.Path(__file__).parents[2] / "fixtures" / "hf_tiny_dense_moe"
+
+
+def _flat(model_or_state):
+  state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
+  return {path: v.get_value() for path, v in nnx.to_flat_state(state)}
+
+
+def _assert_identical(got, want):
+  assert got.keys() == want.keys()
+  for path in want:
+    np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(want[path]), err_msg=str(path))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """A checkpoint written from a model initialised sharded on fsdp2 x tensor2 x data2."""
+  cfg = c.config(*c.MESHES["fsdp2_tensor2_data2"])
+  mesh = sharding.create_mesh(cfg)
+  model = sharding.init_sharded(cfg, mesh)
+  path = tmp_path_factory.mktemp("ckpt") / "params"
+  checkpointing.save_parameters(path, model, cfg)
+  return path, cfg, model
+
+
+def test_sharded_init_equals_the_one_device_init(saved):
+  """The same random draws as the one-device init. Threefry bits and uniforms are bit-identical
+  whatever the partitioning; the normal initialiser's erf_inv may differ by up to 2 ulp, because
+  XLA:CPU vectorises an elementwise loop differently for a [16, 4] shard than for [32, 8] (checked:
+  `jax.random.bits`/`uniform` identical, `jax.lax.erf_inv` of identical inputs 2 ulp apart)."""
+  _, cfg, model = saved
+  one = dict(_flat(KimiLinearForCausalLM(c.config(*c.ONE_DEVICE))))
+  got = _flat(model)
+  assert got.keys() == one.keys()
+  for path in one:
+    np.testing.assert_array_max_ulp(np.asarray(got[path]), np.asarray(one[path]), maxulp=2)
+  q = model.model.layers[0].self_attn.q_proj.kernel.get_value()
+  assert q.addressable_shards[0].data.shape == (q.shape[0] // 2, q.shape[1] // 2)  # fsdp x tensor
+
+
+@pytest.mark.parametrize("target", ["tensor8", "expert4_data2"])
+def test_checkpoint_from_one_mesh_restores_under_another(saved, target):
+  path, _, model = saved
+  restored, cfg, mesh = sharding.load_sharded(path, c.MESHES[target])
+  assert dict(mesh.shape) == sharding.mesh_shape(cfg, c.DEVICES)
+  _assert_identical(_flat(restored), _flat(model))
+  # Born sharded on the new mesh: each device holds only its slice.
+  if target == "tensor8":
+    q = restored.model.layers[0].self_attn.q_proj.kernel.get_value()
+    assert q.addressable_shards[0].data.shape == (q.shape[0], q.shape[1] // 8)
+  else:
+    w1 = restored.model.layers[1].block_sparse_moe.experts.w1.get_value()
+    assert w1.addressable_shards[0].data.shape == (w1.shape[0] // 4,) + w1.shape[1:]
+
+
+def test_checkpoint_from_a_mesh_restores_on_one_device(saved):
+  path, _, model = saved
+  restored, _ = checkpointing.load_model(path, list(c.ONE_DEVICE))
+  _assert_identical(_flat(restored), _flat(model))
+
+
+def test_converted_hf_checkpoint_restores_sharded(tmp_path):
+  """tools.convert_checkpoint output, restored on fsdp2 x expert2 x tensor2 (2 heads, 4 experts):
+  the same parameters as the one-device load, and the same logits."""
+  from tools import convert_checkpoint
+  out = tmp_path / "converted"
+  convert_checkpoint.convert([f"hf_model_path={FIXTURE}", f"output_path={out}"])
+  mesh_keys = ("ici_data_parallelism=1", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2",
+               "ici_tensor_parallelism=2", "attention=kda_reference")
+  model, cfg, mesh = sharding.load_sharded(out, mesh_keys)
+  one, _ = checkpointing.load_model(out, ["attention=kda_reference"])
+  _assert_identical(_flat(model), _flat(one))
+  w1 = model.model.layers[1].block_sparse_moe.experts.w1.get_value()
+  assert w1.addressable_shards[0].data.shape == (w1.shape[0] // 2, w1.shape[1] // 2, w1.shape[2] // 2)
+  ids = np.random.default_rng(1).integers(3, cfg.vocab_size, (2, 10)).astype(np.int32)
+  seg = np.array([[1] * 6 + [2] * 4, [1] * 8 + [0] * 2], np.int32)
+  fwd = lambda m, i, s: m(i, s, mode="eval", max_num_segments=2)
+  want = jax.jit(fwd)(one, ids, seg)
+  with sharding.mesh_context(mesh, cfg):
+    got = jax.jit(fwd)(model, ids, seg)
+  c.assert_close(got, want, "converted checkpoint logits")
