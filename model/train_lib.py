@@ -1,0 +1,336 @@
+"""Training building blocks for `tools.train`: the train state, the optimizer, the jitted train and
+eval steps, the Orbax train-state checkpoints and the resume-compatibility check.
+
+The train state is a plain dict pytree (what Orbax saves and restores as one item)::
+
+  {"params":    nnx.State of the model's nnx.Param leaves (float arrays, the model's weight_dtype),
+   "rest":      nnx.State of every other Variable (the MoE RouterBias; never touched by gradients),
+   "opt_state": the optax state of `make_optimizer(cfg)` over "params",
+   "step":      int32 scalar, optimizer steps taken,
+   "rng":       uint32 key data of the training PRNG key (`jax.random.key_data`)}
+
+Together with the data iterator's position (`BatchIterator.state`, saved beside it as JSON) this is
+everything a run depends on, so resuming from a checkpoint continues bit-for-bit like the run that
+wrote it (same batches, same updates; XLA on one device is deterministic).
+
+Loss: token-level cross entropy `-log softmax(logits)[target]` in float32, summed where
+`loss_mask` is True (padding and the last token of each document are excluded, see
+`model.input_pipeline`) and divided by the number of such tokens.
+
+Optimizer (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019; optax.adamw):
+`clip_by_global_norm(grad_clip_norm)` then AdamW with learning rate
+`optax.warmup_cosine_decay_schedule(0 -> learning_rate over warmup_steps, cosine to
+learning_rate * lr_final_fraction at steps)`; weight decay only on parameters with ndim >= 2
+(matrices, stacked experts, embeddings), never on norm scales, biases, A_log or dt_bias.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from model.kimi_linear import KimiLinearForCausalLM
+
+STATE_ITEM, DATA_ITEM, META_ITEM = "state", "data", "meta"
+
+# Keys that may change between a run and its resumption: where files live, how often to log,
+# evaluate, checkpoint or export, and implementation choices that compute the same function.
+# Every other key (model shape, data, optimizer, seeds, steps) must match the checkpoint.
+RESUME_FREE_KEYS = frozenset({
+    "output_dir", "resume", "stop_at_step", "checkpoint_every", "checkpoint_keep", "eval_every",
+    "eval_batch_size", "eval_max_windows", "log_every", "export_every", "export_dtype", "train_data",
+    "tokenizer_path", "load_parameters_path", "attention", "kda_impl", "moe_impl", "model_name",
+    "logical_axis_rules", "distributed_init", "coordinator_address", "num_processes", "process_id",
+})
+_RESUME_FREE_PREFIXES = ("ici_", "dcn_")
+
+
+class TrainError(ValueError):
+  """A training run that cannot start or continue (bad data, config or checkpoint); the message
+  names the config key or path at fault and what was expected."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimizer
+# ------------------------------------------------------------------------------------------------
+
+def optimizer_hparams(cfg) -> tuple:
+  """The hashable tuple of config values that define the optimizer (a cache key for jitted steps)."""
+  return (int(cfg.steps), float(cfg.learning_rate), int(cfg.warmup_steps), float(cfg.lr_final_fraction),
+          float(cfg.weight_decay), float(cfg.adam_b1), float(cfg.adam_b2), float(cfg.adam_eps),
+          float(cfg.grad_clip_norm))
+
+
+def check_train_config(cfg) -> None:
+  """Range checks of the training keys (the model keys are checked by `model.config`).
+
+  Raises:
+    TrainError: naming the key, its value and the expected range.
+  """
+  def need(cond, key, expected):
+    if not cond:
+      raise TrainError(f"{key}={cfg[key]!r} is invalid: expected {expected}")
+  for key in ("steps", "seq_len", "batch_size", "eval_batch_size", "log_every", "checkpoint_keep"):
+    need(cfg[key] >= 1, key, "an integer >= 1")
+  for key in ("warmup_steps", "checkpoint_every", "eval_every", "eval_max_windows", "export_every",
+              "stop_at_step"):
+    need(cfg[key] >= 0, key, "an integer >= 0")
+  need(cfg.seq_len >= 2, "seq_len", "an integer >= 2 (a token and its target)")
+  need(cfg.warmup_steps < cfg.steps, "warmup_steps", f"fewer than steps={cfg.steps}")
+  need(cfg.learning_rate > 0, "learning_rate", "a number > 0")
+  need(0.0 <= cfg.lr_final_fraction <= 1.0, "lr_final_fraction", "a number in [0, 1]")
+  need(cfg.weight_decay >= 0, "weight_decay", "a number >= 0")
+  need(0.0 <= cfg.adam_b1 < 1.0, "adam_b1", "a number in [0, 1)")
+  need(0.0 <= cfg.adam_b2 < 1.0, "adam_b2", "a number in [0, 1)")
+  need(cfg.adam_eps > 0, "adam_eps", "a number > 0")
+  need(cfg.grad_clip_norm >= 0, "grad_clip_norm", "a number >= 0 (0 = no clipping)")
+  need(0.0 < cfg.heldout_fraction < 1.0, "heldout_fraction", "a number in (0, 1)")
+  need(cfg.train_data_format in ("text", "jsonl", "ids"), "train_data_format", "'text', 'jsonl' or 'ids'")
+  need(cfg.split_long in ("long", "fill", "none"), "split_long", "'long', 'fill' or 'none'")
+  need(cfg.export_dtype in ("float32", "bfloat16"), "export_dtype", "'float32' or 'bfloat16'")
+
+
+def learning_rate_schedule(hparams: tuple) -> optax.Schedule:
+  """Linear warmup from 0 to the peak, then cosine decay to peak * lr_final_fraction at `steps`."""
+  steps, lr, warmup, final, *_ = hparams
+  return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=lr, warmup_steps=warmup,
+                                            decay_steps=steps, end_value=lr * final)
+
+
+def _decay_mask(params):
+  return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
+
+
+def make_optimizer(hparams: tuple) -> optax.GradientTransformation:
+  """Gradient clipping + AdamW with the warmup-cosine schedule (see the module docstring).
+
+  Args:
+    hparams: `optimizer_hparams(cfg)`.
+  """
+  _, _, _, _, wd, b1, b2, eps, clip = hparams
+  adamw = optax.adamw(learning_rate_schedule(hparams), b1=b1, b2=b2, eps=eps, weight_decay=wd,
+                      mask=_decay_mask)
+  return optax.chain(optax.clip_by_global_norm(clip), adamw) if clip > 0 else adamw
+
+
+# ------------------------------------------------------------------------------------------------
+# Train state
+# ------------------------------------------------------------------------------------------------
+
+def split_model(model: KimiLinearForCausalLM):
+  """`(graphdef, params, rest)`: trainable `nnx.Param`s and every other Variable."""
+  return nnx.split(model, nnx.Param, ...)
+
+
+def init_train_state(model: KimiLinearForCausalLM, hparams: tuple, seed: int):
+  """`(graphdef, state)` of `model` with a fresh optimizer state at step 0 and the PRNG key of `seed`."""
+  graphdef, params, rest = split_model(model)
+  state = {"params": params, "rest": rest, "opt_state": make_optimizer(hparams).init(params),
+           "step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(jax.random.key(int(seed)))}
+  return graphdef, state
+
+
+def create_train_state(cfg, hparams: tuple):
+  """`(graphdef, state)` of a model randomly initialised from `cfg.init_seed`, a fresh optimizer
+  state and the PRNG key of `cfg.train_seed`.
+
+  Runs eagerly: on CPU, compiling the whole initialisation as one program takes longer than
+  running its ops one by one.
+  """
+  model = KimiLinearForCausalLM(cfg, rngs=nnx.Rngs(int(cfg.init_seed)))
+  return init_train_state(model, hparams, int(cfg.train_seed))
+
+
+def masked_nll(logits, targets, loss_mask):
+  """Summed cross entropy and token count over `loss_mask`.
+
+  Args:
+    logits: `[B, T, V]` (any float dtype; computed in float32).
+    targets: int32 `[B, T]`. loss_mask: bool `[B, T]`.
+
+  Returns:
+    `(sum_nll float32 [], count float32 [])` in nats.
+  """
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  mask = loss_mask.astype(jnp.float32)
+  return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+@functools.lru_cache(maxsize=8)
+def train_step_fn(graphdef, hparams: tuple, num_slots: int):
+  """The jitted step `(state, batch) -> (new_state, metrics)`; cached so that runs of the same
+  model and optimizer (a resumed run in the same process, tests) reuse one compilation.
+
+  `batch` holds `inputs, targets, loss_mask, segment_ids` `[B, T]` (a `model.input_pipeline.Batch`
+  or a dict). The forward runs in mode "train", i.e. through the backend's differentiable op
+  (`kda_chunked` for kda_native). metrics: loss (mean nats per target token), tokens (targets in
+  the batch), grad_norm (global L2 norm before clipping), lr (the rate used for this update).
+  """
+  tx = make_optimizer(hparams)
+  schedule = learning_rate_schedule(hparams)
+
+  def step(state, inputs, targets, loss_mask, segment_ids):
+    def loss_fn(params):
+      model = nnx.merge(graphdef, params, state["rest"])
+      logits = model(inputs, segment_ids, mode="train", max_num_segments=num_slots)
+      total, count = masked_nll(logits, targets, loss_mask)
+      return total / jnp.maximum(count, 1.0), count
+
+    (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    # The key advances every step (reserved for stochastic layers; the model has none today), so a
+    # resumed run continues the same key sequence.
+    rng, _ = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+    new = {"params": params, "rest": state["rest"], "opt_state": opt_state, "step": state["step"] + 1,
+           "rng": jax.random.key_data(rng)}
+    metrics = {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads),
+               "lr": schedule(state["step"])}
+    return new, metrics
+
+  jitted = jax.jit(step)
+
+  def run(state, batch):
+    get = batch.get if isinstance(batch, dict) else functools.partial(getattr, batch)
+    return jitted(state, *(jnp.asarray(get(k)) for k in ("inputs", "targets", "loss_mask", "segment_ids")))
+
+  return run
+
+
+@functools.lru_cache(maxsize=8)
+def eval_step_fn(graphdef, num_slots: int):
+  """The jitted `(params, rest, window) -> (sum_nll, count)` over one held-out window.
+
+  The forward runs in mode "train" (forward only): the held-out loss is then measured with the
+  very op the gradients go through, whatever state the inference kernels are in; the model has no
+  dropout, so train and eval modes compute the same function. Each window is scored on its own: a
+  document continued from the previous window starts without that window's state, so this loss is
+  slightly pessimistic (`tools.perplexity` carries the state across windows)."""
+
+  @jax.jit
+  def step(params, rest, inputs, targets, loss_mask, segment_ids):
+    model = nnx.merge(graphdef, params, rest)
+    logits = model(inputs, segment_ids, mode="train", max_num_segments=num_slots)
+    return masked_nll(logits, targets, loss_mask)
+
+  def run(params, rest, window):
+    return step(params, rest, *(jnp.asarray(getattr(window, k))
+                                for k in ("inputs", "targets", "loss_mask", "segment_ids")))
+
+  return run
+
+
+def evaluate(graphdef, state, windows, num_slots: int) -> dict:
+  """Held-out loss over `windows` (`EvalWindow`s): {"heldout_loss" (nats/token), "heldout_ppl",
+  "heldout_tokens"}."""
+  fn = eval_step_fn(graphdef, num_slots)
+  total, count = 0.0, 0.0
+  for w in windows:
+    s, c = fn(state["params"], state["rest"], w)
+    total += float(s)
+    count += float(c)
+  loss = total / max(count, 1.0)
+  return {"heldout_loss": loss, "heldout_ppl": float(np.exp(loss)), "heldout_tokens": int(count)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Train-state checkpoints (Orbax CheckpointManager)
+# ------------------------------------------------------------------------------------------------
+
+def file_sha256(path: str | os.PathLike | None) -> str:
+  """Hex SHA-256 of a file's bytes ("" for no path): identifies the corpus and tokenizer on resume."""
+  if not path:
+    return ""
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      h.update(block)
+  return h.hexdigest()
+
+
+class TrainCheckpointer:
+  """Orbax `CheckpointManager` over `directory`: one step directory per save holding the train
+  state (`StandardSave`), the data iterator state and run metadata (JSON). Orbax writes each step
+  into a temporary directory and renames it when complete, so an interrupted save leaves no
+  partial step behind; only the last `keep` steps are kept.
+
+  Args:
+    directory: where the step directories live (created when missing).
+    keep: checkpoints to keep (>= 1).
+  """
+
+  def __init__(self, directory: str | os.PathLike, keep: int):
+    import orbax.checkpoint as ocp  # local: orbax is heavy to import
+    self._ocp = ocp
+    self.directory = pathlib.Path(directory).absolute()
+    options = ocp.CheckpointManagerOptions(max_to_keep=int(keep), create=True,
+                                           enable_async_checkpointing=False)
+    self._mgr = ocp.CheckpointManager(self.directory, options=options)
+
+  def latest_step(self) -> int | None:
+    """The newest complete checkpoint's step, or None."""
+    return self._mgr.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self._mgr.all_steps())
+
+  def save(self, step: int, state, data_state: dict, meta: dict) -> None:
+    """Saves (synchronously) the train state, the iterator's JSON state and `meta` as `step`."""
+    ocp = self._ocp
+    self._mgr.save(int(step), args=ocp.args.Composite(**{
+        STATE_ITEM: ocp.args.StandardSave(state), DATA_ITEM: ocp.args.JsonSave(data_state),
+        META_ITEM: ocp.args.JsonSave(meta)}), force=True)
+    self._mgr.wait_until_finished()
+
+  def read_meta(self, step: int) -> dict:
+    """The run metadata of checkpoint `step` (without reading any array)."""
+    ocp = self._ocp
+    return self._mgr.restore(int(step), args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
+
+  def restore(self, step: int, target_state):
+    """`(state, data_state)` of checkpoint `step`, restored into the structure, shapes and dtypes
+    of `target_state` (a train state built the same way, e.g. by `init_train_state`).
+
+    Raises:
+      TrainError: the stored arrays do not fit `target_state` (names the checkpoint).
+    """
+    ocp = self._ocp
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
+    try:
+      out = self._mgr.restore(int(step), args=ocp.args.Composite(**{
+          STATE_ITEM: ocp.args.StandardRestore(abstract), DATA_ITEM: ocp.args.JsonRestore()}))
+    except (ValueError, KeyError, TypeError) as e:
+      raise TrainError(f"checkpoint {self.directory / str(step)} does not fit this model/optimizer: "
+                       f"{type(e).__name__}: {str(e)[:300]}") from None
+    return out[STATE_ITEM], out[DATA_ITEM]
+
+  def close(self) -> None:
+    self._mgr.close()
+
+
+def resume_mismatches(saved: dict, current: dict) -> list[str]:
+  """`"key: checkpoint=X, now=Y"` for each trajectory-defining key that differs.
+
+  Compared: every key of `current` present in `saved` except `RESUME_FREE_KEYS` and the mesh
+  (`ici_*`, `dcn_*`) keys; plus the pseudo keys `train_data_sha256` / `tokenizer_sha256` when both
+  sides have them. Floats compare exactly (they come from the same JSON text or the same parse).
+  """
+  out = []
+  for key in sorted(current):
+    if key in RESUME_FREE_KEYS or key.startswith(_RESUME_FREE_PREFIXES) or key not in saved:
+      continue
+    a, b = saved[key], current[key]
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+      a, b = list(a), list(b)
+    if a != b:
+      out.append(f"{key}: checkpoint={a!r}, now={b!r}")
+  return out

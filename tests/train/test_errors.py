@@ -1,0 +1,117 @@
+"""tools.train's clear errors: missing data, an empty corpus, a mismatched resume config, bad keys,
+and the command line (one line on stderr, exit status 2, no traceback, nothing written)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from model import train_lib
+from model.train_lib import TrainError
+from tests.train.helpers import counting_documents, tiny_config, write_ids_corpus
+from tools.train import main, train
+
+
+@pytest.fixture
+def corpus(tmp_path):
+  path = tmp_path / "count.ids"
+  write_ids_corpus(path, counting_documents(40, seed=1))
+  return path
+
+
+def test_missing_train_data(tmp_path):
+  with pytest.raises(TrainError, match=r"train_data is required: pass train_data=FILE"):
+    train(tiny_config("", tmp_path / "out"), progress=False)
+  with pytest.raises(TrainError, match=r"train_data='.*nope.ids' does not exist"):
+    train(tiny_config(tmp_path / "nope.ids", tmp_path / "out"), progress=False)
+  assert not (tmp_path / "out").exists()  # nothing written before the data is known to be good
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_corpus(tmp_path, content):
+  path = tmp_path / "empty.ids"
+  path.write_text(content)
+  with pytest.raises(TrainError, match=r"train_data='.*empty.ids' is empty: it holds no documents"):
+    train(tiny_config(path, tmp_path / "out"), progress=False)
+  assert not (tmp_path / "out").exists()
+
+
+def test_single_line_corpus_has_no_training_split(tmp_path):
+  path = tmp_path / "one.ids"
+  path.write_text("5 6 7 8\n")
+  with pytest.raises(TrainError, match=r"training split of train_data=.* is empty"):
+    train(tiny_config(path, tmp_path / "out"), progress=False)
+
+
+def test_output_dir_and_tokenizer_keys(corpus, tmp_path):
+  with pytest.raises(TrainError, match=r"output_dir is required"):
+    train(tiny_config(corpus, ""), progress=False)
+  with pytest.raises(TrainError, match=r"tokenizer_path is required for train_data_format='text'"):
+    train(tiny_config(corpus, tmp_path / "o", "train_data_format=text"), progress=False)
+  with pytest.raises(TrainError, match=r"warmup_steps=10 is invalid: expected fewer than steps=5"):
+    train(tiny_config(corpus, tmp_path / "o", "steps=5", "warmup_steps=10"), progress=False)
+  # The held-out side is the last line (a blank one here): no held-out tokens to evaluate on.
+  blank_tail = tmp_path / "blank_tail.ids"
+  blank_tail.write_text("5 6 7\n8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29\n   \n")
+  with pytest.raises(TrainError, match=r"held-out split .* holds no tokens; raise heldout_fraction or pass eval_every=0"):
+    train(tiny_config(blank_tail, tmp_path / "o", "eval_every=5", "heldout_fraction=0.01", "steps=3"),
+          progress=False)
+
+
+def test_resume_with_a_different_config_is_refused(corpus, tmp_path):
+  # The config is checked against the checkpoint's metadata before any array is built or read,
+  # so a stand-in state is enough here (test_train.py resumes real train states).
+  from model.input_pipeline import BatchIterator, pack_documents
+  from tools.train import CHECKPOINT_SUBDIR, _meta, _tokenizer
+
+  out = tmp_path / "run"
+  cfg = tiny_config(corpus, out, "steps=6")
+  state = {"step": np.zeros((), np.int32)}
+  ckpt = train_lib.TrainCheckpointer(out / CHECKPOINT_SUBDIR, 2)
+  it = BatchIterator(pack_documents([[1, 5, 6, 2]], 32), 4, 0)
+  ckpt.save(0, state, it.state, _meta(cfg, _tokenizer(cfg)))
+  ckpt.close()
+
+  with pytest.raises(TrainError, match=r"cannot resume from .*checkpoints: the config does not match the "
+                                       r"checkpoint \(hidden_size: checkpoint=32, now=48; learning_rate: "
+                                       r"checkpoint=0.003, now=0.001\)"):
+    train(tiny_config(corpus, out, "steps=6", "hidden_size=48", "learning_rate=1e-3"), progress=False)
+  with pytest.raises(TrainError, match=r"steps: checkpoint=6, now=8"):
+    train(tiny_config(corpus, out, "steps=8"), progress=False)
+  other = tmp_path / "other.ids"
+  write_ids_corpus(other, counting_documents(40, seed=2))
+  with pytest.raises(TrainError, match=r"train_data file content differs from the one the checkpoint was trained on"):
+    train(tiny_config(other, out, "steps=6"), progress=False)
+  with pytest.raises(TrainError, match=r"holds train checkpoints up to step 0; pass resume=true"):
+    train(tiny_config(corpus, out, "steps=6", "resume=false"), progress=False)
+
+
+def test_resume_mismatches_ignores_operational_keys():
+  saved = {"hidden_size": 32, "eval_every": 10, "kda_layers": [1, 3], "output_dir": "/a"}
+  now = {"hidden_size": 32, "eval_every": 99, "kda_layers": (1, 3), "output_dir": "/b", "new_key": 1}
+  assert train_lib.resume_mismatches(saved, now) == []
+  assert train_lib.resume_mismatches(saved, {**now, "kda_layers": [1, 2]}) == [
+      "kda_layers: checkpoint=[1, 3], now=[1, 2]"]
+
+
+def test_command_line_error_is_one_line_without_traceback(tmp_path):
+  out = tmp_path / "o"
+  proc = subprocess.run([sys.executable, "-m", "tools.train", "tiny", f"train_data={tmp_path / 'missing.txt'}",
+                         "train_data_format=ids", f"output_dir={out}"], capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 2
+  lines = [line for line in proc.stderr.splitlines() if line.strip() and "Warning" not in line]
+  assert lines == [f"error: train_data={str(tmp_path / 'missing.txt')!r} does not exist"], proc.stderr
+  assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_bad_key_and_help(capsys):
+  assert main(["tiny", "learning_rat=1"]) == 2
+  assert "unknown config key 'learning_rat'; did you mean learning_rate" in capsys.readouterr().err
+  assert main(["--help"]) == 0
+  text = capsys.readouterr().out
+  for key in ("train_data", "checkpoint_every", "stop_at_step", "export_dtype", "warmup_steps"):
+    assert f"{key} = " in text

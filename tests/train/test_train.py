@@ -1,0 +1,171 @@
+"""tools.train end to end on the tiny config: exact resume, falling loss, held-out evaluation,
+checkpoint retention, the exported parameter checkpoint, and the optimizer schedule."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from flax import nnx
+
+from model import checkpointing, train_lib
+from model.input_pipeline import split_heldout
+from tests.train.helpers import FIRST_ID, VOCAB, counting_documents, tiny_config, write_ids_corpus
+from tools.train import train
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  path = tmp_path_factory.mktemp("corpus") / "count.ids"
+  write_ids_corpus(path, counting_documents(300, seed=0))
+  return path
+
+
+def _leaves(state):
+  return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def _metrics(out):
+  return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_matches_an_uninterrupted_run(corpus, tmp_path):
+  full = train(tiny_config(corpus, tmp_path / "full", "steps=6"), progress=False)
+  part = train(tiny_config(corpus, tmp_path / "split", "steps=6", "stop_at_step=3"), progress=False)
+  assert part["step"] == 3 and part["export"] is None
+  rest = train(tiny_config(corpus, tmp_path / "split", "steps=6"), progress=False)
+  assert rest["start_step"] == 3 and rest["step"] == 6
+
+  # Same losses step by step (the interrupted run's first three, the resumed run's last three) and
+  # the same final train state, bit for bit: params, optimizer moments, step and PRNG key.
+  joined = {**part["losses"], **rest["losses"]}
+  assert sorted(joined) == list(range(1, 7))
+  assert [joined[s] for s in range(1, 7)] == [full["losses"][s] for s in range(1, 7)]
+  a, b = _leaves(full["state"]), _leaves(rest["state"])
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x, y)
+  assert int(rest["state"]["step"]) == 6
+  # The run was not trivial: parameters moved away from the init.
+  cfg = tiny_config(corpus, tmp_path / "x", "steps=6")
+  init = train_lib.create_train_state(cfg, train_lib.optimizer_hparams(cfg))[1]
+  moved = [not np.array_equal(x, y) for x, y in zip(_leaves(init["params"]), _leaves(full["state"]["params"]))]
+  assert sum(moved) > len(moved) // 2
+
+  # metrics.jsonl of the resumed run holds each step once, with the uninterrupted run's losses.
+  recs = _metrics(tmp_path / "split")
+  assert [r["step"] for r in recs] == list(range(1, 7))
+  assert [r["loss"] for r in recs] == [r["loss"] for r in _metrics(tmp_path / "full")]
+  # Checkpoints every 2 steps plus the stop step, the last 3 kept (checkpoint_keep default).
+  steps = sorted(int(p.name) for p in (tmp_path / "split" / "checkpoints").iterdir() if p.name.isdigit())
+  assert steps == [3, 4, 6]
+
+
+def test_loss_falls_and_heldout_is_scored(corpus, tmp_path):
+  cfg = tiny_config(corpus, tmp_path / "run", "steps=40", "learning_rate=1e-2", "warmup_steps=4",
+                    "eval_every=20", "checkpoint_every=0")
+  res = train(cfg, progress=False)
+  losses = [res["losses"][s] for s in range(1, 41)]
+  # At init the logits are near zero, so the first loss is about log(vocab).
+  assert abs(losses[0] - math.log(VOCAB)) < 0.1
+  # The documents count upward: only the first token of each is unpredictable. A model that learns
+  # the successor rule beats the unigram entropy of the corpus (about log 60) by a wide margin.
+  docs = counting_documents(300, seed=0)
+  counts = np.bincount(np.concatenate(docs), minlength=VOCAB)[FIRST_ID:].astype(np.float64)
+  p = counts / counts.sum()
+  unigram_entropy = float(-(p * np.log(p)).sum())
+  assert np.mean(losses[-5:]) < 0.6 * unigram_entropy, (losses[:3], losses[-5:], unigram_entropy)
+
+  # Held-out evaluation at steps 20 and 40: finite, improving, perplexity = exp(loss), and every
+  # held-out target counted once. Held-out documents are the lines after the byte cut; each is
+  # framed with bos/eos, so it contributes len + 1 targets.
+  text = corpus.read_text()
+  heldout_docs = [line.split() for line in split_heldout(text, 0.1)[1].splitlines() if line.strip()]
+  expected_tokens = sum(len(d) + 1 for d in heldout_docs)
+  evals = res["evals"]
+  assert sorted(evals) == [20, 40]
+  for rec in evals.values():
+    assert rec["heldout_tokens"] == expected_tokens
+    assert rec["heldout_ppl"] == pytest.approx(math.exp(rec["heldout_loss"]), rel=1e-12)
+  assert evals[40]["heldout_loss"] < evals[20]["heldout_loss"] < losses[0]
+  assert [r["step"] for r in _metrics(tmp_path / "run") if "heldout_loss" in r] == [20, 40]
+
+  # The exported parameters load with load_parameters_path alone (model.checkpointing's format) and
+  # are the trained ones, every Variable bit for bit.
+  model, loaded_cfg = checkpointing.load_model(res["export"])
+  trained = nnx.state(nnx.merge(res["graphdef"], res["state"]["params"], res["state"]["rest"]))
+  got, want = checkpointing.flatten(nnx.state(model)), checkpointing.flatten(trained)
+  assert sorted(got) == sorted(want)
+  for name in want:
+    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
+  assert loaded_cfg.num_hidden_layers == cfg.num_hidden_layers and loaded_cfg.tokenizer_path == ""
+
+
+def test_schedule_warmup_then_cosine():
+  # Independent formula: linear warmup from 0, then lr_end + (lr - lr_end) (1 + cos(pi t)) / 2.
+  steps, lr, warmup, final = 100, 2e-3, 10, 0.1
+  sched = train_lib.learning_rate_schedule((steps, lr, warmup, final, 0.1, 0.9, 0.95, 1e-8, 1.0))
+  for s in [0, 1, 5, 10, 11, 40, 77, 100]:
+    if s <= warmup:
+      want = lr * s / warmup
+    else:
+      t = (s - warmup) / (steps - warmup)
+      want = lr * final + (lr - lr * final) * (1 + math.cos(math.pi * t)) / 2
+    assert float(sched(s)) == pytest.approx(want, rel=1e-5, abs=1e-12), s
+
+
+def _adamw_oracle(w, grads, hp):
+  """NumPy float64 AdamW (Loshchilov & Hutter 2019, as optax.adamw with eps_root=0) with global-norm
+  clipping, decay on ndim >= 2 only and the warmup-cosine schedule: the parameters after each step."""
+  steps, lr, warmup, final, wd, b1, b2, eps, clip = hp
+
+  def lr_at(s):
+    if s <= warmup:
+      return lr * s / warmup if warmup else lr
+    t = (s - warmup) / (steps - warmup)
+    return lr * final + (lr - lr * final) * (1 + math.cos(math.pi * t)) / 2
+
+  w = {k: v.astype(np.float64) for k, v in w.items()}
+  m = {k: np.zeros_like(v) for k, v in w.items()}
+  v2 = {k: np.zeros_like(v) for k, v in w.items()}
+  out = []
+  for t, g in enumerate(grads, 1):
+    g = {k: x.astype(np.float64) for k, x in g.items()}
+    norm = math.sqrt(sum(float((x ** 2).sum()) for x in g.values()))
+    if clip > 0 and norm > clip:
+      g = {k: x * clip / norm for k, x in g.items()}
+    for k in w:
+      m[k] = b1 * m[k] + (1 - b1) * g[k]
+      v2[k] = b2 * v2[k] + (1 - b2) * g[k] ** 2
+      u = (m[k] / (1 - b1 ** t)) / (np.sqrt(v2[k] / (1 - b2 ** t)) + eps)
+      if w[k].ndim >= 2:
+        u = u + wd * w[k]
+      w[k] = w[k] - lr_at(t - 1) * u
+    out.append({k: x.copy() for k, x in w.items()})
+  return out
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.3])
+def test_optimizer_matches_a_numpy_adamw_with_clipping_and_decay_mask(clip):
+  import optax
+  hp = (6, 0.05, 2, 0.2, 0.3, 0.9, 0.95, 1e-8, clip)
+  rng = np.random.default_rng(3)
+  w = {"mat": rng.normal(size=(3, 4)).astype(np.float32), "vec": rng.normal(size=(4,)).astype(np.float32)}
+  # Gradients of very different norms, so that clipping (at 0.3) acts on some steps only.
+  grads = [{k: (rng.normal(size=x.shape) * scale).astype(np.float32) for k, x in w.items()}
+           for scale in (2.0, 0.01, 1.0, 0.05, 3.0)]
+  tx = train_lib.make_optimizer(hp)
+  state, params = tx.init(w), dict(w)
+  want = _adamw_oracle(w, grads, hp)
+  for g, expected in zip(grads, want):
+    upd, state = tx.update(g, state, params)
+    params = optax.apply_updates(params, upd)
+    for k in w:
+      np.testing.assert_allclose(np.asarray(params[k], np.float64), expected[k], rtol=2e-5, atol=2e-6)
+  # The oracle itself distinguishes the cases: clipping and the decay mask change the result.
+  if clip:
+    assert not np.allclose(_adamw_oracle(w, grads, hp[:-1] + (0.0,))[-1]["mat"], want[-1]["mat"], atol=1e-4)
