@@ -110,8 +110,8 @@ def _scores_chunk(q, k, gb, tb, ce):
   m = 0.5 * g_full[..., -1:, :]
   row_f = jnp.exp(g_full - m)
   col = k * jnp.exp(m - g_full)
-  col_t = jnp.swapaxes(col, -1, -2)                                   # [..., K, C]: NN matmuls
-  return _mm("...rk,...ki->...ri", q * row_f, col_t), _mm("...rk,...ki->...ri", k * row_f, col_t)
+  # NT products (contracting the last axis of both): no element-level transpose is materialised.
+  return _mm("...rk,...ik->...ri", q * row_f, col), _mm("...rk,...ik->...ri", k * row_f, col)
 
 
 def _scores_blocked(q, k, gb, tb, ce, *, exact):
@@ -144,9 +144,9 @@ def _scores_blocked(q, k, gb, tb, ce, *, exact):
       cols.append(col_diag[..., x, :, :])
     parts_q, parts_k = [], []
     if cols:
-      cmat = jnp.swapaxes(jnp.concatenate(cols, axis=-2) if len(cols) > 1 else cols[0], -1, -2)
-      parts_q.append(_mm("...rk,...ki->...ri", rq, cmat))
-      parts_k.append(_mm("...rk,...ki->...ri", rk, cmat))
+      cmat = jnp.concatenate(cols, axis=-2) if len(cols) > 1 else cols[0]
+      parts_q.append(_mm("...rk,...ik->...ri", rq, cmat))
+      parts_k.append(_mm("...rk,...ik->...ri", rk, cmat))
     if exact:
       parts_q.append(diag[..., x, :sub, :])
       parts_k.append(diag[..., x, sub:, :])
@@ -390,13 +390,15 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
     o = o + _mm("bhri,bhiv->bhrv", aqk, vnew, out_precision)
     fresh = h0[bidx, slot(sx[:, -1])] if h0 is not None else jnp.zeros_like(s)
     base = jnp.where(lic[:, None, None, None], s, fresh)
-    kd_last = jnp.swapaxes(jnp.where(last, cp.kh * _decay_to_end(cp), 0.0), -1, -2)   # [B, H, K, C]
-    s_next = cp.egl[..., c - 1, :, None] * base + _mm("bhki,bhiv->bhkv", kd_last, vnew)
+    kd_last = jnp.where(last, cp.kh * _decay_to_end(cp), 0.0)
+    s_next = cp.egl[..., c - 1, :, None] * base + _mm("bhik,bhiv->bhkv", kd_last, vnew)
     if buf is not None:
+      sbuf, vbuf = buf
       sc = slot(cl)
-      buf = buf.at[bidx, sc].set(jnp.where(cc[:, None, None, None], s, buf[bidx, sc]))
-    out = jnp.swapaxes(o, 1, 2).astype(out_dtype)                               # [B, C, H, V]
-    return (s_next, buf), ((out, vnew) if buf is not None else out)
+      sbuf = sbuf.at[bidx, sc].set(jnp.where(cc[:, None, None, None], s, sbuf[bidx, sc]))
+      vbuf = vbuf.at[bidx, xs[-1]].set(vnew)    # kept only for chunks where a document ends
+      buf = (sbuf, vbuf)
+    return (s_next, buf), jnp.swapaxes(o, 1, 2).astype(out_dtype)               # [B, C, H, V]
 
   out_dtype = q.dtype
   out_precision = _HI if out_dtype == jnp.float32 else lax.Precision.DEFAULT
@@ -404,9 +406,17 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   if corr is not None:
     xs = xs + (corr,)
   s0 = jnp.zeros((b, h, kd, vd), jnp.float32)
-  buf0 = jnp.zeros((b, n_slots, h, kd, vd), jnp.float32) if want_final else None
-  (_, buf), ys = lax.scan(step, (s0, buf0), xs)
-  o, vnew = ys if want_final else (ys, None)
+  buf0 = None
+  if want_final:
+    # The deltas of a chunk where some document ends are kept in a compact buffer: entry j of row b
+    # is the j-th such chunk (at most N), entry N a sink for every other chunk.
+    c_e = jnp.clip(lastpos // c, 0, nc - 1)
+    needed = jnp.zeros((b, nc), jnp.int32).at[bidx[:, None], c_e].add(present.astype(jnp.int32)) > 0
+    keep_idx = jnp.where(needed, jnp.cumsum(needed, axis=1) - 1, n_slots).astype(jnp.int32)
+    xs = xs + (keep_idx.T,)
+    buf0 = (jnp.zeros((b, n_slots, h, kd, vd), jnp.float32),
+            jnp.zeros((b, n_slots + 1, h, c, vd), jnp.float32))
+  (_, buf), o = lax.scan(step, (s0, buf0), xs)
   o = jnp.moveaxis(o, 0, 1).reshape(b, tp, h, vd)[:, :t]
   if not want_final:
     return o, None
@@ -414,15 +424,16 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   # Final states, one gathered chunk per slot: the chunk holding the document's last row e, from the
   # state that entered it (the carry saved by the scan, or the initial state) and the saved deltas:
   # S_e = exp(G_e - G_a) S_in + sum_{i in doc} (k_i exp(G_e - G_i)) Vnew_i^T.
-  c_e = jnp.clip(lastpos // c, 0, nc - 1)
+  sbuf, vbuf = buf
   e_row = jnp.clip(lastpos - c_e * c, 0, c - 1)
   seg_e = gat(segc, c_e)
   pe = chunk_prep(gat(qc, c_e), gat(kc, c_e), gat(vc, c_e), gat(gc, c_e), gat(bc, c_e), seg_e)
   e_b = jnp.broadcast_to(e_row[:, :, None], (b, n_slots, h))
   kd_n = jnp.where(rows_of(seg_e)[:, :, None, :, None], pe.kh * _decay_to_row(pe.gb, pe.ce, pe.tb, e_b), 0.0)
   dec_n = jnp.take_along_axis(pe.egl, e_b[..., None, None], axis=-2)[..., 0, :]   # [B, N, H, K]
-  s_base = jnp.where((first < c_e * c)[:, :, None, None, None], buf, init)
-  final = dec_n[..., None] * s_base + _mm("bnhik,bnhiv->bnhkv", kd_n, gat(vnew, c_e))
+  s_base = jnp.where((first < c_e * c)[:, :, None, None, None], sbuf, init)
+  vnew_n = vbuf[bidx[:, None], jnp.take_along_axis(keep_idx, c_e, axis=1)]      # [B, N, H, C, V]
+  final = dec_n[..., None] * s_base + _mm("bnhik,bnhiv->bnhkv", kd_n, vnew_n)
   return o, jnp.where(present[:, :, None, None, None], final, init)
 
 
