@@ -33,11 +33,11 @@ def _documents(ref):
 
 def test_long_document_equals_a_window_that_fits(load, reference):
   """Windows of 8 tokens (the 40-token document spans all five windows of its row; the others share the second
-  row) give the same log-probs as windows of 64 that hold every document whole."""
+  row) give the same log-probs as one window of 96 that holds every document whole."""
   model, _ = load("dense", "kda_reference")
   docs = _documents(reference("dense"))
   small = Scorer(model, seq_len=8, batch_size=2, num_slots=3).score(docs)
-  whole = Scorer(model, seq_len=64, batch_size=1, num_slots=3).score(docs)
+  whole = Scorer(model, seq_len=96, batch_size=1, num_slots=3).score(docs)
   assert small.num_windows == 5 and whole.num_windows == 1
   assert small.num_tokens == whole.num_tokens == sum(d.size - 1 for d in docs)
   for a, b in zip(small.logprobs, whole.logprobs):
