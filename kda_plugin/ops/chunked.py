@@ -120,44 +120,34 @@ def _scores_blocked(q, k, gb, tb, ce, *, exact):
   Off-diagonal blocks (y < x) factor exp(G_r - G_i) at the boundary between them, so both factors are
   <= 1 for any decay. Diagonal blocks are factored around their midpoint Tb / 2 (needs
   |Tb| <= FACTOR_LIMIT) or, with `exact`, built elementwise with the exponent masked before `exp`.
+  This is the fallback for chunks that decay too fast for `_scores_chunk`, so it is written for few
+  operations (compile time) rather than for speed: one product over all block pairs.
   """
   nb, sub, kd = gb.shape[-3:]
   c = nb * sub
   qb = q.reshape(q.shape[:-2] + (nb, sub, kd))
   kb = k.reshape(k.shape[:-2] + (nb, sub, kd))
   between = _between(tb)                                               # [..., NB(x), NB(y), K]
-  col_off = kb * jnp.exp(ce)                                           # <= |k|
+  x = jnp.arange(nb)[:, None, None, None]
+  y = jnp.arange(nb)[None, :, None, None]
   if exact:
     row_f = jnp.exp(gb)                                                # <= 1
     scale = jnp.exp(between)                                           # <= 1
-    diag = _diag_exact(qb, kb, gb)                                     # [..., NB, 2SUB, SUB]
+    diag_cols = jnp.zeros_like(kb)
   else:
     m = 0.5 * tb[..., None, :]
     row_f = jnp.exp(gb - m)
-    col_diag = kb * jnp.exp(m - gb)
     scale = jnp.exp(m[..., :, None, 0, :] + between)                  # exp(m_x + D[x, y]) <= 1
-  aq_rows, ak_rows = [], []
-  for x in range(nb):
-    rq, rk = qb[..., x, :, :] * row_f[..., x, :, :], kb[..., x, :, :] * row_f[..., x, :, :]
-    cols = [col_off[..., y, :, :] * scale[..., x, y, None, :] for y in range(x)]
-    if not exact:
-      cols.append(col_diag[..., x, :, :])
-    parts_q, parts_k = [], []
-    if cols:
-      cmat = jnp.concatenate(cols, axis=-2) if len(cols) > 1 else cols[0]
-      parts_q.append(_mm("...rk,...ik->...ri", rq, cmat))
-      parts_k.append(_mm("...rk,...ik->...ri", rk, cmat))
-    if exact:
-      parts_q.append(diag[..., x, :sub, :])
-      parts_k.append(diag[..., x, sub:, :])
-    width = (x + 1) * sub
-    if width < c:
-      zeros = jnp.zeros(rq.shape[:-1] + (c - width,), jnp.float32)
-      parts_q.append(zeros)
-      parts_k.append(zeros)
-    aq_rows.append(jnp.concatenate(parts_q, axis=-1))
-    ak_rows.append(jnp.concatenate(parts_k, axis=-1))
-  return jnp.concatenate(aq_rows, axis=-2), jnp.concatenate(ak_rows, axis=-2)
+    diag_cols = kb * jnp.exp(m - gb)
+  col_off = (kb * jnp.exp(ce))[..., None, :, :, :] * scale[..., :, :, None, :]
+  cols = jnp.where(x == y, diag_cols[..., None, :, :, :], jnp.where(y < x, col_off, 0.0))
+  rows = jnp.concatenate([qb * row_f, kb * row_f], axis=-2)           # [..., NB, 2SUB, K]
+  a = _mm("...xrk,...xyik->...xryi", rows, cols)                      # [..., NB, 2SUB, NB, SUB]
+  if exact:
+    on_diag = jnp.eye(nb, dtype=bool)[:, None, :, None]                # [NB(x), 1, NB(y), 1]
+    a = a + jnp.where(on_diag, _diag_exact(qb, kb, gb)[..., :, :, None, :], 0.0)
+  lead = a.shape[:-4]
+  return (a[..., :, :sub, :, :].reshape(lead + (c, c)), a[..., :, sub:, :, :].reshape(lead + (c, c)))
 
 
 @jax.checkpoint
