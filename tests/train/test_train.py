@@ -34,7 +34,7 @@ def _metrics(out):
 
 
 def test_resume_matches_an_uninterrupted_run(corpus, tmp_path):
-  full = train(tiny_config(corpus, tmp_path / "full", "steps=6"), progress=False)
+  full = train(tiny_config(corpus, tmp_path / "full", "steps=6", "checkpoint_every=0"), progress=False)
   part = train(tiny_config(corpus, tmp_path / "split", "steps=6", "stop_at_step=3"), progress=False)
   assert part["step"] == 3 and part["export"] is None
   rest = train(tiny_config(corpus, tmp_path / "split", "steps=6"), progress=False)
@@ -60,9 +60,11 @@ def test_resume_matches_an_uninterrupted_run(corpus, tmp_path):
   recs = _metrics(tmp_path / "split")
   assert [r["step"] for r in recs] == list(range(1, 7))
   assert [r["loss"] for r in recs] == [r["loss"] for r in _metrics(tmp_path / "full")]
-  # Checkpoints every 2 steps plus the stop step, the last 3 kept (checkpoint_keep default).
+  # Checkpoints every 2 steps plus the stop step and the last one, the last 3 kept (checkpoint_keep
+  # default); the uninterrupted run (checkpoint_every=0) saved only its last step.
   steps = sorted(int(p.name) for p in (tmp_path / "split" / "checkpoints").iterdir() if p.name.isdigit())
   assert steps == [3, 4, 6]
+  assert [p.name for p in (tmp_path / "full" / "checkpoints").iterdir() if p.name.isdigit()] == ["6"]
 
 
 def test_loss_falls_and_heldout_is_scored(corpus, tmp_path):
