@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kda_plugin.ops._contract import check_kda_inputs, default_scale, is_concrete
-from kda_plugin.ops.chunked import FACTOR_LIMIT, SUB, kda_chunk_core
+from kda_plugin.ops.chunked import FACTOR_LIMIT, SUB, _chunked_jit, kda_chunk_core
 from kda_plugin.ops.gates import activate_gate, check_lower_bound, l2norm
 
 
@@ -82,9 +82,16 @@ def kda_inference_xla(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
     h0 = jnp.asarray(initial_state, jnp.float32)
     if not packed:
       h0 = h0[:, None]
-  o, final = _forward(q, k, v, g, beta, seg, h0, gate, scale=float(default_scale(scale, p.key_dim)),
-                      n_slots=n, want_final=bool(output_final_state), diag_mode=diag_mode,
-                      lower_bound=lb, use_l2norm=bool(use_qk_l2norm))
+  scale = float(default_scale(scale, p.key_dim))
+  if gate is None and not use_qk_l2norm:
+    # Nothing to fuse: the very same jitted computation as `kda_chunked` (one compiled executable).
+    o, final = _chunked_jit(q, k, v, g, beta, seg, h0, scale=scale, n_slots=n,
+                            want_final=bool(output_final_state), diag_mode=diag_mode)
+    o = o.astype(jnp.asarray(q).dtype)
+  else:
+    o, final = _forward(q, k, v, g, beta, seg, h0, gate, scale=scale, n_slots=n,
+                        want_final=bool(output_final_state), diag_mode=diag_mode, lower_bound=lb,
+                        use_l2norm=bool(use_qk_l2norm))
   if not output_final_state:
     return o, None
   return o, (final if packed else final[:, 0])

@@ -89,7 +89,7 @@ def test_chunked_matches_reference(layout, with_h0):
   _check_against_reference(kda_chunked, q, k, v, g, beta, _seg(layout), h0 if with_h0 else None)
 
 
-@pytest.mark.parametrize("t", [1, 63, 65, 130])
+@pytest.mark.parametrize("t", [1, 63, 65])  # T = 130 runs in every packed case
 def test_unpacked_lengths(t):
   q, k, v, g, beta, h0 = _inputs(2, t)
   o, final = kda_chunked(q, k, v, g, beta, initial_state=h0[:, 0], output_final_state=True)
