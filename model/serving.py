@@ -21,6 +21,7 @@ tokens/s = tokens produced by decode steps for live sequences / the decode loop'
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import sampling
+from model import sampling, sharding
 from model.kimi_linear import last_token_logits
 
 
@@ -160,13 +161,16 @@ class Generator:
       these, so requests of similar size reuse compiled functions.
     vocab_limit: only ids below it are ever generated (the tokenizer's vocabulary size when the
       model's vocabulary is padded beyond it); default the model's vocabulary.
+    mesh, rules: serve a model sharded on this `jax.sharding.Mesh` (`model.sharding`; rules: a
+      config or parsed `logical_axis_rules`, default the base rules); None: one device.
 
   Raises:
     GenerationError: non-positive sizes, or vocab_limit outside [1, vocab_size].
   """
 
   def __init__(self, model, *, max_length: int, eos_id: int | None, pad_id: int = 0, batch_size: int = 8,
-               prefill_multiple: int = 64, cache_multiple: int = 64, vocab_limit: int | None = None):
+               prefill_multiple: int = 64, cache_multiple: int = 64, vocab_limit: int | None = None,
+               mesh=None, rules=None):
     for name, v in (("max_length", max_length), ("batch_size", batch_size),
                     ("prefill_multiple", prefill_multiple), ("cache_multiple", cache_multiple)):
       if int(v) < 1:
@@ -181,6 +185,7 @@ class Generator:
     self.batch_size = int(batch_size)
     self.prefill_multiple = int(prefill_multiple)
     self.cache_multiple = int(cache_multiple)
+    self.mesh, self._rules = mesh, rules
     graphdef, state = nnx.split(model)
     self._graphdef = graphdef
     # A flat leaf list is cheaper to pass per decode step than the nested nnx.State.
@@ -219,7 +224,8 @@ class Generator:
 
   # --- compiled functions ---------------------------------------------------------------------------
   def _key(self, num_slots, row_length, cache_length, params):
-    return (self._graphdef, self._treedef, num_slots, row_length, cache_length, params)
+    return (self._graphdef, self._treedef, num_slots, row_length, cache_length, params, self.mesh,
+            None if self._rules is None else repr(sharding._as_rules(self._rules)))
 
   def _functions(self, num_slots: int, row_length: int, cache_length: int, params: SamplingParams):
     """(prefill, step, seconds to compile and warm up), compiled ahead of time for these static sizes
@@ -246,13 +252,18 @@ class Generator:
     ids = jax.ShapeDtypeStruct((1, row_length), jnp.int32)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     t0 = time.perf_counter()
-    prefill_c = jax.jit(prefill).lower(self._leaves, ids, ids, rng, scalar).compile()
-    _, cache_shape = jax.eval_shape(prefill, self._leaves, ids, ids, rng, scalar)
-    vec = jax.ShapeDtypeStruct((num_slots,), jnp.int32)
-    flags = jax.ShapeDtypeStruct((num_slots,), jnp.bool_)
-    # The cache is donated: its buffers (the MLA latent cache above all) are updated in place.
-    step_c = jax.jit(step, donate_argnums=(2,)).lower(
-        self._leaves, vec, cache_shape, flags, scalar, scalar, scalar, rng, scalar).compile()
+    # On a mesh, trace in its context (KDA kernels per shard); decode keeps the prefill's layouts.
+    with (sharding.mesh_context(self.mesh, self._rules) if self.mesh is not None else contextlib.nullcontext()):
+      prefill_c = jax.jit(prefill).lower(self._leaves, ids, ids, rng, scalar).compile()
+      _, cache_shape = jax.eval_shape(prefill, self._leaves, ids, ids, rng, scalar)
+      tok_sh, cache_sh = prefill_c.output_shardings
+      cache_shape = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache_shape,
+                                 cache_sh)
+      vec = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=tok_sh)
+      flags = jax.ShapeDtypeStruct((num_slots,), jnp.bool_, sharding=tok_sh)
+      # The cache is donated: its buffers (the MLA latent cache above all) are updated in place.
+      step_c = jax.jit(step, donate_argnums=(2,), out_shardings=(tok_sh, cache_sh, tok_sh)).lower(
+          self._leaves, vec, cache_shape, flags, scalar, scalar, scalar, rng, scalar).compile()
     # One warm-up run on an all-padding row: the first execution of a fresh executable pays one-time
     # set-up costs (hundreds of ms on CPU) that belong with compilation, not with time to first token.
     zeros = jnp.zeros((1, row_length), jnp.int32)

@@ -122,3 +122,29 @@ def test_kda_kernel_runs_under_shard_map_per_head_shard(sharded, model_and_batch
   heads = 8 // mesh.shape["tensor"]
   rows = c.B // (mesh.shape["data"] * mesh.shape["fsdp"])
   assert f"f32[{rows},{c.T},{heads},4]" in text, f"{name}: no per-shard q of [{rows},{c.T},{heads},4] in the jaxpr"
+
+
+@pytest.fixture(scope="module")
+def generator_reference(model_and_batch):
+  graphdef, state, _, _ = model_and_batch
+  return _generate(nnx.merge(graphdef, jax.device_put(state, jax.devices()[0])), None, None)
+
+
+def _generate(model, mesh, cfg):
+  from model.serving import Generator
+  prompts = [list(range(5 + i, 9 + 2 * i)) for i in range(8)]  # 4-10 tokens each, one packed row
+  gen = Generator(model, max_length=c.CACHE * 2, eos_id=None, batch_size=8, prefill_multiple=64,
+                  cache_multiple=16, mesh=mesh, rules=cfg)
+  results, _ = gen.generate(prompts, 5)
+  return [r.token_ids for r in results]
+
+
+@pytest.mark.parametrize("name", ["fsdp2_tensor2_data2", "expert4_data2"])
+def test_serving_generator_on_a_mesh_matches_one_device(name, model_and_batch, generator_reference):
+  """model.serving.Generator(mesh=...): packed prefill of 8 prompts, decode sharded on the mesh."""
+  graphdef, state, _, _ = model_and_batch
+  cfg = c.config(*c.MESHES[name])
+  mesh = sharding.create_mesh(cfg)
+  _, abstract = sharding.abstract_state(cfg, mesh)
+  model = nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(abstract)))
+  assert _generate(model, mesh, cfg) == generator_reference
