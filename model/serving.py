@@ -225,7 +225,7 @@ class Generator:
   # --- compiled functions ---------------------------------------------------------------------------
   def _key(self, num_slots, row_length, cache_length, params):
     return (self._graphdef, self._treedef, num_slots, row_length, cache_length, params, self.mesh,
-            None if self._rules is None else repr(sharding._as_rules(self._rules)))
+            None if self._rules is None else repr(sharding.as_rules(self._rules)))
 
   def _functions(self, num_slots: int, row_length: int, cache_length: int, params: SamplingParams):
     """(prefill, step, seconds to compile and warm up), compiled ahead of time for these static sizes

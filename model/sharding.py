@@ -250,7 +250,7 @@ def create_mesh(cfg, devices: Sequence | None = None) -> Mesh:
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
-def _as_rules(rules_or_cfg) -> Rules:
+def as_rules(rules_or_cfg) -> Rules:
   if rules_or_cfg is None:
     return default_rules()
   if hasattr(rules_or_cfg, "logical_axis_rules"):
@@ -271,7 +271,7 @@ def mesh_context(mesh: Mesh, rules_or_cfg=None):
   Trace (jit) and run the model inside it: the KDA kernels then run per shard and the logical
   activation constraints apply. `rules_or_cfg`: a config, parsed rules, or None (base defaults).
   """
-  rules = _as_rules(rules_or_cfg)
+  rules = as_rules(rules_or_cfg)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     yield mesh
 
@@ -439,7 +439,7 @@ def abstract_state(cfg, mesh: Mesh, rules_or_cfg=None):
     ConfigError: a parameter dimension not divisible by its mesh axes, or an unmapped name.
   """
   from model.kimi_linear import KimiLinearForCausalLM  # local: kimi_linear imports this module
-  rules = _as_rules(cfg if rules_or_cfg is None else rules_or_cfg)
+  rules = as_rules(cfg if rules_or_cfg is None else rules_or_cfg)
   with mesh_context(mesh, rules):
     abs_model = nnx.eval_shape(lambda: KimiLinearForCausalLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abs_model)
@@ -531,7 +531,7 @@ def load_sharded(path, overrides: Sequence[str] = (), mesh: Mesh | None = None):
 def batch_sharding(mesh: Mesh, shape: Sequence[int], logical_axes=BATCH_TOKENS, rules_or_cfg=None) -> NamedSharding:
   """Sharding of a batch array (default `[B, T]` ids / segment ids: rows on `activation_batch`),
   replicated along any mesh axis that does not divide its dimension."""
-  rules = _as_rules(rules_or_cfg)
+  rules = as_rules(rules_or_cfg)
   axes = tuple(logical_axes)[:len(shape)] + (None,) * max(0, len(shape) - len(logical_axes))
   return NamedSharding(mesh, fitted_spec(axes, shape, mesh, rules))
 
@@ -556,7 +556,7 @@ def cache_logical_axes(cache):
 def cache_shardings(cache, mesh: Mesh, rules_or_cfg=None):
   """`NamedSharding` per leaf of a `ModelCache` (arrays or `ShapeDtypeStruct`s), via
   `cache_logical_axes`; dimensions that do not divide stay replicated."""
-  rules = _as_rules(rules_or_cfg)
+  rules = as_rules(rules_or_cfg)
   axes = cache_logical_axes(cache)
   is_axes = lambda x: isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
   flat_axes = jax.tree.leaves(axes, is_leaf=is_axes)
