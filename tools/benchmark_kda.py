@@ -3,7 +3,8 @@
 Seed case (issue acceptance): B=1, H=8, K=V=128, T in {512, 8192}, float32 and bfloat16, two packed
 documents split at T/2 - 17 (not 64-aligned), bounded gate (lower_bound=-5, a_log=0, dt_bias=-2)
 activated inside each op, q/k L2-normalised inside each op. Every backend gets the same raw inputs;
-each call is jitted, warmed up, then timed `--runs` times with `block_until_ready` (median reported).
+each call is jitted, warmed up, then timed `--runs` times with `block_until_ready` (median reported;
+the process CPU time of the same runs is reported too, a steadier measure on a shared machine).
 
     .venv/bin/python tools/benchmark_kda.py                       # the seed table, writes benchmark_kda.json
     .venv/bin/python tools/benchmark_kda.py --seq-lens 512 --dtypes float32 --runs 5
@@ -180,27 +181,30 @@ def time_backend(backend: Backend, case: Case, *, runs: int, warmup: int) -> dic
   compile_s = time.perf_counter() - t0
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
-  times = []
+  times, cpu = [], []
   for _ in range(runs):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
+    cpu.append(time.process_time() - c0)
   peak = backend.peak_memory(case) if backend.peak_memory else _xla_peak_bytes(fn, args)
   return dict(backend=backend.name, seq_len=case.seq_len, dtype=case.dtype,
               median_ms=1e3 * statistics.median(times), min_ms=1e3 * min(times), runs=runs,
+              cpu_median_ms=1e3 * statistics.median(cpu),
               first_call_s=compile_s, peak_bytes=peak, output=np.asarray(out[0], np.float32))
 
 
 def _markdown(rows: list[dict[str, Any]]) -> str:
-  head = ("| T | dtype | backend | median ms | min ms | tokamax / this | est. peak MB | "
-          "max abs diff vs kda_inference_xla |")
-  lines = [head, "|" + "---|" * 8]
+  head = ("| T | dtype | backend | median ms | min ms | tokamax / this | CPU-time ms | "
+          "tokamax / this (CPU time) | est. peak MB | max abs diff vs kda_inference_xla |")
+  lines = [head, "|" + "---|" * 10]
   for r in rows:
     sp = f"{r['speedup_vs_peer']:.2f}x" if r.get("speedup_vs_peer") else "-"
+    csp = f"{r['cpu_speedup_vs_peer']:.2f}x" if r.get("cpu_speedup_vs_peer") else "-"
     mb = f"{r['peak_bytes'] / 2**20:.1f}" if r.get("peak_bytes") else "-"
     diff = "-" if r.get("max_abs_diff") is None else f"{r['max_abs_diff']:.2e}"
     lines.append(f"| {r['seq_len']} | {r['dtype']} | {r['backend']} | {r['median_ms']:.2f} | "
-                 f"{r['min_ms']:.2f} | {sp} | {mb} | {diff} |")
+                 f"{r['min_ms']:.2f} | {sp} | {r['cpu_median_ms']:.1f} | {csp} | {mb} | {diff} |")
   return "\n".join(lines)
 
 
@@ -243,6 +247,8 @@ def main(argv=None) -> int:
       ref = results.get("kda_inference_xla")
       for name, r in results.items():
         r["speedup_vs_peer"] = (peer["median_ms"] / r["median_ms"]) if peer and name != PEER else None
+        r["cpu_speedup_vs_peer"] = ((peer["cpu_median_ms"] / r["cpu_median_ms"])
+                                    if peer and name != PEER else None)
         r["max_abs_diff"] = (float(np.max(np.abs(r["output"] - ref["output"])))
                              if ref is not None and name != "kda_inference_xla" else None)
       for r in results.values():

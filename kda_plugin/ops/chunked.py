@@ -8,26 +8,28 @@ section 6. Per head and chunk, with `G` the inclusive cumulative gate of the chu
     Aqk[r,i] = same[r,i] [r >= i] sum_d q~_r k_i exp(G_r - G_i)
     L = I + Diag(beta) Akk          (block-diagonal over documents, unit lower triangular)
     R = beta * (V - (K * exp(G - G_a)) S_in)        (the pre-solve residual, one row per token)
-    Vnew = L^-1 R                   (the per-token deltas of the delta rule)
-    O = (q~ * exp(G - G_a)) S_in + Aqk Vnew = (q~ * exp(G - G_a)) S_in + (Aqk L^-1) R
-    S_out = exp(G_e - G_a) S_in + (L^-T (K * exp(G_e - G)))^T R   (for a document ending at row e)
+    Vnew = L^-1 R                   (the per-token deltas of the delta rule; = U - W S_in)
+    O = (q~ * exp(G - G_a)) S_in + Aqk Vnew
+    S_out = exp(G_e - G_a) S_in + (K * exp(G_e - G))^T Vnew   (over the rows of the document ending at e)
 
 where `S_in` is the state of the row's document when it enters the chunk and `G_a` the cumulative gate
-just before that document's first row in the chunk. Folding `L^-1` into `P = Aqk L^-1` and
-`Kd' = L^-T Kd` (both computed for all chunks at once) leaves three `C x K x V` products per chunk in
-the sequential scan: `[beta K_g; Q_d] S`, `P R` and `Kd'^T R`.
+just before that document's first row in the chunk (0 for the document carried in).
 
-Numerics: every exponential is of a non-positive exponent except in the optional midpoint
-factorisation of the diagonal 16-row sub-blocks, which is used only where every sub-block's decay is
-at most `FACTOR_LIMIT` nats per channel (a runtime `lax.cond`, or statically for bounded gates);
-otherwise those sub-blocks are built elementwise with the exponent masked before `exp` (double
+Schedule (CPU-minded): one `lax.scan` step per chunk does all of that chunk's work for every batch
+row and head, so the working set stays in cache and no full-sequence intermediate is written; the
+inputs are only reshaped (free for B = 1 and T a multiple of 64). The carry is the state of the
+document open at the chunk edge; per-slot bookkeeping writes one slot only where a carried document
+closes, and keeps the deltas of the (at most N) chunks where documents end. Per-slot initial states
+(documents that start inside a chunk) and per-slot final states are handled before / after the scan
+with one gathered chunk per slot: a few `C x K x V` products each.
+
+Numerics: the score matrices are built from exponential factors that cannot overflow: one
+factorisation per chunk around its midpoint when the chunk decays by at most `FACTOR_LIMIT` nats
+per channel (checked per chunk at run time), else 16-row sub-blocks whose off-diagonal blocks are
+factored at their boundary (factors <= 1) and whose diagonal blocks are factored around their
+midpoint (bounded gates) or built elementwise with the exponent masked before `exp` (double
 `where`), so outputs and gradients stay finite under any decay. Cumulative gates are kept per 16-row
-sub-block so that no exponent is a difference of two large, nearly equal sums.
-
-Packing: the scan carries only the state of the document open at the chunk edge; a document that
-closes inside a chunk has the carried state saved once into its slot, and every per-slot final state
-(and the contribution of per-slot initial states to documents that start inside a chunk) is computed
-after (before) the scan by gathering that one chunk. Cost per slot: a few `C x K x V` products.
+sub-block (and per document run) so that no exponent is a difference of two large, nearly equal sums.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kda_plugin.ops._contract import check_kda_inputs, default_scale
+from kda_plugin.ops._contract import check_kda_inputs, default_scale, is_concrete
 
 CHUNK = 64
 SUB = 16
@@ -300,9 +302,10 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
       dtype (upcast to float32 once). seg: int32 `[B, T]` labels (0 = padding).
     h0: float32 `[B, N, H, K, V]` or None (zeros).
     scale: Python float multiplying q. n_slots: N. want_final: also return `[B, N, H, K, V]` states.
-    diag_mode: "factor" (every 16-row sub-block decays by at most FACTOR_LIMIT nats per channel, e.g.
-      a bounded gate), "exact" (elementwise diagonal sub-blocks), or "auto" (chosen per chunk at
-      run time).
+    diag_mode: how a chunk that decays by more than FACTOR_LIMIT nats (per channel) builds its scores:
+      "auto" elementwise diagonal sub-blocks (safe for any decay); "factor" midpoint-factored
+      sub-blocks (only valid when every 16-row sub-block decays by at most FACTOR_LIMIT, e.g. a
+      bounded gate); "exact" always the elementwise sub-blocks (no run-time choice).
     prep: optional `(q, k, g) -> (q, k, g)` applied per chunk to the float32 inputs before anything
       else (the in-kernel gate activation and q/k L2 norm of `kda_inference_xla`, fused this way
       into the chunk's elementwise work instead of extra passes over the whole sequence).
@@ -468,6 +471,8 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
 
 def _run(p, q, k, v, g, beta, initial_state, scale, output_final_state, diag_mode):
   """Shared wrapper: lays out segments and slots, calls the jitted core, restores the contract."""
+  if scale is not None and not is_concrete(scale):
+    raise ValueError("scale must be a static Python float, not a traced value")
   scale = float(default_scale(scale, p.key_dim))
   packed = p.segment_ids is not None
   n = p.num_segments if packed else 1
