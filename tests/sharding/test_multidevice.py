@@ -34,3 +34,31 @@ def test_eight_device_checks(name):
   report = proc.stdout[-12000:] + proc.stderr[-4000:]
   assert proc.returncode == 0, f"8-device checks in {name} failed:\n{report}"
   assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], report
+
+
+def _free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_process_job_through_the_distributed_keys():
+  """Two processes of 4 CPU devices each start through `distributed_init=true` and the explicit
+  coordinator keys; the 8-device mesh spans both (its data axis crosses the processes) and the
+  loss on it equals each process's one-device loss."""
+  import json
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  port = _free_port()
+  procs = [subprocess.Popen([sys.executable, "-m", "tests.sharding.multidevice.md_two_processes", str(port), str(i)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  outs = [p.communicate(timeout=300) for p in procs]
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, f"process failed:\n{out}\n{err[-4000:]}"
+  views = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+  assert sorted(v["process"] for v in views) == [0, 1]
+  for v in views:
+    assert (v["processes"], v["devices"], v["local_devices"]) == (2, 8, 4)
+    assert v["data_row_processes"] == [[0], [1]], v  # data axis = across hosts, tensor axis inside one
+    assert abs(v["mesh_loss"] - v["local_loss"]) <= 1e-5 * (1 + abs(v["local_loss"])), v

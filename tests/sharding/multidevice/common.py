@@ -22,9 +22,14 @@ from model.config import load_config
 from model.kimi_linear import last_token_logits
 
 DEVICES = 8
-if jax.device_count() != DEVICES:
-  pytest.skip(f"needs {DEVICES} devices (run through tests/sharding/test_multidevice.py, which sets "
-              "XLA_FLAGS=--xla_force_host_platform_device_count=8)", allow_module_level=True)
+
+
+def require_devices() -> None:
+  """Skips the calling test module unless the process has 8 devices (not at import: a multi-process
+  job must call jax.distributed.initialize before anything touches a device)."""
+  if jax.device_count() != DEVICES:
+    pytest.skip(f"needs {DEVICES} devices (run through tests/sharding/test_multidevice.py, which sets "
+                "XLA_FLAGS=--xla_force_host_platform_device_count=8)", allow_module_level=True)
 
 BASE = ("tiny", "kda_num_heads=8", "kda_head_dim=4", "num_attention_heads=8", "qk_nope_head_dim=4",
         "qk_rope_head_dim=4", "v_head_dim=4", "kv_lora_rank=8", "num_experts=8", "num_experts_per_tok=2",

@@ -18,6 +18,8 @@ from model import checkpointing, sharding
 from model.kimi_linear import KimiLinearForCausalLM
 from tests.sharding.multidevice import common as c
 
+c.require_devices()
+
 FIXTURE = pathlib.Path(__file__).parents[2] / "fixtures" / "hf_tiny_dense_moe"
 
 

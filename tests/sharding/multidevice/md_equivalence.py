@@ -16,6 +16,8 @@ from model import sharding
 from model.kimi_linear import KimiLinearForCausalLM
 from tests.sharding.multidevice import common as c
 
+c.require_devices()
+
 
 @pytest.fixture(scope="module")
 def model_and_batch():
