@@ -18,7 +18,7 @@ What a run does:
     iterator's position every `checkpoint_every` steps into DIR/checkpoints (Orbax, last
     `checkpoint_keep` kept). Running the same command again resumes from the latest checkpoint and
     continues exactly as an uninterrupted run; `stop_at_step=N` ends a run early on purpose, Ctrl-C
-    checkpoints the current step before exiting;
+    (or SIGTERM) checkpoints the current step before exiting;
   * evaluation: held-out loss and perplexity every `eval_every` steps and at the end;
   * logs: a progress bar, and one JSON object per line in DIR/metrics.jsonl
     ({"step", "loss", "lr", "grad_norm", "tokens", "epoch", "seconds_per_step"} and
@@ -39,7 +39,9 @@ import json
 import math
 import os
 import pathlib
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -213,6 +215,10 @@ def _check_resume(meta: dict, now: dict, ckpt_dir) -> None:
                      + "); use the original values or a new output_dir")
 
 
+def _raise_interrupt(signum, frame):
+  raise KeyboardInterrupt(f"signal {signum}")
+
+
 def train(cfg, *, progress: bool = True) -> dict:
   """Runs (or resumes) training as configured; see the module docstring.
 
@@ -286,12 +292,34 @@ def train(cfg, *, progress: bool = True) -> dict:
   def save():
     ckpt.save(step, state, it.state, meta)
 
+  def log_pending():
+    """Writes one metrics record for the steps run since the last one; returns it."""
+    nonlocal t_last
+    host = [(s, jax.device_get(x)) for s, x in pending]
+    for s, x in host:
+      losses[s] = float(x["loss"])
+    now = time.perf_counter()
+    last_step, last = host[-1]
+    rec = {"step": last_step, "loss": float(np.mean([float(x["loss"]) for _, x in host])),
+           "lr": float(last["lr"]), "grad_norm": float(last["grad_norm"]),
+           "tokens": int(sum(float(x["tokens"]) for _, x in host)),
+           "epoch": round(last_step * cfg.batch_size / it.num_rows, 4),
+           "seconds_per_step": round((now - t_last) / len(host), 4)}
+    t_last = now
+    pending.clear()
+    metrics.write(rec)
+    return rec
+
   def run_eval():
     rec = {"step": step, **train_lib.evaluate(graphdef, state, windows, num_slots)}
     evals[step] = rec
     metrics.write(rec)
     bar.write(f"step {step}: heldout_loss {rec['heldout_loss']:.4f}  heldout_ppl {rec['heldout_ppl']:.2f}")
 
+  # SIGTERM (a scheduler preempting the job) takes the Ctrl-C path: checkpoint, then exit.
+  old_term = None
+  if threading.current_thread() is threading.main_thread():
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
   try:
     while step < final_step:
       batch = next(it)
@@ -300,19 +328,7 @@ def train(cfg, *, progress: bool = True) -> dict:
       pending.append((step, m))
       bar.update(1)
       if step % cfg.log_every == 0 or step == final_step:
-        host = [(s, jax.device_get(x)) for s, x in pending]
-        for s, x in host:
-          losses[s] = float(x["loss"])
-        now = time.perf_counter()
-        last = host[-1][1]
-        rec = {"step": step, "loss": float(np.mean([float(x["loss"]) for _, x in host])),
-               "lr": float(last["lr"]), "grad_norm": float(last["grad_norm"]),
-               "tokens": int(sum(float(x["tokens"]) for _, x in host)),
-               "epoch": round(step * cfg.batch_size / it.num_rows, 4),
-               "seconds_per_step": round((now - t_last) / len(host), 4)}
-        t_last = now
-        pending.clear()
-        metrics.write(rec)
+        rec = log_pending()
         bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}")
         if not math.isfinite(rec["loss"]):
           raise TrainError(f"the loss became {rec['loss']} at step {step}; lower learning_rate or "
@@ -328,11 +344,15 @@ def train(cfg, *, progress: bool = True) -> dict:
     # the state (batches are a pure function of the step) so the checkpoint is consistent.
     step = int(jax.device_get(state["step"]))
     it.step = step
+    if pending:
+      log_pending()
     if step > start and step not in ckpt.all_steps():
       save()
       bar.write(f"interrupted: checkpointed step {step} in {ckpt.directory}; run the same command to resume")
     raise
   finally:
+    if old_term is not None:
+      signal.signal(signal.SIGTERM, old_term)
     bar.close()
     metrics.close()
     ckpt.close()

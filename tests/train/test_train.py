@@ -171,3 +171,35 @@ def test_optimizer_matches_a_numpy_adamw_with_clipping_and_decay_mask(clip):
   # The oracle itself distinguishes the cases: clipping and the decay mask change the result.
   if clip:
     assert not np.allclose(_adamw_oracle(w, grads, hp[:-1] + (0.0,))[-1]["mat"], want[-1]["mat"], atol=1e-4)
+
+
+def test_sigterm_checkpoints_the_current_step_and_resume_continues(corpus, tmp_path, monkeypatch):
+  import os
+  import signal
+
+  import tools.train as train_tool
+
+  real = train_lib.train_step_fn
+
+  def killing_step_fn(*args):
+    fn = real(*args)
+
+    def step(state, batch):
+      if int(state["step"]) == 3:  # a scheduler preempts the job as the fourth update starts
+        os.kill(os.getpid(), signal.SIGTERM)
+      return fn(state, batch)
+    return step
+
+  monkeypatch.setattr(train_tool.train_lib, "train_step_fn", killing_step_fn)
+  out = tmp_path / "run"
+  with pytest.raises(KeyboardInterrupt):
+    train(tiny_config(corpus, out, "steps=6", "checkpoint_every=0"), progress=False)
+  saved = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+  assert saved == [3]
+  assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
+  monkeypatch.setattr(train_tool.train_lib, "train_step_fn", real)
+  rest = train(tiny_config(corpus, out, "steps=6", "checkpoint_every=0"), progress=False)
+  assert rest["start_step"] == 3 and sorted(rest["losses"]) == [4, 5, 6]
+  full = train(tiny_config(corpus, tmp_path / "full", "steps=6", "checkpoint_every=0"), progress=False)
+  assert [r["loss"] for r in _metrics(out)] == [full["losses"][s] for s in range(1, 7)]
+  assert signal.getsignal(signal.SIGTERM) is not train_tool._raise_interrupt  # handler restored
