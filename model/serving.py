@@ -5,8 +5,9 @@ with segment IDs: prompt i gets label i + 1, so it becomes decode sequence i of 
 (`KimiLinearForCausalLM.prefill`, decode layout S = N). T is the total prompt length rounded up to
 `prefill_multiple` (padding has segment 0 and touches no state), so prompt sets of similar size reuse
 one compiled prefill. Every sequence then advances one token per `decode` step with its own KDA
-state, conv windows and MLA latent cache; the step is compiled ahead of time once per
-(N, cache length) and takes fixed shapes, so nothing recompiles while decoding. A sequence that
+state, conv windows and MLA latent cache. The decode function (a scan of `decode_chunk` steps, so
+one dispatch and one host transfer per chunk) is compiled ahead of time once per (N, cache length)
+and takes fixed shapes, so nothing recompiles while decoding. A sequence that
 emitted EOS (or an unused slot of a short group) keeps running, masked: its outputs are replaced by
 `pad_id` and ignored, never removed from the batch.
 
@@ -14,9 +15,10 @@ Sampling (`model.sampling.sample_tokens`) runs inside the compiled functions. Ea
 with its own key `fold_in(fold_in(seed_key, step), slot)`, so greedy results never depend on which
 other prompts share the batch.
 
-Timings (host wall clock; compilation and one warm-up run are excluded and reported apart): time to first token = prefill
-plus the first sampled token on the host; prefill tokens/s = real prompt tokens / that time; decode
-tokens/s = tokens produced by decode steps for live sequences / the decode loop's time.
+Timings (host wall clock; compilation and one warm-up run are excluded and reported apart): time to
+first token = prefill plus the first sampled token on the host; prefill tokens/s = real prompt
+tokens / that time; decode tokens/s = tokens produced by decode steps for live sequences / the
+decode loop's time (steps of a last chunk past max_new_tokens are run but not counted).
 """
 
 from __future__ import annotations
@@ -103,6 +105,13 @@ class Timings:
                 decode_tokens_per_s=self.decode_tokens_per_s)
 
 
+def _leading_axis(sh):
+  """The sharding of a `[K, S]` array whose S axis is laid out like the `[S]` array of `sh`."""
+  if isinstance(sh, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(None, *sh.spec))
+  return sh
+
+
 def round_up(n: int, multiple: int) -> int:
   """Smallest multiple of `multiple` that is >= max(n, 1)."""
   return -(-max(int(n), 1) // multiple) * multiple
@@ -159,6 +168,8 @@ class Generator:
       run in consecutive groups (every group padded to the same slot count, so one compilation).
     prefill_multiple, cache_multiple: prefill row length and MLA cache length are rounded up to
       these, so requests of similar size reuse compiled functions.
+    decode_chunk: decode steps per compiled call (a scan: one dispatch and one host transfer per
+      chunk; streaming callbacks see a chunk's tokens together). 1 = one step per call.
     vocab_limit: only ids below it are ever generated (the tokenizer's vocabulary size when the
       model's vocabulary is padded beyond it); default the model's vocabulary.
     mesh, rules: serve a model sharded on this `jax.sharding.Mesh` (`model.sharding`; rules: a
@@ -170,12 +181,14 @@ class Generator:
 
   def __init__(self, model, *, max_length: int, eos_id: int | None, pad_id: int = 0, batch_size: int = 8,
                prefill_multiple: int = 64, cache_multiple: int = 64, vocab_limit: int | None = None,
-               mesh=None, rules=None):
+               mesh=None, rules=None, decode_chunk: int = 8):
     for name, v in (("max_length", max_length), ("batch_size", batch_size),
-                    ("prefill_multiple", prefill_multiple), ("cache_multiple", cache_multiple)):
+                    ("prefill_multiple", prefill_multiple), ("cache_multiple", cache_multiple),
+                    ("decode_chunk", decode_chunk)):
       if int(v) < 1:
         raise GenerationError(f"{name} must be >= 1, got {v}")
     self.vocab_size = int(model.args.vocab_size)
+    self.decode_chunk = int(decode_chunk)
     self.vocab_limit = self.vocab_size if vocab_limit is None else int(vocab_limit)
     if not 1 <= self.vocab_limit <= self.vocab_size:
       raise GenerationError(f"vocab_limit must be in [1, {self.vocab_size}], got {vocab_limit}")
@@ -230,7 +243,7 @@ class Generator:
   def _functions(self, num_slots: int, row_length: int, cache_length: int, params: SamplingParams):
     """(prefill, step, seconds to compile and warm up), compiled ahead of time for these static sizes
     (cached)."""
-    key = self._key(num_slots, row_length, cache_length, params)
+    key = self._key(num_slots, row_length, cache_length, params) + (self.decode_chunk,)
     if key in _COMPILED:
       return _COMPILED[key]
     graphdef, treedef = self._graphdef, self._treedef  # not self: the cache must not keep parameters alive
@@ -241,12 +254,21 @@ class Generator:
       tok = _sample_rows(last_token_logits(logits, seg, num_slots), rng, 0, params, vocab_limit)
       return tok, cache
 
+    chunk = self.decode_chunk
+
     def step(leaves, tok, cache, done, eos, pad, vocab_limit, rng, index):
+      # `chunk` decode steps in one call (a scan: one dispatch and one host transfer per chunk).
       # eos, pad and vocab_limit are runtime scalars (eos = -1: never stop): no recompilation.
-      logits, cache = model_of(leaves).decode(tok, cache)
-      new = _sample_rows(logits, rng, index, params, vocab_limit)
-      new = jnp.where(done, pad, new)
-      return new, cache, done | (new == eos)
+      model = model_of(leaves)
+
+      def one(carry, i):
+        tok, cache, done = carry
+        logits, cache = model.decode(tok, cache)
+        new = jnp.where(done, pad, _sample_rows(logits, rng, index + i, params, vocab_limit))
+        return (new, cache, done | (new == eos)), (new, ~done)
+
+      (tok, cache, done), (toks, live) = jax.lax.scan(one, (tok, cache, done), jnp.arange(chunk))
+      return toks, live, tok, cache, done
 
     rng = jax.random.key(0)
     ids = jax.ShapeDtypeStruct((1, row_length), jnp.int32)
@@ -262,7 +284,9 @@ class Generator:
       vec = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=tok_sh)
       flags = jax.ShapeDtypeStruct((num_slots,), jnp.bool_, sharding=tok_sh)
       # The cache is donated: its buffers (the MLA latent cache above all) are updated in place.
-      step_c = jax.jit(step, donate_argnums=(2,), out_shardings=(tok_sh, cache_sh, tok_sh)).lower(
+      per_step = _leading_axis(tok_sh)   # [chunk, S] outputs: S laid out as the tokens are
+      step_c = jax.jit(step, donate_argnums=(2,),
+                       out_shardings=(per_step, per_step, tok_sh, cache_sh, tok_sh)).lower(
           self._leaves, vec, cache_shape, flags, scalar, scalar, scalar, rng, scalar).compile()
     # One warm-up run on an all-padding row: the first execution of a fresh executable pays one-time
     # set-up costs (hundreds of ms on CPU) that belong with compilation, not with time to first token.
@@ -303,8 +327,10 @@ class Generator:
     row = round_up(max(sum(len(p) for p in g) for g in groups), self.prefill_multiple)
     # check_request guarantees need <= max_length, so the clamp never cuts below need.
     need = max(len(p) for p in prompts) + max_new_tokens
+    # The last decode chunk may run up to decode_chunk - 1 steps past max_new_tokens: their tokens
+    # are dropped, and so are their MLA cache writes past the end (scatter mode="drop").
     cache_length = min(round_up(need, self.cache_multiple), self.max_length)
-    fresh = self._key(n, row, cache_length, sampling_params) not in _COMPILED
+    fresh = self._key(n, row, cache_length, sampling_params) + (self.decode_chunk,) not in _COMPILED
     prefill, step, compile_s = self._functions(n, row, cache_length, sampling_params)
     timings = Timings(compile_s=compile_s if fresh else 0.0)
     rng = jax.random.key(int(seed))
@@ -338,18 +364,20 @@ class Generator:
       on_tokens(start, tok_host[:len(group)], real[:len(group)])
     done = jnp.asarray(done_host)
     t2 = time.perf_counter()
-    for i in range(1, max_new_tokens):
-      if done_host.all():
-        break
-      live = ~done_host
-      tok, cache, done = step(self._leaves, tok, cache, done, eos_arg, pad_arg, limit, rng, jnp.int32(i))
-      tok_host, done_host = np.asarray(tok), np.asarray(done)
-      timings.decode_steps += 1
-      timings.decode_tokens += int(live[:len(group)].sum())
-      for j in np.nonzero(live[:len(group)])[0]:
-        outputs[j].append(int(tok_host[j]))
-      if on_tokens is not None:
-        on_tokens(start, tok_host[:len(group)], live[:len(group)])
+    i = 1                                       # tokens produced so far by each live sequence
+    while i < max_new_tokens and not done_host.all():
+      toks, lives, tok, cache, done = step(self._leaves, tok, cache, done, eos_arg, pad_arg, limit, rng,
+                                           jnp.int32(i))
+      toks_host, lives_host, done_host = jax.device_get((toks, lives, done))
+      for k in range(min(self.decode_chunk, max_new_tokens - i)):   # steps past the budget are dropped
+        live = lives_host[k] & real
+        timings.decode_steps += 1
+        timings.decode_tokens += int(live.sum())
+        for j in np.nonzero(live)[0]:
+          outputs[j].append(int(toks_host[k, j]))
+        if on_tokens is not None:
+          on_tokens(start, toks_host[k, :len(group)], live[:len(group)])
+      i += self.decode_chunk
     timings.decode_s += time.perf_counter() - t2
     results = []
     for p, out in zip(group, outputs):

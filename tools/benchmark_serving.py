@@ -1,0 +1,147 @@
+r"""Serving throughput of our engine against transformers' own Kimi-Linear, on CPU, with the same weights.
+
+    .venv/bin/python tools/benchmark_serving.py [--hf-dir runs/reference/demo_hf] \
+        [--checkpoint runs/serving/demo_ckpt] [--attention kda_native] [--prefill-tokens 512] \
+        [--decode-tokens 64] [--runs 7] [--rounds 2] [--json runs/serving/benchmark_serving.json]
+
+The demo-sized model (6 layers, width 256, KDA at 1, 2, 4, 5 and MLA at 3, 6, MoE with 8 experts top-2
+plus a shared expert, vocab 4096) is built and saved by transformers
+(`tools/reference/bench_transformers.py --save-dir`, run under .venv-ref when `--hf-dir` is missing)
+and converted with `tools.convert_checkpoint` (when `--checkpoint` is missing). Then, for `--rounds`
+rounds, back to back on the same cores:
+
+- theirs: `.venv-ref/bin/python tools/reference/bench_transformers.py --model-dir HF` (torch, 2
+  threads): prefill of the prompt (batch 1, last-token logits), then greedy decode steps through
+  its cache.
+- ours: `model.serving.Generator` on the converted checkpoint: the packed prefill (batch 1, the
+  first token sampled on device) and `--decode-tokens` jitted decode steps (one token each, fed
+  back through the KDA state, conv windows and MLA latent cache), compiled and warmed up first.
+
+Figures are tokens/s from the median (and the best) of `--runs` timed runs; prefill tokens/s =
+prompt tokens / prefill seconds, decode tokens/s = decode steps / decode-loop seconds. The machine
+is shared: the load average is recorded with every round, and the best-run figures are the least
+inflated by other processes. Writes everything to `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+REF_PY = REPO / ".venv-ref" / "bin" / "python"
+REF_SCRIPT = REPO / "tools" / "reference" / "bench_transformers.py"
+
+
+def _run_reference(args, extra: list[str], json_path: pathlib.Path) -> dict:
+  if not REF_PY.exists():
+    sys.exit(f"{REF_PY} is missing: create the reference venv (tests/fixtures/README.md)")
+  cmd = [str(REF_PY), str(REF_SCRIPT), "--json", str(json_path), "--prefill-tokens", str(args.prefill_tokens),
+         "--decode-tokens", str(args.decode_tokens), "--runs", str(args.runs), "--threads", str(args.threads)] + extra
+  print("$ " + " ".join(cmd), flush=True)
+  subprocess.run(cmd, check=True, cwd=REPO)
+  return json.loads(json_path.read_text())
+
+
+def ensure_checkpoint(args) -> pathlib.Path:
+  """Builds the HF demo model (transformers) and converts it, when missing."""
+  if not (args.hf_dir / "config.json").exists():
+    _run_reference(args, ["--save-dir", str(args.hf_dir), "--runs", "1"], args.json.with_suffix(".build.json"))
+  ckpt = args.checkpoint.resolve()
+  if not (ckpt / "config.json").exists():
+    from tools import convert_checkpoint as cc
+    cc.convert([f"hf_model_path={args.hf_dir}", f"output_path={ckpt}"])
+  return ckpt
+
+
+def measure_ours(args, ckpt: pathlib.Path) -> dict:
+  """Prefill and decode figures of model.serving on the converted checkpoint."""
+  from model.checkpointing import load_model
+  from model.serving import Generator, round_up
+
+  length = round_up(args.prefill_tokens + args.decode_tokens + 1, 64)
+  model, cfg = load_model(ckpt, [f"attention={args.attention}", f"max_cache_length={length}"])
+  gen = Generator(model, max_length=length, eos_id=None, batch_size=1)
+  prompt = np.random.default_rng(args.seed).integers(3, int(cfg.vocab_size), args.prefill_tokens)
+  new = args.decode_tokens + 1          # the first token comes from the prefill
+  _, t = gen.generate([prompt], new)    # compiles (AOT) and warms up; not timed
+  compile_s = t.compile_s
+  prefill, decode = [], []
+  for _ in range(args.runs):
+    _, t = gen.generate([prompt], new)
+    assert t.decode_steps == args.decode_tokens
+    prefill.append(t.prefill_s)
+    decode.append(t.decode_s)
+  return {"engine": f"model.serving.Generator, attention={args.attention}, float32, jax CPU",
+          "compile_and_warmup_s": compile_s,
+          "prefill": {"batch": 1, "tokens": args.prefill_tokens, "runs_s": prefill,
+                      "median_s": statistics.median(prefill),
+                      "tokens_per_s": args.prefill_tokens / statistics.median(prefill),
+                      "tokens_per_s_best": args.prefill_tokens / min(prefill)},
+          "decode": {"batch": 1, "context_tokens": args.prefill_tokens, "new_tokens": args.decode_tokens,
+                     "runs_s": decode, "median_s": statistics.median(decode),
+                     "tokens_per_s": args.decode_tokens / statistics.median(decode),
+                     "tokens_per_s_best": args.decode_tokens / min(decode),
+                     "ms_per_token": 1e3 * statistics.median(decode) / args.decode_tokens}}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+  p.add_argument("--hf-dir", type=pathlib.Path, default=REPO / "runs/reference/demo_hf")
+  p.add_argument("--checkpoint", type=pathlib.Path, default=REPO / "runs/serving/demo_ckpt")
+  p.add_argument("--attention", default="kda_native")
+  p.add_argument("--prefill-tokens", type=int, default=512)
+  p.add_argument("--decode-tokens", type=int, default=64)
+  p.add_argument("--runs", type=int, default=7)
+  p.add_argument("--rounds", type=int, default=2, help="theirs-then-ours rounds, back to back")
+  p.add_argument("--threads", type=int, default=2, help="torch threads of the transformers side")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--skip-reference", action="store_true", help="measure ours only")
+  p.add_argument("--json", type=pathlib.Path, default=REPO / "runs/serving/benchmark_serving.json")
+  args = p.parse_args(argv)
+  args.json.parent.mkdir(parents=True, exist_ok=True)
+  ckpt = ensure_checkpoint(args)
+  rounds = []
+  for r in range(args.rounds):
+    row = {"round": r, "started": time.strftime("%H:%M:%S")}
+    if not args.skip_reference:
+      row["transformers"] = _run_reference(args, ["--model-dir", str(args.hf_dir)], args.json.with_suffix(f".ref{r}.json"))
+    row["load_between"] = os.getloadavg()
+    row["ours"] = measure_ours(args, ckpt)
+    row["load_after"] = os.getloadavg()
+    rounds.append(row)
+    o = row["ours"]
+    print(f"[round {r}] ours: prefill {o['prefill']['tokens_per_s']:.0f} tokens/s (best {o['prefill']['tokens_per_s_best']:.0f}), "
+          f"decode {o['decode']['tokens_per_s']:.1f} tokens/s (best {o['decode']['tokens_per_s_best']:.1f}); "
+          f"load {row['load_after'][0]:.1f}", flush=True)
+    if "transformers" in row:
+      t = row["transformers"]
+      print(f"[round {r}] transformers: prefill {t['prefill']['tokens_per_s']:.0f} tokens/s "
+            f"(best {t['prefill'].get('tokens_per_s_best', float('nan')):.0f}), decode {t['decode']['tokens_per_s']:.1f} "
+            f"tokens/s (best {t['decode'].get('tokens_per_s_best', float('nan')):.1f})", flush=True)
+      for what in ("prefill", "decode"):
+        med = o[what]["tokens_per_s"] / t[what]["tokens_per_s"]
+        best = o[what]["tokens_per_s_best"] / t[what].get("tokens_per_s_best", t[what]["tokens_per_s"])
+        row[f"{what}_speedup_median"], row[f"{what}_speedup_best"] = med, best
+        print(f"[round {r}] {what} speed-up: {med:.2f}x (medians), {best:.2f}x (best runs)", flush=True)
+  result = {"what": "tools/benchmark_serving.py: model.serving vs transformers KimiLinearForCausalLM, same weights, CPU",
+            "cpu_count": os.cpu_count(), "checkpoint": str(ckpt), "hf_dir": str(args.hf_dir),
+            "prefill_tokens": args.prefill_tokens, "decode_tokens": args.decode_tokens, "runs": args.runs,
+            "rounds": rounds}
+  tmp = args.json.with_suffix(".tmp")
+  tmp.write_text(json.dumps(result, indent=1) + "\n")
+  os.replace(tmp, args.json)
+  print(f"wrote {args.json} (the cores are shared with other jobs: see the load averages)")
+
+
+if __name__ == "__main__":
+  main()
