@@ -19,7 +19,9 @@ What a run does:
     `checkpoint_keep` kept). Running the same command again resumes from the latest checkpoint and
     continues exactly as an uninterrupted run; `stop_at_step=N` ends a run early on purpose, Ctrl-C
     (or SIGTERM) checkpoints the current step before exiting;
-  * evaluation: held-out loss and perplexity every `eval_every` steps and at the end;
+  * evaluation: held-out loss and perplexity every `eval_every` steps and at the end, over the
+    first `eval_max_windows` held-out windows, each window scored on its own (a quick, slightly
+    pessimistic estimate; tools.perplexity carries state across windows for the exact figure);
   * logs: a progress bar, and one JSON object per line in DIR/metrics.jsonl
     ({"step", "loss", "lr", "grad_norm", "tokens", "epoch", "seconds_per_step"} and
     {"step", "heldout_loss", "heldout_ppl", "heldout_tokens"});

@@ -106,6 +106,16 @@ def test_loss_falls_and_heldout_is_scored(corpus, tmp_path):
     np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
   assert loaded_cfg.num_hidden_layers == cfg.num_hidden_layers and loaded_cfg.tokenizer_path == ""
 
+  # load_parameters_path starts a new run from those parameters: the first update has learning
+  # rate 0 (warmup starts at 0), so after it the parameters are still exactly the loaded ones.
+  tuned = train(tiny_config(corpus, tmp_path / "tune", "steps=10", "stop_at_step=1",
+                            f"load_parameters_path={res['export']}"), progress=False)
+  got = checkpointing.flatten(nnx.state(nnx.merge(tuned["graphdef"], tuned["state"]["params"],
+                                                  tuned["state"]["rest"])))
+  for name in want:
+    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
+  assert tuned["losses"][1] < losses[0] - 1.0  # it starts from the trained model, not from scratch
+
 
 def test_schedule_warmup_then_cosine():
   # Independent formula: linear warmup from 0, then lr_end + (lr - lr_end) (1 + cos(pi t)) / 2.
