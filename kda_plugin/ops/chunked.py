@@ -113,7 +113,9 @@ def _scores_chunk(q, k, gb, tb, ce):
   row_f = jnp.exp(g_full - m)
   col = k * jnp.exp(m - g_full)
   # NT products (contracting the last axis of both): no element-level transpose is materialised.
-  return _mm("...rk,...ik->...ri", q * row_f, col), _mm("...rk,...ik->...ri", k * row_f, col)
+  c = q.shape[-2]
+  a = _mm("...rk,...ik->...ri", jnp.concatenate([q * row_f, k * row_f], axis=-2), col)
+  return a[..., :c, :], a[..., c:, :]
 
 
 def _scores_blocked(q, k, gb, tb, ce, *, exact):
