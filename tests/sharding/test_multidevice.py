@@ -43,6 +43,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # ~20 CPU-seconds (two JAX processes); `make test-slow` runs it
 def test_two_process_job_through_the_distributed_keys():
   """Two processes of 4 CPU devices each start through `distributed_init=true` and the explicit
   coordinator keys; the 8-device mesh spans both (its data axis crosses the processes) and the
