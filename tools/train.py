@@ -6,6 +6,8 @@ Usage:
 
 MODEL_CONFIG is a module of configs/ (tiny, demo, ...) or a .py/.json config path; every key of
 configs/base.py can be overridden with key=value (the training keys are listed below).
+`load_parameters_path=DIR` starts from a parameter checkpoint (fine-tuning) instead of random init;
+`tokenizer_path` may be left empty with train_data_format=ids (token ids, one document per line).
 
 What a run does:
   * data: the train side of the held-out split of `train_data` (the last `heldout_fraction` of the

@@ -115,3 +115,16 @@ def test_bad_key_and_help(capsys):
   text = capsys.readouterr().out
   for key in ("train_data", "checkpoint_every", "stop_at_step", "export_dtype", "warmup_steps"):
     assert f"{key} = " in text
+
+
+def test_tokenizer_that_does_not_fit_the_config(tmp_path):
+  from tools import demo
+  tok = demo.ASSETS / "tokenizer.model"  # 1024 pieces, pad 0, bos 2, eos 3
+  text = tmp_path / "c.txt"
+  text.write_text("To be, or not to be.\n\nThat is the question.\n\nWhether 'tis nobler.\n")
+  base = ("train_data_format=text", f"tokenizer_path={tok}")
+  with pytest.raises(TrainError, match=r"has 1024 tokens but vocab_size=64; pass vocab_size=1024"):
+    train(tiny_config(text, tmp_path / "o", *base), progress=False)
+  with pytest.raises(TrainError, match=r"bos_token_id=1 disagrees with the tokenizer .* \(its id is 2\); pass bos_token_id=2"):
+    train(tiny_config(text, tmp_path / "o", *base, "vocab_size=1024"), progress=False)
+  assert not (tmp_path / "o").exists()
