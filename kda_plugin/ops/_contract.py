@@ -134,9 +134,9 @@ def check_kda_inputs(q, k, v, g, beta, *, initial_state=None, segment_ids=None,
           "initial_state gives the slot count; pass max_num_segments=N as a static argument")
     if is_concrete(segment_ids):
       ids = np.asarray(segment_ids)
-      check_contiguous_runs(ids)
       if ids.size and ids.min() < 0:
         raise ValueError(f"segment_ids must be >= 0 (0 = padding), found label {ids.min()}")
+      check_contiguous_runs(ids)
       if ids.size and ids.max() > n:
         raise ValueError(
             f"segment_ids label {ids.max()} exceeds max_num_segments={n} (label n uses state slot n-1)")

@@ -81,7 +81,7 @@ def kda_gate_bounded(raw, a_log, dt_bias=None, *, lower_bound):
     lower_bound: static float in [-5, 0): the most negative log decay per token.
 
   Returns:
-    float32 `[..., H, K]` in (lower_bound, 0).
+    float32 `[..., H, K]` in [lower_bound, 0] (open in exact arithmetic; the sigmoid saturates in float32).
 
   Raises:
     ValueError: lower_bound out of range, or mismatched shapes.
