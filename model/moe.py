@@ -61,12 +61,16 @@ def route(logits, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, no
 
 
 class TopKRouter(nnx.Module):
-  """`kernel [d, E]` (weight dtype) and `e_score_correction_bias [E]` (float32)."""
+  """`kernel [d, E]` and `e_score_correction_bias [E]`, both float32 whatever `weight_dtype` is.
+
+  The router stays float32 as in transformers' Kimi-Linear (`gate.weight` is kept in float32 there):
+  in bf16 the sigmoid scores of near-tied experts round together and the top-k choice can change.
+  """
 
   def __init__(self, args, rngs: nnx.Rngs):
     self.args = args
     self.kernel = param(nnx.initializers.normal(args.initializer_range), rngs.params(),
-                        (args.hidden_size, args.num_experts), as_dtype(args.weight_dtype), ("embed", None))
+                        (args.hidden_size, args.num_experts), jnp.float32, ("embed", None))
     self.e_score_correction_bias = RouterBias(jnp.zeros((args.num_experts,), jnp.float32), out_sharding=(None,))
 
   def __call__(self, x):

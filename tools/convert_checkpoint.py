@@ -19,7 +19,7 @@ Keys:
                         place at the end, so a failure leaves nothing there.
   weight_dtype          auto (default): keep every tensor's stored dtype (bit-exact both ways); the
                         config's weight_dtype is the source's (config.json `dtype`/`torch_dtype`).
-                        float32 / bfloat16: cast the weights to it; A_log, dt_bias and the router bias
+                        float32 / bfloat16: cast the weights to it; A_log, dt_bias and the router (weight, bias)
                         stay float32, as in the model.
   overwrite             true: replace an existing output directory of the same kind (a project
                         checkpoint, an HF directory with config.json, or an empty directory).
