@@ -28,6 +28,9 @@ Keys:
   max_cache_length      the model's limit: prompt + max_new_tokens must fit (MLA cache per sequence).
   output_json           write, per prompt, the prompt ids, generated ids, text (with a tokenizer) and
                         finish reason, plus the timings, to this file (atomically).
+  ici_*_parallelism     with several devices: the mesh to serve on (data, fsdp, expert, tensor; -1 =
+                        the rest; default all devices on data), parameters restored sharded
+                        (model/sharding.py); distributed_init=true starts a multi-host job.
 
 Prints the generated text (or ids), then the time to first token, prefill tokens/s and decode
 tokens/s (compilation is done first and reported apart). Bad input (missing checkpoint or tokenizer,
@@ -151,7 +154,10 @@ def main(argv: list[str]) -> int:
     raise GenerationError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
   if cfg.generate_batch_size < 1 or cfg.prefill_length_multiple < 1:
     raise common.UsageError("generate_batch_size and prefill_length_multiple must be >= 1")
-  model, mcfg = common.load(cfg, overrides)
+  model, mcfg, mesh = common.load_on_mesh(cfg, overrides)  # mesh None on one device
+  if mesh is not None:
+    from model.sharding import describe_mesh
+    print(f"serving on {describe_mesh(mesh)}", file=sys.stderr)
   tokenizer = common.tokenizer_for(mcfg)
   vocab = int(mcfg.vocab_size)
   texts, prompts = read_prompts(cfg, given, tokenizer, vocab)
@@ -159,7 +165,8 @@ def main(argv: list[str]) -> int:
   pad = tokenizer.pad_id if tokenizer.pad_id is not None and tokenizer.pad_id < vocab else 0
   gen = Generator(model, max_length=int(mcfg.max_cache_length), eos_id=eos, pad_id=pad,
                   batch_size=cfg.generate_batch_size, prefill_multiple=cfg.prefill_length_multiple,
-                  cache_multiple=cfg.prefill_length_multiple, vocab_limit=min(vocab, tokenizer.vocab_size))
+                  cache_multiple=cfg.prefill_length_multiple, vocab_limit=min(vocab, tokenizer.vocab_size),
+                  mesh=mesh, rules=mcfg)
   gen.check_request(prompts, cfg.max_new_tokens)
   print(f"model {mcfg.model_name} from {mcfg.load_parameters_path}: attention={mcfg.attention}, "
         f"dtype={mcfg.dtype}; {len(prompts)} prompt(s), {sum(map(len, prompts))} tokens; "

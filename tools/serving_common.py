@@ -74,6 +74,36 @@ def load(tool_config, overrides: Sequence[str], extra: Sequence[str] = ()):
   return load_model(path, list(overrides) + [f"load_parameters_path={path}"] + list(extra))
 
 
+# The mesh belongs to the job, not to the checkpoint: these keys come from the command line (or the
+# base defaults), whatever the run that wrote the checkpoint used.
+_JOB_KEYS = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_expert_parallelism", "ici_tensor_parallelism",
+             "logical_axis_rules", "distributed_init", "coordinator_address", "num_processes", "process_id")
+
+
+def load_on_mesh(tool_config, overrides: Sequence[str], extra: Sequence[str] = ()):
+  """`(model, model_config, mesh)`: as `load`, but when the job has more than one device the
+  parameters are restored straight into their shardings on the mesh of the `ici_*_parallelism` keys
+  (`model.sharding`; multi-host jobs start with `distributed_init=true`). `mesh` is None on one
+  device. Raises CheckpointError / ConfigError (e.g. a mesh that does not fit the devices)."""
+  import jax
+  from model import checkpointing, sharding
+  path = os.path.abspath(tool_config.load_parameters_path)
+  job = [f"{k}={_as_override(tool_config[k])}" for k in _JOB_KEYS]
+  keys = job + list(overrides) + [f"load_parameters_path={path}"] + list(extra)
+  sharding.initialize_distributed(checkpointing.read_config(path, keys))  # before any device is touched
+  if jax.device_count() == 1:
+    return (*checkpointing.load_model(path, keys), None)
+  return sharding.load_sharded(path, keys)
+
+
+def _as_override(value) -> str:
+  if isinstance(value, bool):
+    return str(value).lower()
+  if isinstance(value, (list, tuple)):
+    return "[" + ",".join(map(str, value)) + "]"
+  return str(value)
+
+
 def tokenizer_for(model_config, *, required_for: str | None = None):
   """The tokenizer of `model_config.tokenizer_path`, or an ids-only one when it is empty.
 

@@ -101,3 +101,34 @@ def test_converted_hf_checkpoint_restores_sharded(tmp_path):
   with sharding.mesh_context(mesh, cfg):
     got = jax.jit(fwd)(model, ids, seg)
   c.assert_close(got, want, "converted checkpoint logits")
+
+
+def test_generate_tool_serves_on_the_mesh(saved, tmp_path, capsys):
+  """tools.generate on 8 devices (default mesh: data=-1 -> 8, the checkpoint's own mesh keys are
+  ignored): restored sharded, the same greedy ids as a one-device Generator."""
+  import json
+
+  from model.serving import Generator
+  from tools import generate
+  path, _, _ = saved
+  out = tmp_path / "gen.json"
+  rc = generate.main([f"load_parameters_path={path}", "prompts_file=" + str(_ids_file(tmp_path)), "max_new_tokens=4",
+                      "generate_batch_size=8", "prefill_length_multiple=16", "decode_stop_at_eos=false",
+                      f"output_json={out}"])
+  assert rc in (0, None)
+  assert "serving on mesh data=8 fsdp=1 expert=1 tensor=1 (8 devices, 1 process)" in capsys.readouterr().err
+  got = [r["generated_ids"] for r in json.loads(out.read_text())["results"]]
+  model, cfg = checkpointing.load_model(path, list(c.ONE_DEVICE))
+  gen = Generator(model, max_length=cfg.max_cache_length, eos_id=None, batch_size=8, prefill_multiple=16,
+                  cache_multiple=16)
+  want = [r.token_ids for r in gen.generate(PROMPTS, 4)[0]]
+  assert got == want
+
+
+PROMPTS = [[5 + i, 9, 11 + i, 3] for i in range(8)]
+
+
+def _ids_file(tmp_path):
+  f = tmp_path / "prompts.txt"
+  f.write_text("\n".join(" ".join(map(str, p)) for p in PROMPTS) + "\n")
+  return f
