@@ -115,7 +115,7 @@ def _check_dir(path: str | os.PathLike) -> pathlib.Path:
                           f"project; convert a Hugging Face directory with `python -m tools.convert_checkpoint`)")
   if not (p / PARAMS_DIR).is_dir():
     raise CheckpointError(f"checkpoint {str(path)!r} has no {PARAMS_DIR}/ directory (incomplete checkpoint)")
-  return p
+  return p.absolute()  # Orbax resolves relative paths against nothing useful: always hand it absolute ones
 
 
 def read_config(path: str | os.PathLike, overrides: Sequence[str] = ()):

@@ -136,3 +136,13 @@ def test_clear_errors(saved, tmp_path):
   (broken / "config.json").write_text((saved / "config.json").read_text())
   with pytest.raises(ck.CheckpointError, match="broken/params: cannot read"):
     ck.load_model(broken)
+
+
+def test_load_model_from_relative_path(saved, tiny, monkeypatch):
+  """A relative load_parameters_path works (Orbax itself needs absolute paths)."""
+  _, model = tiny
+  monkeypatch.chdir(saved.parent)
+  loaded, _ = ck.load_model(saved.name)
+  want = nnx.to_pure_dict(nnx.state(model))
+  got = nnx.to_pure_dict(nnx.state(loaded))
+  jax.tree.map(np.testing.assert_array_equal, want, got)
