@@ -583,8 +583,7 @@ def initialize_distributed(cfg) -> bool:
   """
   if not cfg.distributed_init:
     return False
-  from jax._src import distributed as _dist  # the public API offers no "is initialised" query
-  if getattr(_dist.global_state, "client", None) is not None:
+  if jax.distributed.is_initialized():
     return False
   kwargs = {}
   if cfg.coordinator_address:
