@@ -251,6 +251,8 @@ def create_mesh(cfg, devices: Sequence | None = None) -> Mesh:
 
 
 def as_rules(rules_or_cfg) -> Rules:
+  """Parsed rules from a config (its `logical_axis_rules`), already parsed rules, or None (the
+  base defaults)."""
   if rules_or_cfg is None:
     return default_rules()
   if hasattr(rules_or_cfg, "logical_axis_rules"):
@@ -260,7 +262,7 @@ def as_rules(rules_or_cfg) -> Rules:
 
 def default_rules() -> Rules:
   """The rules of `configs/base.py`."""
-  from configs import base  # local: base is cheap, but keep import order obvious
+  from configs import base
   return parse_logical_axis_rules(list(base.get_config().logical_axis_rules))
 
 
@@ -448,7 +450,7 @@ def abstract_state(cfg, mesh: Mesh, rules_or_cfg=None):
   return graphdef, state
 
 
-def state_shardings(state) -> object:
+def state_shardings(state):
   """The `NamedSharding` tree of an abstract state from `abstract_state` (for jit in/out shardings)."""
   return jax.tree.map(lambda a: a.sharding, state)
 

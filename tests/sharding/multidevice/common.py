@@ -10,7 +10,6 @@ backend's kernel runs under the same per-head-shard `shard_map`.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
