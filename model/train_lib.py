@@ -138,14 +138,19 @@ def init_train_state(model: KimiLinearForCausalLM, hparams: tuple, seed: int):
   return graphdef, state
 
 
-def create_train_state(cfg, hparams: tuple):
+def create_train_state(cfg, hparams: tuple, mesh=None):
   """`(graphdef, state)` of a model randomly initialised from `cfg.init_seed`, a fresh optimizer
   state and the PRNG key of `cfg.train_seed`.
 
   Runs eagerly: on CPU, compiling the whole initialisation as one program takes longer than
-  running its ops one by one.
+  running its ops one by one. With a `mesh` (`model.sharding.create_mesh(cfg)`), the parameters
+  are placed by their logical axes (`cfg.logical_axis_rules`) and the optimizer moments, made with
+  `zeros_like`, follow them; trace the step inside `model.sharding.mesh_context(mesh, cfg)`.
   """
   model = KimiLinearForCausalLM(cfg, rngs=nnx.Rngs(int(cfg.init_seed)))
+  if mesh is not None:
+    from model import sharding
+    nnx.update(model, sharding.shard_state(nnx.state(model), cfg, mesh))
   return init_train_state(model, hparams, int(cfg.train_seed))
 
 

@@ -152,11 +152,12 @@ def test_serving_generator_on_a_mesh_matches_one_device(name, model_and_batch, g
   assert _generate(model, mesh, cfg) == generator_reference
 
 
-def _train_two_steps(graphdef, state, ids, seg, cfg):
-  """Two steps of model.train_lib's jitted AdamW step (the project's train step) from `state`."""
+def _train_two_steps(cfg, ids, seg, mesh=None):
+  """Two steps of model.train_lib's jitted AdamW step (the project's train step) from its
+  `create_train_state` (random init from cfg.init_seed; placed on `mesh` when given)."""
   from model import train_lib
   hparams = train_lib.optimizer_hparams(cfg)
-  _, tstate = train_lib.init_train_state(nnx.merge(graphdef, state), hparams, seed=0)
+  graphdef, tstate = train_lib.create_train_state(cfg, hparams, mesh)
   step = train_lib.train_step_fn(graphdef, hparams, c.N)
   targets = np.concatenate([ids[:, 1:], ids[:, :1]], 1)
   mask = np.concatenate([(seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0), np.zeros((c.B, 1), bool)], 1)
@@ -176,10 +177,11 @@ def test_train_lib_step_on_a_mesh_matches_one_device(model_and_batch):
   gradient entries near eps (this batch has w1 gradients of 1.9e-8 next to 1.5e-3), where it turns
   float32 reduction-order noise of the gradients (within 1e-5, checked above) into 1e-5 parameter
   differences after two steps. A larger eps keeps the update a smooth function of the gradient."""
-  graphdef, state, ids, seg = model_and_batch
+  _, _, ids, seg = model_and_batch
   lr = ("learning_rate=0.01", "warmup_steps=0", "steps=10", "adam_eps=1e-3")
   cfg1 = c.config(*c.ONE_DEVICE, *lr)
-  want_state, want_losses = _train_two_steps(graphdef, jax.device_put(state, jax.devices()[0]), ids, seg, cfg1)
+  with jax.default_device(jax.devices()[0]):
+    want_state, want_losses = _train_two_steps(cfg1, ids, seg)
   cfg = c.config(*c.MESHES["fsdp2_tensor2_data2"], *lr)
   mesh = sharding.create_mesh(cfg)
   _, abstract = sharding.abstract_state(cfg, mesh)
@@ -188,8 +190,7 @@ def test_train_lib_step_on_a_mesh_matches_one_device(model_and_batch):
   from model import train_lib
   train_lib.train_step_fn.cache_clear()  # trace anew inside the mesh context
   with sharding.mesh_context(mesh, cfg):
-    got_state, got_losses = _train_two_steps(graphdef, jax.device_put(state, shardings), jax.device_put(ids, batch),
-                                             jax.device_put(seg, batch), cfg)
+    got_state, got_losses = _train_two_steps(cfg, jax.device_put(ids, batch), jax.device_put(seg, batch), mesh)
   train_lib.train_step_fn.cache_clear()
   for a, b in zip(got_losses, want_losses):
     c.assert_close(a, b, "train_lib loss")
@@ -198,3 +199,5 @@ def test_train_lib_step_on_a_mesh_matches_one_device(model_and_batch):
   for path, v in nnx.to_flat_state(got_state["params"]):
     c.assert_close(np.asarray(v.get_value()), np.asarray(want[path].get_value()), f"param {path} after 2 steps")
     assert v.get_value().sharding.is_equivalent_to(params_sharding[path].get_value(), v.get_value().ndim), path
+  mu = [x for x in jax.tree.leaves(got_state["opt_state"]) if x.ndim == 2]  # AdamW moments follow the params
+  assert mu and all(len(x.sharding.device_set) == c.DEVICES and not x.sharding.is_fully_replicated for x in mu)
