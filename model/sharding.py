@@ -486,6 +486,21 @@ def shard_state(state, cfg, mesh: Mesh, rules_or_cfg=None):
   return jax.device_put(state, state_shardings(abs_state))
 
 
+def replicate_off_mesh(tree, mesh: Mesh):
+  """Replicates on `mesh` every array leaf of `tree` that does not live on all its devices (e.g. the
+  scalar step, PRNG key and optimizer count of a train state), leaving sharded leaves alone: one
+  jitted program cannot mix arrays committed to one device with arrays on the mesh."""
+  devices = set(np.asarray(mesh.devices).flat)
+  replicated = NamedSharding(mesh, P())
+
+  def place(x):
+    if isinstance(x, jax.Array) and set(x.sharding.device_set) != devices:
+      return jax.device_put(x, replicated)
+    return x
+
+  return jax.tree.map(place, tree)
+
+
 def restore_parameters(path, cfg, mesh: Mesh, rules_or_cfg=None):
   """Restores a project checkpoint's parameters (`model/checkpointing.py` layout: written by
   training, `save_parameters` or `tools.convert_checkpoint`) directly into this mesh's shardings.

@@ -148,10 +148,13 @@ def create_train_state(cfg, hparams: tuple, mesh=None):
   `zeros_like`, follow them; trace the step inside `model.sharding.mesh_context(mesh, cfg)`.
   """
   model = KimiLinearForCausalLM(cfg, rngs=nnx.Rngs(int(cfg.init_seed)))
-  if mesh is not None:
-    from model import sharding
-    nnx.update(model, sharding.shard_state(nnx.state(model), cfg, mesh))
-  return init_train_state(model, hparams, int(cfg.train_seed))
+  if mesh is None:
+    return init_train_state(model, hparams, int(cfg.train_seed))
+  from model import sharding
+  nnx.update(model, sharding.shard_state(nnx.state(model), cfg, mesh))
+  graphdef, state = init_train_state(model, hparams, int(cfg.train_seed))
+  # Step, key and optimizer counts replicated on the mesh too (a restore keeps these placements).
+  return graphdef, sharding.replicate_off_mesh(state, mesh)
 
 
 def masked_nll(logits, targets, loss_mask):

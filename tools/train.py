@@ -51,7 +51,7 @@ import time
 import numpy as np
 
 from configs import base as base_config
-from model import train_lib
+from model import sharding, train_lib
 from model.config import ConfigError, config_to_json, load_config
 from model.input_pipeline import DataFormatError, make_eval_windows, make_train_iterator, read_text_file, \
     split_heldout
@@ -267,7 +267,9 @@ def train(cfg, *, progress: bool = True) -> dict:
                        f"resume=true to continue that run or choose another output_dir")
     _check_resume(ckpt.read_meta(latest), meta, ckpt.directory)
 
-  graphdef, state = train_lib.create_train_state(cfg, hparams)
+  # Several devices: the mesh of the ici_*_parallelism keys (model/sharding.py); None on one device.
+  mesh = sharding.create_mesh(cfg) if jax.device_count() > 1 else None
+  graphdef, state = train_lib.create_train_state(cfg, hparams, mesh)
   start = 0
   if latest is not None:
     state, data_state = ckpt.restore(latest, state)
@@ -320,6 +322,10 @@ def train(cfg, *, progress: bool = True) -> dict:
     metrics.write(rec)
     bar.write(f"step {step}: heldout_loss {rec['heldout_loss']:.4f}  heldout_ppl {rec['heldout_ppl']:.2f}")
 
+  # On a mesh, steps and evaluations are traced in its context (KDA kernels per head shard).
+  mesh_ctx = contextlib.ExitStack()
+  if mesh is not None:
+    mesh_ctx.enter_context(sharding.mesh_context(mesh, cfg))
   # SIGTERM (a scheduler preempting the job) takes the Ctrl-C path: checkpoint, then exit.
   old_term = None
   if threading.current_thread() is threading.main_thread():
@@ -355,6 +361,7 @@ def train(cfg, *, progress: bool = True) -> dict:
       bar.write(f"interrupted: checkpointed step {step} in {ckpt.directory}; run the same command to resume")
     raise
   finally:
+    mesh_ctx.close()
     if old_term is not None:
       signal.signal(signal.SIGTERM, old_term)
     bar.close()
@@ -379,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
   from model.checkpointing import CheckpointError
   try:
     cfg = load_config(argv)
+    sharding.initialize_distributed(cfg)  # multi-host jobs (distributed_init=true): before any device use
     result = train(cfg)
   except (TrainError, ConfigError, TokenizerError, CheckpointError, DataFormatError) as e:
     print(f"error: {e}", file=sys.stderr)
