@@ -28,7 +28,8 @@ def run_inner(path: pathlib.Path, timeout: int = 600) -> subprocess.CompletedPro
   return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("name", ["md_equivalence.py", "md_checkpoint.py"])
+@pytest.mark.parametrize("name", ["md_equivalence.py", "md_checkpoint.py",
+                                  pytest.param("md_train_tool.py", marks=pytest.mark.slow)])
 def test_eight_device_checks(name):
   proc = run_inner(HERE / "multidevice" / name)
   report = proc.stdout[-12000:] + proc.stderr[-4000:]
