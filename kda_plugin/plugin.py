@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 
 import jax
+import jax.numpy as jnp
 
 _SEQ_MODES = ("train", "eval", "prefill")
 
@@ -94,7 +95,9 @@ class KDABackend:
     return _op("activate_gate")(g_raw, a_log, dt_bias, lower_bound)
 
   def l2norm(self, x):
-    return _op("l2norm")(x)
+    # float32 out, as the fused kernel keeps its normalised q/k: rounding them back to bf16 here
+    # would make the unfused routes differ from kda_native by that rounding alone.
+    return _op("l2norm")(x.astype(jnp.float32))
 
   # --- the KDA core ------------------------------------------------------------------------------
   def kda(self, q, k, v, g_raw, beta, *, a_log, dt_bias, lower_bound, mode, segment_ids,
@@ -110,14 +113,16 @@ class KDABackend:
           lower_bound=lower_bound, use_qk_l2norm=True, max_num_segments=max_num_segments,
           backend=impl)
     g = self.gate(g_raw, a_log, dt_bias, lower_bound)
-    return _op(op)(self.l2norm(q), self.l2norm(k), v, g, beta, initial_state=initial_state,
-                   output_final_state=output_final_state, segment_ids=segment_ids,
-                   max_num_segments=max_num_segments)
+    o, state = _op(op)(self.l2norm(q), self.l2norm(k), v, g, beta, initial_state=initial_state,
+                       output_final_state=output_final_state, segment_ids=segment_ids,
+                       max_num_segments=max_num_segments)
+    return o.astype(q.dtype), state
 
   def kda_decode(self, q, k, v, g_raw, beta, state, *, a_log, dt_bias, lower_bound, impl="auto"):
     self.last_calls["decode"] = self.describe("decode", impl)
     g = self.gate(g_raw, a_log, dt_bias, lower_bound)
-    return _op(self.routes["decode"])(self.l2norm(q), self.l2norm(k), v, g, beta, state)
+    o, state = _op(self.routes["decode"])(self.l2norm(q), self.l2norm(k), v, g, beta, state)
+    return o.astype(q.dtype), state
 
 
 def kda_native() -> KDABackend:
