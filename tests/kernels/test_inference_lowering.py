@@ -60,18 +60,13 @@ def _export(backend, platform, mesh, *, with_h0, want_final, gate, dtype):
 
 
 TPU_COMBOS = list(itertools.product([False, True], [False, True], GATES, ["float32", "bfloat16"]))
-# Every value of every factor at least once (each export costs ~2 s of tracing and lowering).
-TPU_COVER = [(False, False, "pre_activated", "float32"), (True, True, "softplus", "bfloat16"),
-             (False, True, "bounded", "bfloat16"), (True, False, "bounded", "float32")]
 
 
-@pytest.mark.parametrize("kind,combos", [
-    pytest.param("TPU7x", TPU_COMBOS, id="TPU7x-all"),
-    pytest.param("TPU v5e", TPU_COVER, id="TPU_v5e-cover"),
-    pytest.param("TPU v5e", TPU_COMBOS, id="TPU_v5e-all", marks=pytest.mark.slow)])
-def test_tpu_lowers_to_mosaic(kind, combos):
+@pytest.mark.parametrize("kind", ["TPU7x", "TPU v5e"])
+def test_tpu_lowers_to_mosaic(kind):
+  """Every combination of initial state x final state x gate family x dtype (24 exports, ~8 s)."""
   mesh = _abstract_mesh(kind, 1, "tpu")
-  for with_h0, want_final, gate, dtype in combos:
+  for with_h0, want_final, gate, dtype in TPU_COMBOS:
     text = _export("pallas_tpu", "tpu", mesh, with_h0=with_h0, want_final=want_final,
                    gate=GATES[gate], dtype=jnp.dtype(dtype))
     assert "tpu_custom_call" in text, (kind, with_h0, want_final, gate, dtype)
