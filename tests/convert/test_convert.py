@@ -59,13 +59,14 @@ def converted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def forward():
-  """One jitted forward per (graphdef); `mode="train"` is the backend's sequence op on CPU."""
+  """One jitted forward per (graphdef) in `mode="eval"`: with kda_native that is `kda_inference`,
+  the megakernel path users evaluate and prefill with."""
   cache = {}
 
   def run(model, ids):
     gd, st = nnx.split(model)
     if gd not in cache:
-      cache[gd] = jax.jit(lambda st, ids: nnx.merge(gd, st)(ids, mode="train"))
+      cache[gd] = jax.jit(lambda st, ids: nnx.merge(gd, st)(ids, mode="eval"))
     return np.asarray(cache[gd](st, ids))
   return run
 
