@@ -101,21 +101,27 @@ def _decay_to_row(gb, ce, tb, e):
 
 
 def _scores_chunk(q, k, gb, tb, ce):
-  """Raw `Aqk, Akk [..., C, C]` from one factorisation per chunk (needs |G_{C-1}| <= FACTOR_LIMIT).
+  """Raw `Aqk, Akk [..., C, C]` from one factorisation per chunk (needs |G_{C-1}| <= FACTOR_LIMIT),
+  and the decay factors `exp(G_r)`, `exp(G_{C-1} - G_r)` `[..., C, K]` (see `_scores`).
 
   exp(G_r - G_i) = exp(G_r - m) exp(m - G_i) with m = G_{C-1} / 2 per channel: every factor is at most
   exp(FACTOR_LIMIT / 2), every product (masked entries included) at most exp(FACTOR_LIMIT). Entries
-  above the diagonal are finite garbage that the caller masks.
+  above the diagonal are finite garbage that the caller masks. The decay factors reuse the same two
+  exponentials (exp(G_r) = exp(G_r - m) exp(m), exp(G_{C-1} - G_r) = exp(m - G_r) exp(m), as
+  G_{C-1} = 2m exactly): exp is the costliest elementwise op of a chunk on CPU, so this halves them.
   """
   del ce
   g_full = _chunk_cumsum(gb, tb)
   m = 0.5 * g_full[..., -1:, :]
+  em = jnp.exp(m)                                                      # one row per chunk
   row_f = jnp.exp(g_full - m)
-  col = k * jnp.exp(m - g_full)
+  col_f = jnp.exp(m - g_full)
+  col = k * col_f
   # NT products (contracting the last axis of both): no element-level transpose is materialised.
-  c = q.shape[-2]
-  a = _mm("...rk,...ik->...ri", jnp.concatenate([q * row_f, k * row_f], axis=-2), col)
-  return a[..., :c, :], a[..., c:, :]
+  # Two products rather than one over [q; k] stacked: XLA:CPU emits a concatenate fusion element
+  # by element (index-dependent operand choice, no vector code), which cost more than the dot.
+  return (_mm("...rk,...ik->...ri", q * row_f, col), _mm("...rk,...ik->...ri", k * row_f, col),
+          row_f * em, col_f * em)
 
 
 def _scores_blocked(q, k, gb, tb, ce, *, exact):
@@ -125,7 +131,8 @@ def _scores_blocked(q, k, gb, tb, ce, *, exact):
   <= 1 for any decay. Diagonal blocks are factored around their midpoint Tb / 2 (needs
   |Tb| <= FACTOR_LIMIT) or, with `exact`, built elementwise with the exponent masked before `exp`.
   This is the fallback for chunks that decay too fast for `_scores_chunk`, so it is written for few
-  operations (compile time) rather than for speed: one product over all block pairs.
+  operations (compile time) rather than for speed: one product over all block pairs. The decay
+  factors of `_scores` are returned too, each from its own bounded exponent (no factorisation).
   """
   nb, sub, kd = gb.shape[-3:]
   c = nb * sub
@@ -151,7 +158,8 @@ def _scores_blocked(q, k, gb, tb, ce, *, exact):
     on_diag = jnp.eye(nb, dtype=bool)[:, None, :, None]                # [NB(x), 1, NB(y), 1]
     a = a + jnp.where(on_diag, _diag_exact(qb, kb, gb)[..., :, :, None, :], 0.0)
   lead = a.shape[:-4]
-  return (a[..., :, :sub, :, :].reshape(lead + (c, c)), a[..., :, sub:, :, :].reshape(lead + (c, c)))
+  return (a[..., :, :sub, :, :].reshape(lead + (c, c)), a[..., :, sub:, :, :].reshape(lead + (c, c)),
+          jnp.exp(_chunk_cumsum(gb, tb)), _decay_to_end(gb, tb, ce))
 
 
 @jax.checkpoint
@@ -177,7 +185,11 @@ def _chunk_cumsum(gb, tb):
 
 def _scores(q, k, gb, tb, ce, diag_mode):
   """Score construction, chosen per chunk at run time from the chunk's decay (see `diag_mode` of
-  `kda_chunk_core`): one factorisation per chunk when its decay allows it, else sub-blocks."""
+  `kda_chunk_core`): one factorisation per chunk when its decay allows it, else sub-blocks.
+
+  Returns raw `Aqk, Akk [..., C, C]` and `exp(G_r)`, `exp(G_{C-1} - G_r)` `[..., C, K]` (the decay
+  from the chunk start to row r, and from row r to the chunk end).
+  """
   whole = jnp.all(jnp.sum(tb, axis=-2) >= -FACTOR_LIMIT)
   fallback = functools.partial(_scores_blocked, exact=diag_mode != "factor")
   if diag_mode == "exact":
@@ -229,10 +241,12 @@ class _ChunkPrep(NamedTuple):
   ce: jax.Array     # [..., H, NB, SUB, K] decay from after row i to the end of its sub-block (<= 0)
   egl: jax.Array    # [..., H, C, K] exp(G_r - G_a(r)): decay since the row's document entered the chunk
   same: jax.Array   # [..., C, C] rows r and i belong to the same document (not padding)
+  dte: jax.Array    # [..., H, C, K] exp(G_{C-1} - G_r): decay from row r to the end of the chunk
 
 
-def _chunk_prep(q, k, v, g, beta, seg, *, scale, prep=None):
-  """Upcasts, masks padding (NaN-safe), applies `prep`, and builds the cumulative gates of a chunk.
+def _chunk_prep(q, k, v, g, beta, seg, *, scale, prep=None, diag_mode="auto"):
+  """Upcasts, masks padding (NaN-safe), applies `prep`, builds the cumulative gates of a chunk and its
+  raw scores. Returns `(_ChunkPrep, Aqk, Akk)` (scores unmasked, see `_scores`).
 
   Args: q, k, g `[..., C, H, K]`, v `[..., C, H, V]`, beta `[..., C, H]` (any float dtype);
   seg int32 `[..., C]`; scale: the query scale; prep: see `kda_chunk_core`.
@@ -253,31 +267,32 @@ def _chunk_prep(q, k, v, g, beta, seg, *, scale, prep=None):
   gb = jnp.cumsum(gh.reshape(gh.shape[:-2] + (nb, SUB, kd)), axis=-2)
   tb = gb[..., -1, :]
   ce = tb[..., None, :] - gb
-  # G_r - G_a(r): without a document start after row 0 this is the chunk cumulative gate; otherwise
-  # a masked (same document, causal) sum, computed directly so that no large sums cancel.
+  aqk, akk, eg, dte = _scores(qh, kh, gb, tb, ce, diag_mode)
+  # G_r - G_a(r): without a document start after row 0 this is the chunk cumulative gate (its
+  # exponential comes with the scores); otherwise a masked (same document, causal) sum, computed
+  # directly so that no large sums cancel.
   starts_inside = jnp.any(seg[..., 1:] != seg[..., :-1])
-  g_run = lax.cond(starts_inside,
-                   lambda: hm(_mm("...ri,...ihk->...rhk", (same & causal).astype(jnp.float32), g)),
-                   lambda: _chunk_cumsum(gb, tb))
-  return _ChunkPrep(qh, kh, vh, bh, gb, tb, ce, jnp.exp(g_run), same)
+  egl = lax.cond(starts_inside,
+                 lambda: jnp.exp(hm(_mm("...ri,...ihk->...rhk", (same & causal).astype(jnp.float32), g))),
+                 lambda: eg)
+  return _ChunkPrep(qh, kh, vh, bh, gb, tb, ce, egl, same, dte), aqk, akk
 
 
-def _scores_and_inverse(cp, diag_mode):
+def _mask_and_inverse(cp, aqk, akk):
   """Masked `Aqk [..., H, C, C]` and `L^-1 = (I + Diag(beta) Akk)^-1` of a chunk."""
   c = cp.qh.shape[-2]
   causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
   strict = jnp.arange(c)[:, None] > jnp.arange(c)[None, :]
-  aqk, akk = _scores(cp.qh, cp.kh, cp.gb, cp.tb, cp.ce, diag_mode)
   same_h = cp.same[..., None, :, :]
   aqk = jnp.where(same_h & causal, aqk, 0.0)
   akk = jnp.where(same_h & strict, akk, 0.0)
   return aqk, _unit_lower_inverse(jnp.eye(c, dtype=jnp.float32) + cp.bh * akk)
 
 
-def _decay_to_end(cp):
-  """exp(G_{C-1} - G_i) for every row of the chunk, `[..., H, C, K]` (sums of sub-block totals)."""
-  suffix = jnp.cumsum(cp.tb[..., ::-1, :], axis=-2)[..., ::-1, :] - cp.tb       # sum_{z > x} Tb[z]
-  return jnp.exp(cp.ce + suffix[..., None, :]).reshape(cp.kh.shape)
+def _decay_to_end(gb, tb, ce):
+  """exp(G_{C-1} - G_i) for every row of the chunk, `[..., C, K]` (sums of sub-block totals)."""
+  suffix = jnp.cumsum(tb[..., ::-1, :], axis=-2)[..., ::-1, :] - tb             # sum_{z > x} Tb[z]
+  return jnp.exp(ce + suffix[..., None, :]).reshape(gb.shape[:-3] + (-1, gb.shape[-1]))
 
 
 def _slot_spans(seg, n_slots):
@@ -347,7 +362,7 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   bidx = jnp.arange(b)
   labels = jnp.arange(1, n_slots + 1, dtype=jnp.int32)
   first, lastpos, present = _slot_spans(seg, n_slots)
-  chunk_prep = functools.partial(_chunk_prep, scale=scale, prep=prep)
+  chunk_prep = functools.partial(_chunk_prep, scale=scale, prep=prep, diag_mode=diag_mode)
   gat = lambda x, ci: x[ci, bidx[:, None]]                                       # [NC, B, ...] -> [B, N, ...]
   rows_of = lambda seg_n: seg_n == labels[None, :, None]                         # [B, N, C]
 
@@ -359,7 +374,7 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   if h0 is not None:
     c_s = jnp.clip(first // c, 0, nc - 1)
     seg_s = gat(segc, c_s)
-    ps = chunk_prep(gat(qc, c_s), gat(kc, c_s), gat(vc, c_s), gat(gc, c_s), gat(bc, c_s), seg_s)
+    ps, _, _ = chunk_prep(gat(qc, c_s), gat(kc, c_s), gat(vc, c_s), gat(gc, c_s), gat(bc, c_s), seg_s)
     rows = (rows_of(seg_s) & present[..., None])[:, :, None, :, None]
     both = jnp.concatenate([jnp.where(rows, ps.bh * ps.kh * ps.egl, 0.0),
                             jnp.where(rows, ps.qh * ps.egl, 0.0)], axis=-2)      # [B, N, H, 2C, K]
@@ -369,8 +384,8 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   def step(carry, xs):
     s, buf = carry
     qx, kx, vx, gx, bx, sx, cl, lic, cc = xs[:9]
-    cp = chunk_prep(qx, kx, vx, gx, bx, sx)
-    aqk, linv = _scores_and_inverse(cp, diag_mode)
+    cp, aqk, akk = chunk_prep(qx, kx, vx, gx, bx, sx)
+    aqk, linv = _mask_and_inverse(cp, aqk, akk)
     cont = ((sx == cl[:, None]) & (cl[:, None] > 0))[:, None, :, None]
     last = ((sx == sx[:, -1:]) & (sx[:, -1:] > 0))[:, None, :, None]
     qk = jnp.concatenate([jnp.where(cont, cp.bh * cp.kh * cp.egl, 0.0),
@@ -385,7 +400,7 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
     o = o + _mm("bhri,bhiv->bhrv", aqk, vnew, out_precision)
     fresh = h0[bidx, slot(sx[:, -1])] if h0 is not None else jnp.zeros_like(s)
     base = jnp.where(lic[:, None, None, None], s, fresh)
-    kd_last = jnp.where(last, cp.kh * _decay_to_end(cp), 0.0)
+    kd_last = jnp.where(last, cp.kh * cp.dte, 0.0)
     s_next = cp.egl[..., c - 1, :, None] * base + _mm("bhik,bhiv->bhkv", kd_last, vnew)
     if buf is not None:
       sbuf, vbuf = buf
@@ -422,7 +437,7 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   sbuf, vbuf = buf
   e_row = jnp.clip(lastpos - c_e * c, 0, c - 1)
   seg_e = gat(segc, c_e)
-  pe = chunk_prep(gat(qc, c_e), gat(kc, c_e), gat(vc, c_e), gat(gc, c_e), gat(bc, c_e), seg_e)
+  pe, _, _ = chunk_prep(gat(qc, c_e), gat(kc, c_e), gat(vc, c_e), gat(gc, c_e), gat(bc, c_e), seg_e)
   e_b = jnp.broadcast_to(e_row[:, :, None], (b, n_slots, h))
   kd_n = jnp.where(rows_of(seg_e)[:, :, None, :, None], pe.kh * _decay_to_row(pe.gb, pe.ce, pe.tb, e_b), 0.0)
   dec_n = jnp.take_along_axis(pe.egl, e_b[..., None, None], axis=-2)[..., 0, :]   # [B, N, H, K]
