@@ -118,10 +118,9 @@ def _scores_chunk(q, k, gb, tb, ce):
   col_f = jnp.exp(m - g_full)
   col = k * col_f
   # NT products (contracting the last axis of both): no element-level transpose is materialised.
-  # Two products rather than one over [q; k] stacked: XLA:CPU emits a concatenate fusion element
-  # by element (index-dependent operand choice, no vector code), which cost more than the dot.
-  return (_mm("...rk,...ik->...ri", q * row_f, col), _mm("...rk,...ik->...ri", k * row_f, col),
-          row_f * em, col_f * em)
+  c = q.shape[-2]
+  a = _mm("...rk,...ik->...ri", jnp.concatenate([q * row_f, k * row_f], axis=-2), col)
+  return a[..., :c, :], a[..., c:, :], row_f * em, col_f * em
 
 
 def _scores_blocked(q, k, gb, tb, ce, *, exact):
