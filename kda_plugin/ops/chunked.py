@@ -482,11 +482,18 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
   """
   p = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
                        max_num_segments=max_num_segments, scale=scale)
-  return _run(p, q, k, v, g, beta, initial_state, scale, output_final_state, "auto")
+  core = lambda seg, h0, sc, n: _chunked_jit(q, k, v, g, beta, seg, h0, scale=sc, n_slots=n,
+                                             want_final=bool(output_final_state), diag_mode="auto")
+  return run_with_slots(p, q, initial_state, scale, output_final_state, core)
 
 
-def _run(p, q, k, v, g, beta, initial_state, scale, output_final_state, diag_mode):
-  """Shared wrapper: lays out segments and slots, calls the jitted core, restores the contract."""
+def run_with_slots(p, q, initial_state, scale, output_final_state, core):
+  """Shared wrapper of every entry to the chunk core: lays out segments and slots, calls `core`,
+  restores the contract (q's dtype, the final-state layout of `initial_state`).
+
+  `core(seg [B, T] int32, h0 [B, N, H, K, V] float32 | None, scale: float, n_slots: int)` returns
+  `(o, final [B, N, H, K, V])`; without segment_ids everything runs as one slot labelled 1.
+  """
   if scale is not None and not is_concrete(scale):
     raise ValueError("scale must be a static Python float, not a traced value")
   scale = float(default_scale(scale, p.key_dim))
@@ -498,8 +505,7 @@ def _run(p, q, k, v, g, beta, initial_state, scale, output_final_state, diag_mod
     h0 = jnp.asarray(initial_state, jnp.float32)
     if not packed:
       h0 = h0[:, None]
-  o, final = _chunked_jit(q, k, v, g, beta, seg, h0, scale=scale, n_slots=n,
-                          want_final=bool(output_final_state), diag_mode=diag_mode)
+  o, final = core(seg, h0, scale, n)
   o = o.astype(jnp.asarray(q).dtype)
   if not output_final_state:
     return o, None

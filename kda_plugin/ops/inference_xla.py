@@ -14,8 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kda_plugin.ops._contract import check_kda_inputs, default_scale, is_concrete
-from kda_plugin.ops.chunked import FACTOR_LIMIT, SUB, _chunked_jit, kda_chunk_core
+from kda_plugin.ops._contract import check_kda_inputs
+from kda_plugin.ops.chunked import FACTOR_LIMIT, SUB, _chunked_jit, kda_chunk_core, run_with_slots
 from kda_plugin.ops.gates import activate_gate, check_lower_bound, l2norm
 
 
@@ -69,32 +69,19 @@ def kda_inference_xla(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
       raise ValueError(f"dt_bias must have H*K={p.num_heads * p.key_dim} values (shape [H*K] or "
                        f"[H, K]), got shape {dt_bias.shape}")
     gate = (a_log.reshape(p.num_heads), dt_bias.reshape(p.num_heads, p.key_dim))
-  if scale is not None and not is_concrete(scale):
-    raise ValueError("scale must be a static Python float, not a traced value")
   # A bounded gate decays by less than |lower_bound| nats per token, so every 16-row sub-block stays
   # inside the range where the midpoint factorisation is exact: no run-time check is needed.
   diag_mode = "factor" if (lb is not None and SUB * abs(lb) <= FACTOR_LIMIT) else "auto"
-  packed = p.segment_ids is not None
-  n = p.num_segments if packed else 1
-  seg = p.segment_ids if packed else jnp.ones((p.batch, p.seq_len), jnp.int32)
-  h0 = None
-  if initial_state is not None:
-    h0 = jnp.asarray(initial_state, jnp.float32)
-    if not packed:
-      h0 = h0[:, None]
-  scale = float(default_scale(scale, p.key_dim))
+  want_final = bool(output_final_state)
   if gate is None and not use_qk_l2norm:
     # Nothing to fuse: the very same jitted computation as `kda_chunked` (one compiled executable).
-    o, final = _chunked_jit(q, k, v, g, beta, seg, h0, scale=scale, n_slots=n,
-                            want_final=bool(output_final_state), diag_mode=diag_mode)
-    o = o.astype(jnp.asarray(q).dtype)
+    core = lambda seg, h0, sc, n: _chunked_jit(q, k, v, g, beta, seg, h0, scale=sc, n_slots=n,
+                                               want_final=want_final, diag_mode=diag_mode)
   else:
-    o, final = _forward(q, k, v, g, beta, seg, h0, gate, scale=scale, n_slots=n,
-                        want_final=bool(output_final_state), diag_mode=diag_mode, lower_bound=lb,
-                        use_l2norm=bool(use_qk_l2norm))
-  if not output_final_state:
-    return o, None
-  return o, (final if packed else final[:, 0])
+    core = lambda seg, h0, sc, n: _forward(q, k, v, g, beta, seg, h0, gate, scale=sc, n_slots=n,
+                                           want_final=want_final, diag_mode=diag_mode, lower_bound=lb,
+                                           use_l2norm=bool(use_qk_l2norm))
+  return run_with_slots(p, q, initial_state, scale, output_final_state, core)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "n_slots", "want_final", "diag_mode",
