@@ -52,15 +52,20 @@ from tools import serving_common as common
 _PROMPT_KEYS = ("prompt", "prompts_file", "prompt_ids")
 
 
-def sampling_params(cfg) -> SamplingParams:
-  """The `SamplingParams` of the decode_sampling_* keys (GenerationError naming the bad key)."""
+def sampling_params(cfg, vocab_size: int | None = None) -> SamplingParams:
+  """The `SamplingParams` of the decode_sampling_* keys, checked against `vocab_size` (the model's,
+  when known: top_k may not exceed it). Raises GenerationError naming the bad key."""
   strategy = cfg.decode_sampling_strategy
+  top_k = cfg.decode_sampling_top_k if strategy == "topk" else None
+  top_p = cfg.decode_sampling_nucleus_p if strategy == "nucleus" else None
   try:
-    return SamplingParams(strategy, cfg.decode_sampling_temperature,
-                          top_k=cfg.decode_sampling_top_k if strategy == "topk" else None,
-                          top_p=cfg.decode_sampling_nucleus_p if strategy == "nucleus" else None)
+    params = SamplingParams(strategy, cfg.decode_sampling_temperature, top_k=top_k, top_p=top_p)
   except GenerationError as e:
     raise GenerationError(f"decode_sampling_*: {e}") from None
+  if top_k is not None and vocab_size is not None and top_k > int(vocab_size):
+    raise GenerationError(f"decode_sampling_top_k={top_k} exceeds the model's vocabulary size {int(vocab_size)}; "
+                          f"pass decode_sampling_top_k <= {int(vocab_size)}")
+  return params
 
 
 def read_prompts(cfg, given: set[str], tokenizer, vocab_size: int) -> tuple[list[str | None], list[list[int]]]:
@@ -154,6 +159,8 @@ def main(argv: list[str]) -> int:
     raise GenerationError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
   if cfg.generate_batch_size < 1 or cfg.prefill_length_multiple < 1:
     raise common.UsageError("generate_batch_size and prefill_length_multiple must be >= 1")
+  # Checks that need the model's config (vocabulary size) but not its parameters: before the load.
+  params = sampling_params(cfg, vocab_size=common.read_model_config(cfg, overrides).vocab_size)
   model, mcfg, mesh = common.load_on_mesh(cfg, overrides)  # mesh None on one device
   if mesh is not None:
     from model.sharding import describe_mesh

@@ -65,6 +65,15 @@ def given_keys(argv: Sequence[str]) -> set[str]:
   return {a.split("=", 1)[0].strip().lstrip("-") for a in argv if "=" in a}
 
 
+def read_model_config(tool_config, overrides: Sequence[str], extra: Sequence[str] = ()):
+  """The checkpoint's config with the command-line overrides (then `extra`) applied, read from
+  config.json alone (no parameters restored, nothing compiled): for checks that must come before the
+  model loads. Raises CheckpointError / ConfigError."""
+  from model.checkpointing import read_config
+  path = os.path.abspath(tool_config.load_parameters_path)
+  return read_config(path, list(overrides) + [f"load_parameters_path={path}"] + list(extra))
+
+
 def load(tool_config, overrides: Sequence[str], extra: Sequence[str] = ()):
   """`(model, model_config)`: the checkpoint's config with the command-line overrides (then
   `extra`) applied, and its parameters. Raises CheckpointError / ConfigError."""

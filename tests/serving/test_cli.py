@@ -164,6 +164,30 @@ def test_clear_errors(checkpoints, tokenizer_file, bad_files, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_errors_before_model_load(checkpoints, tmp_path, capsys, monkeypatch):
+  """Bad settings that the checkpoint's config.json can judge fail before any parameter is loaded."""
+  from tools import serving_common
+
+  def no_load(*a, **k):
+    raise AssertionError("the model was loaded before the bad input was rejected")
+  monkeypatch.setattr(serving_common, "load", no_load)
+  monkeypatch.setattr(serving_common, "load_on_mesh", no_load)
+  ck = f"load_parameters_path={checkpoints['dense']}"
+  out = tmp_path / "never.json"
+  cases = [
+      (_gen, [ck, "prompt_ids=3", "decode_sampling_strategy=topk", "decode_sampling_top_k=100000"],
+       "decode_sampling_top_k=100000 exceeds the model's vocabulary size 512"),
+  ]
+  for tool, argv, msg in cases:
+    status = tool(argv + [f"output_json={out}"])
+    err = capsys.readouterr().err
+    assert status == 2, (argv, err)
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, (argv, err)
+    assert __import__("re").search(msg, lines[0]), (argv, lines[0])
+    assert not out.exists()
+
+
 def test_help(capsys):
   assert _gen(["--help"]) == 0 and "decode_sampling_strategy" in capsys.readouterr().out
   assert _ppl(["--help"]) == 0 and "compare_attention" in capsys.readouterr().out
