@@ -70,25 +70,40 @@ def load_documents(cfg, tokenizer, vocab_size: int):
   if not docs:
     raise common.UsageError(f"eval_data={cfg.eval_data!r} holds no document")
   if cfg.eval_format == "ids":
-    return [np.asarray(d, np.int32) for d in docs], None
+    ids = [np.asarray(d, np.int32) for d in docs]
+    _check_scorable(cfg, ids)
+    return ids, None
   for key, tok_id, want in (("eval_add_bos", tokenizer.bos_id, cfg.eval_add_bos),
                             ("eval_add_eos", tokenizer.eos_id, cfg.eval_add_eos)):
     if want and tok_id is None:
       raise common.UsageError(f"{key}=true but the tokenizer has no such token; pass {key}=false")
   ids = tokenize_documents(docs, tokenizer, add_bos=cfg.eval_add_bos, add_eos=cfg.eval_add_eos)
+  _check_scorable(cfg, ids)
   return ids, sum(len(d.encode("utf-8")) for d in docs)
+
+
+def _check_scorable(cfg, ids) -> None:
+  """UsageError when no document has a token to predict (each needs at least 2 tokens)."""
+  if sum(max(int(np.size(d)) - 1, 0) for d in ids) == 0:
+    raise common.UsageError(f"eval_data={cfg.eval_data!r}: nothing to score: every document has fewer than 2 "
+                            f"tokens (the first token of a document is never predicted)")
 
 
 def _progress(desc):
   return lambda it, total: tqdm(it, total=total, desc=desc, unit="window", file=sys.stderr, leave=False)
 
 
-def score(model, cfg, mcfg, docs, desc):
-  """`ScoreResult` of `docs` under `model` with the tool's window settings."""
+def check_windows(cfg) -> None:
+  """UsageError naming max_target_length / eval_batch_size when they cannot make a window."""
   if cfg.max_target_length < 2:
     raise common.UsageError(f"max_target_length must be >= 2, got {cfg.max_target_length}")
   if cfg.eval_batch_size < 1:
     raise common.UsageError(f"eval_batch_size must be >= 1, got {cfg.eval_batch_size}")
+
+
+def score(model, cfg, mcfg, docs, desc):
+  """`ScoreResult` of `docs` under `model` with the tool's window settings."""
+  check_windows(cfg)
   pad = int(mcfg.pad_token_id) if 0 <= int(mcfg.pad_token_id) < int(mcfg.vocab_size) else 0
   scorer = Scorer(model, seq_len=cfg.max_target_length, batch_size=cfg.eval_batch_size,
                   num_slots=int(mcfg.max_num_segments), pad_id=pad, cache_multiple=cfg.prefill_length_multiple)
@@ -117,10 +132,12 @@ def main(argv: list[str]) -> int:
     registry.get_backend(cfg.compare_attention)  # an unknown name fails now, not after the first pass
   if cfg.compare_tolerance < 0:
     raise common.UsageError(f"compare_tolerance must be >= 0, got {cfg.compare_tolerance}")
+  check_windows(cfg)
+  # Everything the checkpoint's config.json can judge (tokenizer, corpus) is checked before the load.
+  stored = common.read_model_config(cfg, overrides)
+  tokenizer = common.tokenizer_for(stored)
+  docs, num_bytes = load_documents(cfg, tokenizer, int(stored.vocab_size))
   model, mcfg = common.load(cfg, overrides)
-  tokenizer = common.tokenizer_for(mcfg)
-  vocab = int(mcfg.vocab_size)
-  docs, num_bytes = load_documents(cfg, tokenizer, vocab)
   print(f"model {mcfg.model_name} from {mcfg.load_parameters_path}: attention={mcfg.attention}, dtype={mcfg.dtype}; "
         f"{len(docs)} documents, {sum(d.size for d in docs)} tokens, windows of {cfg.eval_batch_size} x "
         f"{cfg.max_target_length}", file=sys.stderr)

@@ -9,6 +9,7 @@ or malformed input) is raised as one of `EXPECTED_ERRORS`; `run_tool` prints it 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import sys
@@ -143,13 +144,24 @@ def write_json_atomic(path: str | os.PathLike, data) -> None:
   fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
   try:
     with os.fdopen(fd, "w") as f:
-      json.dump(data, f, indent=1)
+      json.dump(_finite(data), f, indent=1, allow_nan=False)
       f.write("\n")
     os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):
       os.unlink(tmp)
     raise
+
+
+def _finite(data):
+  """`data` with every NaN / infinite float replaced by None: JSON has no NaN (a strict reader rejects it)."""
+  if isinstance(data, float):
+    return data if math.isfinite(data) else None
+  if isinstance(data, dict):
+    return {k: _finite(v) for k, v in data.items()}
+  if isinstance(data, (list, tuple)):
+    return [_finite(v) for v in data]
+  return data
 
 
 def run_tool(main: Callable[[list[str]], int], doc: str, argv: Sequence[str] | None = None) -> int:

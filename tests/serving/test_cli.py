@@ -177,15 +177,28 @@ def test_errors_before_model_load(checkpoints, tmp_path, capsys, monkeypatch):
   cases = [
       (_gen, [ck, "prompt_ids=3", "decode_sampling_strategy=topk", "decode_sampling_top_k=100000"],
        "decode_sampling_top_k=100000 exceeds the model's vocabulary size 512"),
+      (_ppl, [ck, f"eval_data={_write(tmp_path / 'one.txt', '7\n\n')}", "eval_format=ids"], "nothing to score"),
+      (_ppl, [ck, f"eval_data={_write(tmp_path / 'ok.txt', '3 4 5')}", "eval_format=ids", "max_target_length=1"],
+       "max_target_length must be >= 2"),
+      (_ppl, [ck, f"eval_data={tmp_path / 'ok.txt'}", "eval_format=ids", "eval_batch_size=0"],
+       "eval_batch_size must be >= 1"),
   ]
   for tool, argv, msg in cases:
     status = tool(argv + [f"output_json={out}"])
     err = capsys.readouterr().err
     assert status == 2, (argv, err)
     lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, (argv, err)
+    assert len(lines) == 1 and "Traceback" not in err and "windows of" not in err, (argv, err)
     assert __import__("re").search(msg, lines[0]), (argv, lines[0])
     assert not out.exists()
+
+
+def test_json_output_has_no_nan(tmp_path):
+  from tools.serving_common import write_json_atomic
+  out = tmp_path / "x.json"
+  write_json_atomic(out, {"perplexity": float("nan"), "v": [np.float64("inf"), 1.5]})
+  assert "NaN" not in out.read_text() and "Infinity" not in out.read_text()
+  assert json.loads(out.read_text()) == {"perplexity": None, "v": [None, 1.5]}
 
 
 def test_help(capsys):
