@@ -226,3 +226,27 @@ def load_tokenizer(path: str | os.PathLike | None, *, vocab_size: int | None = N
   if vocab_size is None:
     raise TokenizerError("no tokenizer path given: ids-only mode needs vocab_size")
   return IdsOnlyTokenizer(vocab_size, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+
+
+def check_tokenizer_fits(tok: Tokenizer, config, *, name: str | None = None, advise: bool = True) -> None:
+  """Checks that tokenizer `tok` fits a model config: no more pieces than `config.vocab_size`, and
+  each special id the tokenizer has (bos, eos, pad) equal to the config's `*_token_id`.
+
+  Args:
+    tok: the tokenizer. config: anything indexable by vocab_size / bos_token_id / eos_token_id /
+      pad_token_id (a model config). name: how the messages call the tokenizer (default its path).
+    advise: end each message with the `key=value` that would fit (for tools where the config keys
+      can be overridden).
+
+  Raises:
+    TokenizerError: the first mismatch, naming the config key and the value that would fit.
+  """
+  name = name if name is not None else repr(os.fspath(getattr(tok, "path", "") or ""))
+  vocab = int(config["vocab_size"])
+  if tok.vocab_size > vocab:
+    fix = f"; pass vocab_size={tok.vocab_size} (or larger)" if advise else ""
+    raise TokenizerError(f"the tokenizer {name} has {tok.vocab_size} tokens but vocab_size={vocab}{fix}")
+  for key, tid in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id), ("pad_token_id", tok.pad_id)):
+    if tid is not None and tid != int(config[key]):
+      fix = f"; pass {key}={tid}" if advise else ""
+      raise TokenizerError(f"{key}={config[key]} disagrees with the tokenizer {name} (its id is {tid}){fix}")

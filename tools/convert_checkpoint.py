@@ -52,6 +52,7 @@ import numpy as np
 
 from model import checkpointing as ck
 from model.config import ConfigError, apply_overrides
+from model.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
 from tools import hf_layout as hl
 
 PIECE_BYTES = 256 * 2**20  # parameters handed to Orbax per write (bounded host memory)
@@ -315,6 +316,12 @@ def hf_to_orbax(args: Args) -> dict:
   cfg, ignored = hl.config_from_hf(hf_cfg, name=src_root.absolute().name, weight_dtype=wd)
   if ignored:
     print(f"note: config.json keys not used by the model: {', '.join(ignored)}", file=sys.stderr)
+  if args.tokenizer_path:  # a copied tokenizer must be one the model can use: checked before anything is written
+    try:
+      check_tokenizer_fits(load_tokenizer(args.tokenizer_path), cfg, name=f"tokenizer_path={args.tokenizer_path!r}",
+                           advise=False)
+    except TokenizerError as e:
+      raise ConversionError(f"{e} (of hf_model_path's config.json): give the tokenizer made for this model") from None
   entries = hl.parameter_table(cfg)
   use = _resolve(entries, src)
   total = sum(src.info[use[n]].nbytes for e in entries for n in e.hf_names)

@@ -160,14 +160,15 @@ def main(argv: list[str]) -> int:
   if cfg.generate_batch_size < 1 or cfg.prefill_length_multiple < 1:
     raise common.UsageError("generate_batch_size and prefill_length_multiple must be >= 1")
   # Checks that need the model's config (vocabulary size) but not its parameters: before the load.
-  params = sampling_params(cfg, vocab_size=common.read_model_config(cfg, overrides).vocab_size)
+  stored = common.read_model_config(cfg, overrides)
+  params = sampling_params(cfg, vocab_size=stored.vocab_size)
+  tokenizer = common.tokenizer_for(stored)
+  vocab = int(stored.vocab_size)
+  texts, prompts = read_prompts(cfg, given, tokenizer, vocab)
   model, mcfg, mesh = common.load_on_mesh(cfg, overrides)  # mesh None on one device
   if mesh is not None:
     from model.sharding import describe_mesh
     print(f"serving on {describe_mesh(mesh)}", file=sys.stderr)
-  tokenizer = common.tokenizer_for(mcfg)
-  vocab = int(mcfg.vocab_size)
-  texts, prompts = read_prompts(cfg, given, tokenizer, vocab)
   eos = tokenizer.eos_id if tokenizer.eos_id is not None else None
   pad = tokenizer.pad_id if tokenizer.pad_id is not None and tokenizer.pad_id < vocab else 0
   gen = Generator(model, max_length=int(mcfg.max_cache_length), eos_id=eos, pad_id=pad,

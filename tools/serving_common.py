@@ -22,7 +22,7 @@ from model.input_pipeline import DataFormatError
 from model.registry import UnknownBackendError
 from model.scoring import ScoringError
 from model.serving import GenerationError
-from model.tokenizer import TokenizerError, load_tokenizer
+from model.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
 
 
 class UsageError(ValueError):
@@ -118,16 +118,20 @@ def tokenizer_for(model_config, *, required_for: str | None = None):
   """The tokenizer of `model_config.tokenizer_path`, or an ids-only one when it is empty.
 
   Raises:
-    TokenizerError: a missing or invalid file; or no tokenizer when `required_for` names a use
-      that needs text.
+    TokenizerError: a missing or invalid file, one that does not fit the model (more pieces than
+      vocab_size, bos/eos/pad ids unlike the config's: `check_tokenizer_fits`); or no tokenizer
+      when `required_for` names a use that needs text.
   """
   path = model_config.tokenizer_path
   if not path and required_for:
     raise TokenizerError(f"{required_for} needs a tokenizer: pass tokenizer_path=FILE (the checkpoint has none)")
   vocab = int(model_config.vocab_size)
   special = lambda i: int(i) if 0 <= int(i) < vocab else None
-  return load_tokenizer(path or None, vocab_size=vocab, bos_id=special(model_config.bos_token_id),
-                        eos_id=special(model_config.eos_token_id), pad_id=special(model_config.pad_token_id))
+  tok = load_tokenizer(path or None, vocab_size=vocab, bos_id=special(model_config.bos_token_id),
+                       eos_id=special(model_config.eos_token_id), pad_id=special(model_config.pad_token_id))
+  if path:
+    check_tokenizer_fits(tok, model_config, name=f"tokenizer_path={path!r}")
+  return tok
 
 
 def write_json_atomic(path: str | os.PathLike, data) -> None:

@@ -55,7 +55,7 @@ from model import sharding, train_lib
 from model.config import ConfigError, config_to_json, load_config
 from model.input_pipeline import DataFormatError, make_eval_windows, make_train_iterator, read_text_file, \
     split_heldout
-from model.tokenizer import TokenizerError, load_tokenizer
+from model.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
 from model.train_lib import TrainError
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -86,13 +86,10 @@ def _tokenizer(cfg):
   else:
     raise TrainError(f"tokenizer_path is required for train_data_format={cfg.train_data_format!r} (a "
                      f"sentencepiece .model from tools.train_tokenizer); only format 'ids' trains without one")
-  if tok.vocab_size > cfg.vocab_size:
-    raise TrainError(f"the tokenizer {cfg.tokenizer_path!r} has {tok.vocab_size} tokens but vocab_size="
-                     f"{cfg.vocab_size}; pass vocab_size={tok.vocab_size} (or larger)")
-  for key, tid in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id), ("pad_token_id", tok.pad_id)):
-    if tid is not None and tid != cfg[key]:
-      raise TrainError(f"{key}={cfg[key]} disagrees with the tokenizer {cfg.tokenizer_path!r} (its id is "
-                       f"{tid}); pass {key}={tid}")
+  try:
+    check_tokenizer_fits(tok, cfg, name=repr(cfg.tokenizer_path))
+  except TokenizerError as e:
+    raise TrainError(str(e)) from None
   return tok
 
 

@@ -350,6 +350,16 @@ def test_bad_arguments(tmp_path, capsys):
   assert cc.main(["hf_model_path=x"]) == 2 and "output_path" in capsys.readouterr().err
 
 
+def test_tokenizer_must_fit_the_model(tmp_path, capsys):
+  """tokenizer_path is copied into the checkpoint only when it is a sentencepiece model that fits the config."""
+  from tools.demo import ASSETS
+  text = tmp_path / "notes.txt"
+  text.write_text("not a tokenizer\n")
+  _expect_failure(tmp_path, [f"hf_model_path={DENSE}", f"tokenizer_path={text}"], "notes.txt", capsys=capsys)
+  _expect_failure(tmp_path, [f"hf_model_path={DENSE}", f"tokenizer_path={ASSETS / 'tokenizer.model'}"],
+                  "tokenizer_path=", "has 1024 tokens but vocab_size=512", capsys=capsys)
+
+
 def test_existing_output(converted, tmp_path, capsys):
   out = tmp_path / "out"
   shutil.copytree(converted["sharded"], out)

@@ -10,7 +10,10 @@ import pytest
 
 from model.tokenizer import SentencePieceTokenizer
 from tools import generate, perplexity
+from tools.demo import ASSETS
 from tools.serving_common import run_tool
+
+DEMO_TOKENIZER = ASSETS / "tokenizer.model"  # 1024 pieces, pad 0, bos 2, eos 3
 
 
 def _gen(argv):
@@ -19,6 +22,11 @@ def _gen(argv):
 
 def _ppl(argv):
   return run_tool(perplexity.main, perplexity.__doc__, [str(a) for a in argv])
+
+
+# The fixture tokenizer's specials (pad 0, bos 2, eos 3) as config overrides: the dense checkpoint says
+# bos 1, eos 2, and a tokenizer that disagrees with the config is refused.
+FITS = ["bos_token_id=2", "eos_token_id=3"]
 
 
 def _ids(a):
@@ -49,7 +57,7 @@ def test_generate_ids_prompt(checkpoints, reference, tmp_path, capsys):
 def test_generate_text_prompts(checkpoints, tokenizer_file, tmp_path, capsys):
   tok = SentencePieceTokenizer(tokenizer_file)
   base = [f"load_parameters_path={checkpoints['dense']}", "attention=kda_reference", f"tokenizer_path={tokenizer_file}",
-          "max_new_tokens=12", "decode_stop_at_eos=false"]
+          "max_new_tokens=12", "decode_stop_at_eos=false", *FITS]
   out = tmp_path / "one.json"
   assert _gen(base + ["prompt=the cat sat on", f"output_json={out}"]) == 0
   text = capsys.readouterr().out
@@ -98,7 +106,7 @@ def test_perplexity_text_bits_per_byte(checkpoints, tokenizer_file, tmp_path, ca
   out = tmp_path / "ppl.json"
   assert _ppl([f"load_parameters_path={checkpoints['dense']}", "attention=kda_reference", f"eval_data={data}",
                f"tokenizer_path={tokenizer_file}", "max_target_length=16", "eval_batch_size=1",
-               "dump_logprobs=true", f"output_json={out}"]) == 0
+               "dump_logprobs=true", f"output_json={out}", *FITS]) == 0
   res = json.loads(out.read_text())
   framed = [[tok.bos_id] + tok.encode(d) + [tok.eos_id] for d in docs]
   assert [d["token_ids"] for d in res["documents"]] == framed
@@ -126,8 +134,8 @@ def test_clear_errors(checkpoints, tokenizer_file, bad_files, tmp_path, capsys):
   cases = [
       (_gen, ["load_parameters_path=/nonexistent/ckpt", "prompt_ids=3"], "checkpoint '/nonexistent/ckpt' does not exist"),
       (_gen, [ck, "tokenizer_path=/nonexistent/tok.model", "prompt=hi"], "tokenizer file not found"),
-      (_gen, [ck, f"tokenizer_path={tokenizer_file}", "prompt="], "prompt is empty"),
-      (_gen, [ck, f"tokenizer_path={tokenizer_file}", "prompt=   "], "prompt is empty"),
+      (_gen, [ck, f"tokenizer_path={tokenizer_file}", "prompt=", *FITS], "prompt is empty"),
+      (_gen, [ck, f"tokenizer_path={tokenizer_file}", "prompt=   ", *FITS], "prompt is empty"),
       (_gen, [ck, "prompt_ids="], "prompt_ids is empty"),
       (_gen, [ck, f"prompts_file={bad_files['blank']}"], "holds no prompt"),
       (_gen, [ck, "prompt_ids=" + ",".join(["3"] * 300)], "longer than the model's limit max_cache_length=256"),
@@ -142,7 +150,7 @@ def test_clear_errors(checkpoints, tokenizer_file, bad_files, tmp_path, capsys):
       (_gen, ["tiny", ck], "the model config comes from the checkpoint"),
       (_gen, [ck, "promt=3"], "unknown config key 'promt'; did you mean prompt"),
       (_gen, [ck, "max_new_tokens=many"], "max_new_tokens expects int"),
-      (_ppl, [ck, f"eval_data={bad_files['latin1']}", f"tokenizer_path={tokenizer_file}"],
+      (_ppl, [ck, f"eval_data={bad_files['latin1']}", f"tokenizer_path={tokenizer_file}", *FITS],
        "eval_data: .*latin1.txt:1: not valid UTF-8"),
       (_ppl, [ck, "eval_data=/nonexistent.txt", "eval_format=ids"], "eval_data='/nonexistent.txt' does not exist"),
       (_ppl, [ck], "eval_data is required"),
@@ -164,7 +172,7 @@ def test_clear_errors(checkpoints, tokenizer_file, bad_files, tmp_path, capsys):
     assert not out.exists()
 
 
-def test_errors_before_model_load(checkpoints, tmp_path, capsys, monkeypatch):
+def test_errors_before_model_load(checkpoints, tokenizer_file, tmp_path, capsys, monkeypatch):
   """Bad settings that the checkpoint's config.json can judge fail before any parameter is loaded."""
   from tools import serving_common
 
@@ -182,6 +190,14 @@ def test_errors_before_model_load(checkpoints, tmp_path, capsys, monkeypatch):
        "max_target_length must be >= 2"),
       (_ppl, [ck, f"eval_data={tmp_path / 'ok.txt'}", "eval_format=ids", "eval_batch_size=0"],
        "eval_batch_size must be >= 1"),
+      # A tokenizer that does not fit the checkpoint's config (tools.train refuses the same).
+      (_gen, [ck, f"tokenizer_path={tokenizer_file}", "prompt=hi"],
+       r"bos_token_id=1 disagrees with the tokenizer tokenizer_path=.*tok.model' \(its id is 2\); pass bos_token_id=2"),
+      (_ppl, [ck, f"tokenizer_path={tokenizer_file}", f"eval_data={tmp_path / 'ok.txt'}", "bos_token_id=2"],
+       r"eos_token_id=2 disagrees with the tokenizer .* \(its id is 3\); pass eos_token_id=3"),
+      (_gen, [ck, f"tokenizer_path={DEMO_TOKENIZER}", "prompt=hi", "bos_token_id=2", "eos_token_id=3"],
+       r"has 1024 tokens but vocab_size=512; pass vocab_size=1024"),
+      (_gen, [ck, f"tokenizer_path={tmp_path / 'ok.txt'}", "prompt=hi"], r"ok.txt"),
   ]
   for tool, argv, msg in cases:
     status = tool(argv + [f"output_json={out}"])
