@@ -250,6 +250,21 @@ def create_mesh(cfg, devices: Sequence | None = None) -> Mesh:
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
+def job_mesh(cfg, devices: Sequence | None = None) -> Mesh | None:
+  """The mesh of a job: `create_mesh(cfg, devices)` on several devices, None on one device (nothing
+  to shard), where the `ici_*_parallelism` keys are still checked: their product must be 1 (a -1
+  axis takes the rest), so `ici_data_parallelism=2` on one device is an error, not ignored.
+
+  Raises:
+    ConfigError: an impossible mesh (see `mesh_shape`).
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if len(devices) == 1:
+    mesh_shape(cfg, 1)
+    return None
+  return create_mesh(cfg, devices)
+
+
 def as_rules(rules_or_cfg) -> Rules:
   """Parsed rules from a config (its `logical_axis_rules`), already parsed rules, or None (the
   base defaults)."""

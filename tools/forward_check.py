@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model import sharding
 from model.config import ConfigError, load_config
 from model.kimi_linear import KimiLinearForCausalLM, last_token_logits
 
@@ -79,6 +80,7 @@ def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   try:
     cfg = load_config(args.config)
+    sharding.mesh_shape(cfg, jax.device_count())  # the ici_* keys must fit the devices, even one
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2

@@ -100,8 +100,9 @@ def load_on_mesh(tool_config, overrides: Sequence[str], extra: Sequence[str] = (
   path = os.path.abspath(tool_config.load_parameters_path)
   job = [f"{k}={_as_override(tool_config[k])}" for k in _JOB_KEYS]
   keys = job + list(overrides) + [f"load_parameters_path={path}"] + list(extra)
-  sharding.initialize_distributed(checkpointing.read_config(path, keys))  # before any device is touched
-  if jax.device_count() == 1:
+  stored = checkpointing.read_config(path, keys)
+  sharding.initialize_distributed(stored)  # before any device is touched
+  if sharding.job_mesh(stored) is None:  # one device; an impossible mesh fails here, before the load
     return (*checkpointing.load_model(path, keys), None)
   return sharding.load_sharded(path, keys)
 

@@ -243,6 +243,7 @@ def train(cfg, *, progress: bool = True) -> dict:
   from tqdm import tqdm
 
   train_lib.check_train_config(cfg)
+  sharding.mesh_shape(cfg, jax.device_count())  # an impossible mesh fails before anything is read or written
   if not cfg.output_dir:
     raise TrainError("output_dir is required: pass output_dir=DIR (checkpoints, metrics and parameters go there)")
   out = pathlib.Path(cfg.output_dir).absolute()
@@ -265,7 +266,7 @@ def train(cfg, *, progress: bool = True) -> dict:
     _check_resume(ckpt.read_meta(latest), meta, ckpt.directory)
 
   # Several devices: the mesh of the ici_*_parallelism keys (model/sharding.py); None on one device.
-  mesh = sharding.create_mesh(cfg) if jax.device_count() > 1 else None
+  mesh = sharding.job_mesh(cfg)
   graphdef, state = train_lib.create_train_state(cfg, hparams, mesh)
   start = 0
   if latest is not None:

@@ -77,3 +77,5 @@ def test_forward_check_help_and_bad_key():
   assert r.returncode == 0 and "attention backend" in r.stdout
   r = _forward_check("tiny", "atention=kda_native")
   assert r.returncode == 2 and "did you mean attention" in r.stderr
+  r = _forward_check("tiny", "ici_data_parallelism=3", "--modes", "eval")  # one CPU device: an impossible mesh
+  assert r.returncode == 2 and "multiply to 3 but there are 1 devices" in r.stderr, r.stderr

@@ -150,6 +150,7 @@ def test_clear_errors(checkpoints, tokenizer_file, bad_files, tmp_path, capsys):
       (_gen, ["tiny", ck], "the model config comes from the checkpoint"),
       (_gen, [ck, "promt=3"], "unknown config key 'promt'; did you mean prompt"),
       (_gen, [ck, "max_new_tokens=many"], "max_new_tokens expects int"),
+      (_gen, [ck, "prompt_ids=3", "ici_data_parallelism=3"], "multiply to 3 but there are 1 devices"),
       (_ppl, [ck, f"eval_data={bad_files['latin1']}", f"tokenizer_path={tokenizer_file}", *FITS],
        "eval_data: .*latin1.txt:1: not valid UTF-8"),
       (_ppl, [ck, "eval_data=/nonexistent.txt", "eval_format=ids"], "eval_data='/nonexistent.txt' does not exist"),

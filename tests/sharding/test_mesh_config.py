@@ -43,6 +43,14 @@ def test_impossible_device_counts_fail_with_the_keys_named(keys, devices, messag
     sharding.mesh_shape(c, devices)
 
 
+def test_one_device_still_checks_the_mesh_keys():
+  one = jax.devices()[:1]
+  assert sharding.job_mesh(cfg(), one) is None
+  assert sharding.job_mesh(cfg("ici_data_parallelism=-1"), one) is None
+  with pytest.raises(ConfigError, match=r"ici_data_parallelism=2.* multiply to 2 but there are 1 devices"):
+    sharding.job_mesh(cfg("ici_data_parallelism=2"), one)
+
+
 def test_heads_not_divisible_by_the_tensor_axis_fail_at_load_config():
   # tiny has 2 KDA and 2 MLA heads: a tensor axis of 4 cannot hold whole heads.
   with pytest.raises(ConfigError, match=r"kda_num_heads=2 is not divisible by 4.*ici_tensor_parallelism=4"):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from model import train_lib
+from model.config import ConfigError
 from model.train_lib import TrainError
 from tests.train.helpers import counting_documents, tiny_config, write_ids_corpus
 from tools.train import main, train
@@ -106,6 +107,14 @@ def test_command_line_error_is_one_line_without_traceback(tmp_path):
   lines = [line for line in proc.stderr.splitlines() if line.strip() and "Warning" not in line]
   assert lines == [f"error: train_data={str(tmp_path / 'missing.txt')!r} does not exist"], proc.stderr
   assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_impossible_mesh_is_refused_on_one_device(corpus, tmp_path):
+  import jax
+  n = jax.device_count()
+  with pytest.raises(ConfigError, match=rf"ici_data_parallelism={n + 1}.* but there are {n} devices"):
+    train(tiny_config(corpus, tmp_path / "o", f"ici_data_parallelism={n + 1}"), progress=False)
+  assert not (tmp_path / "o").exists()
 
 
 def test_bad_key_and_help(capsys):
