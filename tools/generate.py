@@ -154,6 +154,8 @@ def _text(tokenizer, ids, eos_id):
 def main(argv: list[str]) -> int:
   overrides, cfg = common.parse_args(argv)
   given = common.given_keys(argv)
+  if cfg.output_json:
+    common.check_output_path(cfg.output_json)  # before any work, not after it
   params = sampling_params(cfg)
   if cfg.max_new_tokens < 1:
     raise GenerationError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")

@@ -128,6 +128,8 @@ def _report(name, figs):
 
 def main(argv: list[str]) -> int:
   overrides, cfg = common.parse_args(argv)
+  if cfg.output_json:
+    common.check_output_path(cfg.output_json)  # before any work, not after it
   if cfg.compare_attention:
     registry.get_backend(cfg.compare_attention)  # an unknown name fails now, not after the first pass
   if cfg.compare_tolerance < 0:

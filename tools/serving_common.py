@@ -135,17 +135,31 @@ def tokenizer_for(model_config, *, required_for: str | None = None):
   return tok
 
 
-def write_json_atomic(path: str | os.PathLike, data) -> None:
-  """Writes `data` as JSON to `path` through a temporary file in the same directory, then renames it
-  (readers never see a half-written file).
+def check_output_path(path: str | os.PathLike, key: str = "output_json") -> pathlib.Path:
+  """The parent directory of output file `path` (the value of `key`), checked before any work.
 
   Raises:
-    UsageError: the parent directory does not exist.
+    UsageError naming `key`: the parent directory does not exist, or `path` is a directory.
   """
   path = pathlib.Path(path)
   parent = path.parent if str(path.parent) else pathlib.Path(".")
   if not parent.is_dir():
-    raise UsageError(f"output_json={str(path)!r}: directory {str(parent)!r} does not exist")
+    raise UsageError(f"{key}={str(path)!r}: directory {str(parent)!r} does not exist")
+  if path.is_dir():
+    raise UsageError(f"{key}={str(path)!r} is a directory; expected a file path")
+  return parent
+
+
+def write_json_atomic(path: str | os.PathLike, data, key: str = "output_json") -> None:
+  """Writes `data` as JSON to `path` through a temporary file in the same directory, then renames it
+  (readers never see a half-written file).
+
+  Raises:
+    UsageError: the parent directory does not exist, or `path` is a directory (see
+      `check_output_path`; tools call that first, before any work).
+  """
+  parent = check_output_path(path, key)
+  path = pathlib.Path(path)
   fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
   try:
     with os.fdopen(fd, "w") as f:

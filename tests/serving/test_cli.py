@@ -208,6 +208,13 @@ def test_errors_before_model_load(checkpoints, tokenizer_file, tmp_path, capsys,
     assert len(lines) == 1 and "Traceback" not in err and "windows of" not in err, (argv, err)
     assert __import__("re").search(msg, lines[0]), (argv, lines[0])
     assert not out.exists()
+  # Output paths that cannot be written are refused before any work, naming output_json.
+  for tool, argv in ((_gen, [ck, "prompt_ids=3"]), (_ppl, [ck, f"eval_data={tmp_path / 'ok.txt'}", "eval_format=ids"])):
+    for target, msg in ((tmp_path / "nodir" / "x.json", "directory .*nodir' does not exist"),
+                        (tmp_path, "is a directory; expected a file path")):
+      assert tool(argv + [f"output_json={target}"]) == 2
+      err = capsys.readouterr().err
+      assert err.startswith("error: output_json=") and __import__("re").search(msg, err) and ".tmp" not in err, err
 
 
 def test_json_output_has_no_nan(tmp_path):
