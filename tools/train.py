@@ -43,6 +43,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import signal
 import sys
 import threading
@@ -220,6 +221,22 @@ def _raise_interrupt(signum, frame):
   raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _nothing_saved(out: pathlib.Path, created: bool, start: int | None) -> None:
+  """Says (one line on stderr) that an interrupted run completed no step, and removes what it made:
+  all of `out` when this run created it, else an empty checkpoints/ and an empty metrics file."""
+  if created:
+    shutil.rmtree(out, ignore_errors=True)
+  else:
+    with contextlib.suppress(OSError):
+      (out / CHECKPOINT_SUBDIR).rmdir()  # only when empty
+    metrics = out / METRICS_FILE
+    if metrics.is_file() and metrics.stat().st_size == 0:
+      metrics.unlink()
+  kept = f"; the checkpoint of step {start} is unchanged" if start else ""
+  print(f"interrupted before the first training step finished: no step was completed and nothing was saved"
+        f"{kept}", file=sys.stderr)
+
+
 def train(cfg, *, progress: bool = True) -> dict:
   """Runs (or resumes) training as configured; see the module docstring.
 
@@ -255,122 +272,130 @@ def train(cfg, *, progress: bool = True) -> dict:
   hparams = train_lib.optimizer_hparams(cfg)
   num_slots = cfg.max_num_segments
 
-  out.mkdir(parents=True, exist_ok=True)
-  ckpt = train_lib.TrainCheckpointer(out / CHECKPOINT_SUBDIR, cfg.checkpoint_keep)
-  meta = _meta(cfg, tok)
-  latest = ckpt.latest_step()
-  if latest is not None:  # checked before building anything: a refused resume costs nothing
-    if not cfg.resume:
-      raise TrainError(f"output_dir={cfg.output_dir!r} holds train checkpoints up to step {latest}; pass "
-                       f"resume=true to continue that run or choose another output_dir")
-    _check_resume(ckpt.read_meta(latest), meta, ckpt.directory)
-
-  # Several devices: the mesh of the ici_*_parallelism keys (model/sharding.py); None on one device.
-  mesh = sharding.job_mesh(cfg)
-  graphdef, state = train_lib.create_train_state(cfg, hparams, mesh)
-  start = 0
-  if latest is not None:
-    state, data_state = ckpt.restore(latest, state)
-    try:
-      it.restore(data_state)
-    except ValueError as e:
-      raise TrainError(f"cannot resume the data iterator from {ckpt.directory / str(latest)}: {e}") from None
-    start = int(state["step"])
-    if start != it.step:
-      raise TrainError(f"checkpoint {ckpt.directory / str(latest)} is inconsistent: train step {start} but "
-                       f"data iterator step {it.step}")
-  elif cfg.load_parameters_path:  # start from given parameters (fine-tuning) instead of random init
-    from model import checkpointing
-    model = nnx.merge(graphdef, state["params"], state["rest"])
-    nnx.update(model, checkpointing.restore_parameters(cfg.load_parameters_path, nnx.state(model)))
-    graphdef, state = train_lib.init_train_state(model, hparams, cfg.train_seed)
-
-  metrics = MetricsLog(out / METRICS_FILE, start)
-  step_fn = train_lib.train_step_fn(graphdef, hparams, num_slots)
-  losses, evals, pending = {}, {}, []
-  step = start
-  t_last = time.perf_counter()
-  bar = tqdm(total=final_step, initial=start, disable=not progress, desc="train", unit="step",
-             dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
-
-  def save():
-    ckpt.save(step, state, it.state, meta)
-
-  def log_pending():
-    """Writes one metrics record for the steps run since the last one; returns it."""
-    nonlocal t_last
-    host = [(s, jax.device_get(x)) for s, x in pending]
-    for s, x in host:
-      losses[s] = float(x["loss"])
-    now = time.perf_counter()
-    last_step, last = host[-1]
-    rec = {"step": last_step, "loss": float(np.mean([float(x["loss"]) for _, x in host])),
-           "lr": float(last["lr"]), "grad_norm": float(last["grad_norm"]),
-           "tokens": int(sum(float(x["tokens"]) for _, x in host)),
-           "epoch": round(last_step * cfg.batch_size / it.num_rows, 4),
-           "seconds_per_step": round((now - t_last) / len(host), 4)}
-    t_last = now
-    pending.clear()
-    metrics.write(rec)
-    return rec
-
-  def run_eval():
-    rec = {"step": step, **train_lib.evaluate(graphdef, state, windows, num_slots)}
-    evals[step] = rec
-    metrics.write(rec)
-    bar.write(f"step {step}: heldout_loss {rec['heldout_loss']:.4f}  heldout_ppl {rec['heldout_ppl']:.2f}")
-
-  # On a mesh, steps and evaluations are traced in its context (KDA kernels per head shard).
-  mesh_ctx = contextlib.ExitStack()
-  if mesh is not None:
-    mesh_ctx.enter_context(sharding.mesh_context(mesh, cfg))
-  # SIGTERM (a scheduler preempting the job) takes the Ctrl-C path: checkpoint, then exit.
+  created = not out.exists()
+  # SIGTERM (a scheduler preempting the job) takes the Ctrl-C path from here on: checkpoint, then exit.
   old_term = None
   if threading.current_thread() is threading.main_thread():
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+  start = step = None
   try:
-    while step < final_step:
-      batch = next(it)
-      state, m = step_fn(state, batch)
-      step += 1
-      pending.append((step, m))
-      bar.update(1)
-      if step % cfg.log_every == 0 or step == final_step:
-        rec = log_pending()
-        bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}")
-        if not math.isfinite(rec["loss"]):
-          raise TrainError(f"the loss became {rec['loss']} at step {step}; lower learning_rate or "
-                           f"grad_clip_norm (the last finite checkpoint is kept in {ckpt.directory})")
-      if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == final_step:
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = train_lib.TrainCheckpointer(out / CHECKPOINT_SUBDIR, cfg.checkpoint_keep)
+    meta = _meta(cfg, tok)
+    latest = ckpt.latest_step()
+    if latest is not None:  # checked before building anything: a refused resume costs nothing
+      if not cfg.resume:
+        raise TrainError(f"output_dir={cfg.output_dir!r} holds train checkpoints up to step {latest}; pass "
+                         f"resume=true to continue that run or choose another output_dir")
+      _check_resume(ckpt.read_meta(latest), meta, ckpt.directory)
+
+    # Several devices: the mesh of the ici_*_parallelism keys (model/sharding.py); None on one device.
+    mesh = sharding.job_mesh(cfg)
+    graphdef, state = train_lib.create_train_state(cfg, hparams, mesh)
+    start = 0
+    if latest is not None:
+      state, data_state = ckpt.restore(latest, state)
+      try:
+        it.restore(data_state)
+      except ValueError as e:
+        raise TrainError(f"cannot resume the data iterator from {ckpt.directory / str(latest)}: {e}") from None
+      start = int(state["step"])
+      if start != it.step:
+        raise TrainError(f"checkpoint {ckpt.directory / str(latest)} is inconsistent: train step {start} but "
+                         f"data iterator step {it.step}")
+    elif cfg.load_parameters_path:  # start from given parameters (fine-tuning) instead of random init
+      from model import checkpointing
+      model = nnx.merge(graphdef, state["params"], state["rest"])
+      nnx.update(model, checkpointing.restore_parameters(cfg.load_parameters_path, nnx.state(model)))
+      graphdef, state = train_lib.init_train_state(model, hparams, cfg.train_seed)
+
+    metrics = MetricsLog(out / METRICS_FILE, start)
+    step_fn = train_lib.train_step_fn(graphdef, hparams, num_slots)
+    losses, evals, pending = {}, {}, []
+    step = start
+    t_last = time.perf_counter()
+    bar = tqdm(total=final_step, initial=start, disable=not progress, desc="train", unit="step",
+               dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
+
+    def save():
+      ckpt.save(step, state, it.state, meta)
+
+    def log_pending():
+      """Writes one metrics record for the steps run since the last one; returns it."""
+      nonlocal t_last
+      host = [(s, jax.device_get(x)) for s, x in pending]
+      for s, x in host:
+        losses[s] = float(x["loss"])
+      now = time.perf_counter()
+      last_step, last = host[-1]
+      rec = {"step": last_step, "loss": float(np.mean([float(x["loss"]) for _, x in host])),
+             "lr": float(last["lr"]), "grad_norm": float(last["grad_norm"]),
+             "tokens": int(sum(float(x["tokens"]) for _, x in host)),
+             "epoch": round(last_step * cfg.batch_size / it.num_rows, 4),
+             "seconds_per_step": round((now - t_last) / len(host), 4)}
+      t_last = now
+      pending.clear()
+      metrics.write(rec)
+      return rec
+
+    def run_eval():
+      rec = {"step": step, **train_lib.evaluate(graphdef, state, windows, num_slots)}
+      evals[step] = rec
+      metrics.write(rec)
+      bar.write(f"step {step}: heldout_loss {rec['heldout_loss']:.4f}  heldout_ppl {rec['heldout_ppl']:.2f}")
+
+    # On a mesh, steps and evaluations are traced in its context (KDA kernels per head shard).
+    mesh_ctx = contextlib.ExitStack()
+    if mesh is not None:
+      mesh_ctx.enter_context(sharding.mesh_context(mesh, cfg))
+    try:
+      while step < final_step:
+        batch = next(it)
+        state, m = step_fn(state, batch)
+        step += 1
+        pending.append((step, m))
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == final_step:
+          rec = log_pending()
+          bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}")
+          if not math.isfinite(rec["loss"]):
+            raise TrainError(f"the loss became {rec['loss']} at step {step}; lower learning_rate or "
+                             f"grad_clip_norm (the last finite checkpoint is kept in {ckpt.directory})")
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == final_step:
+          save()
+        if windows and (step % cfg.eval_every == 0 or step == cfg.steps):
+          run_eval()
+        if cfg.export_every and step % cfg.export_every == 0 and step < cfg.steps:
+          export_parameters(out / f"{PARAMS_SUBDIR}-{step}", graphdef, state, cfg)
+    except KeyboardInterrupt:
+      # The interrupt may land between next(it) and the state update: re-derive the position from
+      # the state (batches are a pure function of the step) so the checkpoint is consistent.
+      step = int(jax.device_get(state["step"]))
+      it.step = step
+      if pending:
+        log_pending()
+      if step > start and step not in ckpt.all_steps():
         save()
-      if windows and (step % cfg.eval_every == 0 or step == cfg.steps):
-        run_eval()
-      if cfg.export_every and step % cfg.export_every == 0 and step < cfg.steps:
-        export_parameters(out / f"{PARAMS_SUBDIR}-{step}", graphdef, state, cfg)
+        bar.write(f"interrupted: checkpointed step {step} in {ckpt.directory}; run the same command to resume")
+      raise
+    finally:
+      mesh_ctx.close()
+      bar.close()
+      metrics.close()
+      ckpt.close()
+
+    exported = None
+    if step >= cfg.steps:
+      exported = export_parameters(out / PARAMS_SUBDIR, graphdef, state, cfg)
+    return {"start_step": start, "step": step, "losses": losses, "evals": evals, "export": exported,
+            "state": state, "graphdef": graphdef}
   except KeyboardInterrupt:
-    # The interrupt may land between next(it) and the state update: re-derive the position from
-    # the state (batches are a pure function of the step) so the checkpoint is consistent.
-    step = int(jax.device_get(state["step"]))
-    it.step = step
-    if pending:
-      log_pending()
-    if step > start and step not in ckpt.all_steps():
-      save()
-      bar.write(f"interrupted: checkpointed step {step} in {ckpt.directory}; run the same command to resume")
+    if step is None or step == start:  # interrupted before this run's first step finished
+      _nothing_saved(out, created, start)
     raise
   finally:
-    mesh_ctx.close()
     if old_term is not None:
       signal.signal(signal.SIGTERM, old_term)
-    bar.close()
-    metrics.close()
-    ckpt.close()
-
-  exported = None
-  if step >= cfg.steps:
-    exported = export_parameters(out / PARAMS_SUBDIR, graphdef, state, cfg)
-  return {"start_step": start, "step": step, "losses": losses, "evals": evals, "export": exported,
-          "state": state, "graphdef": graphdef}
 
 
 def main(argv: list[str] | None = None) -> int:

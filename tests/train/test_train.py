@@ -213,3 +213,30 @@ def test_sigterm_checkpoints_the_current_step_and_resume_continues(corpus, tmp_p
   full = train(tiny_config(corpus, tmp_path / "full", "steps=6", "checkpoint_every=0"), progress=False)
   assert [r["loss"] for r in _metrics(out)] == [full["losses"][s] for s in range(1, 7)]
   assert signal.getsignal(signal.SIGTERM) is not train_tool._raise_interrupt  # handler restored
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_sigterm_before_the_first_step_says_nothing_was_saved(corpus, tmp_path, monkeypatch, capsys, existing):
+  import os
+  import signal
+
+  import tools.train as train_tool
+
+  def killing_step_fn(*args):
+    def step(state, batch):  # preempted while the first step compiles: no step completes
+      os.kill(os.getpid(), signal.SIGTERM)
+      raise AssertionError("SIGTERM did not interrupt")
+    return step
+
+  monkeypatch.setattr(train_tool.train_lib, "train_step_fn", killing_step_fn)
+  out = tmp_path / "run"
+  if existing:
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+  with pytest.raises(KeyboardInterrupt):
+    train(tiny_config(corpus, out, "steps=3"), progress=False)
+  err = capsys.readouterr().err
+  assert "no step was completed and nothing was saved" in err, err
+  # What the run created is gone; a directory that was there before keeps only what it held.
+  assert (sorted(os.listdir(out)) == ["notes.txt"]) if existing else not out.exists()
+  assert signal.getsignal(signal.SIGTERM) is not train_tool._raise_interrupt
