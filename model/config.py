@@ -52,8 +52,9 @@ def _load_named(name: str) -> ml_collections.ConfigDict:
     module_name = name.replace("-", "_")
     if module_name not in [n.replace("-", "_") for n in available_configs()]:
       close = difflib.get_close_matches(name, available_configs(), n=3)
-      raise ConfigError(f"unknown model config {name!r}; did you mean {close}? "
-                        f"Available: {available_configs()} or a path to a .py/.json file")
+      hint = f"did you mean {', '.join(close)}? " if close else ""
+      raise ConfigError(f"unknown model config {name!r}; {hint}available: {', '.join(available_configs())}, "
+                        f"or a path to a .py/.json file")
     module = importlib.import_module(f"configs.{module_name}")
   if not hasattr(module, "get_config"):
     raise ConfigError(f"config module {name!r} defines no get_config()")

@@ -78,14 +78,25 @@ def _checksum(x):
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
+  # Every bad argument is one `error:` line and exit status 2, before the model is built.
+  for flag, value, low in (("--batch", args.batch, 1), ("--seq", args.seq, 1), ("--docs", args.docs, 1),
+                           ("--decode-steps", args.decode_steps, 0), ("--repeats", args.repeats, 0)):
+    if value < low:
+      print(f"error: {flag} must be >= {low}, got {value}", file=sys.stderr)
+      return 2
+  modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+  unknown = sorted(set(modes) - {"train", "eval", "prefill"})
+  if unknown or not modes:
+    print(f"error: --modes: unknown {unknown}; choose from train, eval, prefill", file=sys.stderr)
+    return 2
   try:
     cfg = load_config(args.config)
     sharding.mesh_shape(cfg, jax.device_count())  # the ici_* keys must fit the devices, even one
   except ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
+    print(f"error: {e}", file=sys.stderr)
     return 2
   if args.docs > cfg.max_num_segments:
-    print(f"--docs={args.docs} exceeds max_num_segments={cfg.max_num_segments}", file=sys.stderr)
+    print(f"error: --docs={args.docs} exceeds max_num_segments={cfg.max_num_segments}", file=sys.stderr)
     return 2
   model = KimiLinearForCausalLM(cfg)
   backend = model.backend
@@ -125,11 +136,6 @@ def main(argv=None) -> int:
       failed.append(mode)
       print(f"[{mode:7s}] FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
-  modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-  unknown = sorted(set(modes) - {"train", "eval", "prefill"})
-  if unknown:
-    print(f"--modes: unknown {unknown}; choose from train, eval, prefill", file=sys.stderr)
-    return 2
   for mode in [m for m in ("train", "eval") if m in modes]:
     def fwd(mode=mode):
       logits, first, med = _timed(run(mode), state, ids, seg, pos, repeats=args.repeats)

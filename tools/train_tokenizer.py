@@ -67,12 +67,12 @@ def parse_args(argv: list[str]) -> dict:
   for k, v in DEFAULTS.items():
     args.setdefault(k, v)
   out = {"input": args["input"], "model_prefix": args["model_prefix"]}
-  try:
-    out["vocab_size"] = int(args["vocab_size"])
-    out["heldout_fraction"] = float(args["heldout_fraction"])
-    out["character_coverage"] = float(args["character_coverage"])
-  except ValueError as e:
-    raise UsageError(f"bad numeric argument: {e}") from None
+  for key, kind, what in (("vocab_size", int, "an integer"), ("heldout_fraction", float, "a number"),
+                          ("character_coverage", float, "a number")):
+    try:
+      out[key] = kind(args[key])
+    except ValueError:
+      raise UsageError(f"{key}={args[key]!r}: expected {what}") from None
   if out["vocab_size"] < 1:
     raise UsageError(f"vocab_size must be a positive integer, got {out['vocab_size']}")
   if not 0.0 < out["heldout_fraction"] < 1.0:
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     stats = train_tokenizer(**args)
   except UsageError as e:
-    print(f"train_tokenizer: error: {e}", file=sys.stderr)
+    print(f"error: {e}", file=sys.stderr)
     return 2
   stats["seconds"] = time.perf_counter() - t0
   print(f"wrote {stats['model_path']} (vocab_size={args['vocab_size']}, {args['model_type']}) in "

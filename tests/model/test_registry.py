@@ -72,6 +72,21 @@ def test_forward_check_is_served_by_the_plugin_through_entry_points():
   assert "[decode ] kda_native -> kda_decode_step" in out
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["tiny", "--batch", "0"], "error: --batch must be >= 1, got 0"),
+    (["tiny", "--seq", "-1"], "error: --seq must be >= 1, got -1"),
+    (["tiny", "--docs", "99"], "error: --docs=99 exceeds max_num_segments="),
+    (["tiny", "--modes", "evil"], "error: --modes: unknown ['evil']"),
+    (["nosuchconfig"], "error: unknown model config 'nosuchconfig'; available: "),
+])
+def test_forward_check_bad_arguments_are_one_error_line(argv, message, capsys):
+  from tools import forward_check
+  assert forward_check.main(argv) == 2  # in process, before any model is built
+  out = capsys.readouterr()
+  assert out.err.strip().splitlines() == [out.err.strip()] and out.err.startswith(message), out.err
+  assert "FAILED" not in out.out
+
+
 def test_forward_check_help_and_bad_key():
   r = subprocess.run([sys.executable, "-m", "tools.forward_check", "--help"], capture_output=True, text=True)
   assert r.returncode == 0 and "attention backend" in r.stdout

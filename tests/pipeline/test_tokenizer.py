@@ -99,7 +99,8 @@ def test_cli_help_and_errors(tmp_path, capsys):
   assert "model_prefix=PATH" in capsys.readouterr().out
   cases = [
       (["input=x"], "missing required argument(s): model_prefix, vocab_size"),
-      (["input=x", "model_prefix=y", "vocab_size=ten"], "bad numeric argument"),
+      (["input=x", "model_prefix=y", "vocab_size=ten"], "error: vocab_size='ten': expected an integer"),
+      (["input=x", "model_prefix=y", "vocab_size=10", "heldout_fraction=x"], "heldout_fraction='x': expected a number"),
       (["input=x", "model_prefix=y", "vocab_size=10", "colour=red"], "unknown argument 'colour'"),
       (["input=x", "model_prefix=y", "vocab_size=10", "model_type=wordpiece"], "model_type"),
       (["input=x", "model_prefix=y", "vocab_size=10", "heldout_fraction=1"], "heldout_fraction"),

@@ -117,6 +117,12 @@ def test_impossible_mesh_is_refused_on_one_device(corpus, tmp_path):
   assert not (tmp_path / "o").exists()
 
 
+def test_unknown_model_config_lists_the_available_ones(capsys):
+  assert main(["nosuchconfig"]) == 2
+  err = capsys.readouterr().err
+  assert "did you mean []" not in err and "available: " in err and "tiny" in err, err
+
+
 def test_bad_key_and_help(capsys):
   assert main(["tiny", "learning_rat=1"]) == 2
   assert "unknown config key 'learning_rat'; did you mean learning_rate" in capsys.readouterr().err
