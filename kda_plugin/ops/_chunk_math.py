@@ -12,6 +12,8 @@ Notation (one head, one chunk of C rows): `G` is the inclusive cumulative gate o
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -22,6 +24,37 @@ NEG_INF = float("-inf")
 L2NORM_EPS = 1e-6
 _HI = lax.Precision.HIGHEST
 
+
+
+class KernelRefs(NamedTuple):
+  """The operand refs both Pallas kernels receive, in `inference.py`'s operand order."""
+
+  q: object
+  k: object
+  v: object
+  g: object
+  beta: object
+  seg_col: object
+  seg_row: object
+  a_exp: object  # exp(A_log) per head, with the in-kernel gate only
+  dt_bias: object  # with the in-kernel gate only
+  h0: object  # per-slot initial states, when given
+  o: object
+  final: object  # per-slot final states, when requested
+  rest: tuple  # the kernel's own scratch refs
+
+
+def unpack_refs(refs, *, gate: bool, has_h0: bool, want_final: bool) -> KernelRefs:
+  """Splits a kernel's positional refs (inputs, outputs, scratch) by the options that add operands."""
+  it = iter(refs)
+  q, k, v, g, beta, seg_col, seg_row = (next(it) for _ in range(7))
+  a_exp, dt_bias = (next(it), next(it)) if gate else (None, None)
+  h0 = next(it) if has_h0 else None
+  if want_final and not has_h0:
+    next(it)  # the zeros aliased to the final states: never read
+  o = next(it)
+  final = next(it) if want_final else None
+  return KernelRefs(q, k, v, g, beta, seg_col, seg_row, a_exp, dt_bias, h0, o, final, tuple(it))
 
 def iota(shape, dim):
   return lax.broadcasted_iota(jnp.int32, shape, dim)

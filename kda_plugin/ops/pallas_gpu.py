@@ -31,16 +31,9 @@ C = ss.CHUNK
 
 def _kernel(sched_ref, cstart_ref, *refs, num_chunks, scale, use_l2norm, gate, lower_bound, has_h0,
             want_final, key_dim, out_dtype):
-  it = iter(refs)
-  q_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref = (next(it) for _ in range(7))
-  aexp_ref = dtb_ref = None
-  if gate:
-    aexp_ref, dtb_ref = next(it), next(it)
-  h0_ref = next(it) if has_h0 else None
-  if want_final and not has_h0:
-    next(it)  # zeros aliased to the final states: never read
-  o_ref = next(it)
-  fs_ref = next(it) if want_final else None
+  r = cm.unpack_refs(refs, gate=gate, has_h0=has_h0, want_final=want_final)
+  q_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref = r[:7]
+  aexp_ref, dtb_ref, h0_ref, o_ref, fs_ref = r.a_exp, r.dt_bias, r.h0, r.o, r.final
   kp, vp = q_ref.shape[-1], v_ref.shape[-1]
 
   def chunk_body(c, state):

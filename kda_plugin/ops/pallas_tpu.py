@@ -35,17 +35,10 @@ MAX_KV = 256  # K and V padded above this would overflow the VMEM plan (states a
 
 def _kernel(sched_ref, *refs, n_steps, scale, use_l2norm, gate, lower_bound, has_h0, want_final,
             key_dim, out_dtype):
-  it = iter(refs)
-  q_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref = (next(it) for _ in range(7))
-  aexp_ref = dtb_ref = None
-  if gate:
-    aexp_ref, dtb_ref = next(it), next(it)
-  h0_ref = next(it) if has_h0 else None
-  if want_final and not has_h0:
-    next(it)  # the zeros aliased to the final states: never read
-  o_ref = next(it)
-  fs_ref = next(it) if want_final else None
-  carry_ref, g_scr, q_scr, k_scr, tinv_scr, aqk_scr, u_scr, vacc_scr, oacc_scr = it
+  r = cm.unpack_refs(refs, gate=gate, has_h0=has_h0, want_final=want_final)
+  q_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref = r[:7]
+  aexp_ref, dtb_ref, h0_ref, o_ref, fs_ref = r.a_exp, r.dt_bias, r.h0, r.o, r.final
+  carry_ref, g_scr, q_scr, k_scr, tinv_scr, aqk_scr, u_scr, vacc_scr, oacc_scr = r.rest
 
   b, s = pl.program_id(0), pl.program_id(2)
   base = (b * n_steps + s) * ss.NUM_FIELDS
