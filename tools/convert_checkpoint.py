@@ -54,6 +54,7 @@ from model import checkpointing as ck
 from model.config import ConfigError, apply_overrides
 from model.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
 from tools import hf_layout as hl
+from tools.cli_args import parse_key_values
 
 PIECE_BYTES = 256 * 2**20  # parameters handed to Orbax per write (bounded host memory)
 DIRECTIONS = ("to_orbax", "to_hf")
@@ -92,17 +93,7 @@ def _parse_size(text: str) -> int:
 
 def parse_args(argv: Sequence[str]) -> Args:
   """`key=value` strings -> Args (ConversionError naming the argument and what was expected)."""
-  raw: dict[str, str] = {}
-  for a in argv:
-    if "=" not in a:
-      raise ConversionError(f"arguments are key=value, got {a!r} (see --help)")
-    k, v = a.split("=", 1)
-    k = k.strip().lstrip("-")
-    if k not in KEYS:
-      raise ConversionError(f"unknown argument {k!r}; known: {', '.join(KEYS)} (see --help)")
-    if k in raw:
-      raise ConversionError(f"argument {k!r} given twice")
-    raw[k] = v.strip()
+  raw = {k: v.strip() for k, v in parse_key_values(argv, KEYS, ConversionError).items()}
   direction = raw.get("direction", "to_orbax")
   if direction not in DIRECTIONS:
     raise ConversionError(f"direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")

@@ -34,6 +34,7 @@ import time
 import sentencepiece as spm
 
 from model.input_pipeline import DataFormatError, read_text_file, split_heldout
+from tools.cli_args import parse_key_values
 
 SPECIAL_IDS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
 REQUIRED = ("input", "model_prefix", "vocab_size")
@@ -51,16 +52,7 @@ def parse_args(argv: list[str]) -> dict:
     UsageError: an argument without '=', an unknown or repeated key, a missing required key, or a
       value of the wrong type/range.
   """
-  args = {}
-  for a in argv:
-    if "=" not in a:
-      raise UsageError(f"arguments are key=value, got {a!r} (see --help)")
-    k, v = a.split("=", 1)
-    if k not in REQUIRED and k not in DEFAULTS:
-      raise UsageError(f"unknown argument {k!r}; known: {', '.join(REQUIRED + tuple(DEFAULTS))}")
-    if k in args:
-      raise UsageError(f"argument {k!r} given twice")
-    args[k] = v
+  args = parse_key_values(argv, REQUIRED + tuple(DEFAULTS), UsageError)
   missing = [k for k in REQUIRED if k not in args]
   if missing:
     raise UsageError(f"missing required argument(s): {', '.join(missing)} (see --help)")

@@ -32,6 +32,7 @@ import numpy as np
 
 from model.input_pipeline import DataFormatError, read_documents, tokenize_documents
 from model.tokenizer import TokenizerError, load_tokenizer
+from tools.cli_args import parse_key_values
 
 DEFAULTS = {"heldout_fraction": "0.1", "add_bos": "true", "add_eos": "true"}
 REQUIRED = ("data", "tokenizer_path")
@@ -92,14 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     print(__doc__)
     return 0
   try:
-    args = {}
-    for a in argv:
-      if "=" not in a:
-        raise UsageError(f"arguments are key=value, got {a!r} (see --help)")
-      k, val = a.split("=", 1)
-      if k not in REQUIRED and k not in DEFAULTS:
-        raise UsageError(f"unknown argument {k!r}; known: {', '.join(REQUIRED + tuple(DEFAULTS))}")
-      args[k] = val
+    args = parse_key_values(argv, REQUIRED + tuple(DEFAULTS), UsageError)
     missing = [k for k in REQUIRED if not args.get(k)]
     if missing:
       raise UsageError(f"missing required argument(s): {', '.join(missing)} (see --help)")
