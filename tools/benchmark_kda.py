@@ -1,21 +1,29 @@
-"""Benchmark KDA forwards against tokamax 0.0.17 `xla_chunked` in one process.
+"""Benchmark KDA forwards against tokamax 0.0.17 (and fla on GPU) in one process.
 
 Seed case (issue acceptance): B=1, H=8, K=V=128, T in {512, 8192}, float32 and bfloat16, two packed
 documents split at T/2 - 17 (not 64-aligned), bounded gate (lower_bound=-5, a_log=0, dt_bias=-2)
-activated inside each op, q/k L2-normalised inside each op. Every backend gets the same raw inputs;
-each call is jitted, warmed up, then timed `--runs` times with `block_until_ready` (median reported;
-the process CPU time of the same runs is reported too, a steadier measure on a shared machine).
+activated inside each op, q/k L2-normalised inside each op, final states requested. Every backend
+gets the same raw inputs; each call is jitted, warmed up, then timed `--runs` times with
+`block_until_ready`. Runs are interleaved (run r calls every backend once, in an order rotated by r)
+so that a slow spell of a shared machine hits all backends alike; the median latency, the process CPU
+time of the same runs, and the speed-up against each peer (the median over runs of the paired ratio)
+are reported.
+
+Backends by platform (the others are listed as skipped, with the reason):
+  any:  kda_chunked (training op), kda_inference_xla (kda_native's XLA backend, the CPU default),
+        tokamax_xla_chunked (peer)
+  TPU:  kda_inference_pallas_tpu (kda_native's Mosaic kernel), tokamax_mosaic (peer)
+  GPU:  kda_inference_pallas_gpu (kda_native's Triton kernel), fla_chunk_kda (peer; needs torch + fla)
 
     .venv/bin/python tools/benchmark_kda.py                       # the seed table, writes benchmark_kda.json
     .venv/bin/python tools/benchmark_kda.py --seq-lens 512 --dtypes float32 --runs 5
 
-Adding a backend: write `make(case) -> (jitted_fn, args)` returning a function whose first output is
+Adding a backend: write `make(case) -> (fn, args)` returning a function whose first output is
 `o [B, T, H, V]` (batch-first; convert inside the function if the op is head-first) and register it
-with `register_backend` in `OUR_BACKENDS` (or `PEER_BACKENDS` for an external baseline). An
-`available()` callable returning a reason string skips the backend cleanly on platforms that cannot run
-it (the Pallas TPU/GPU and fla backends of `kda_inference` plug in here). The estimated peak memory
+with `register_backend` (`peer=True` for an external baseline). An `available()` callable returning a
+reason string skips the backend cleanly on platforms that cannot run it. The estimated peak memory
 column comes from XLA's `memory_analysis()` of the compiled call unless the backend supplies its own
-`peak_memory(case)` (e.g. `kda_plugin.ops.inference.estimate_peak_memory` for the Pallas kernels).
+`peak_memory(case)` (`kda_plugin.ops.inference.estimate_peak_memory` for the Pallas kernels).
 """
 
 from __future__ import annotations
@@ -78,6 +86,8 @@ class Backend:
   available: Callable[[], str | None] = lambda: None
   peak_memory: Callable[[Case], int | None] | None = None
   note: str = ""
+  # Converts the first output to a NumPy array (default np.asarray; torch backends override it).
+  to_numpy: Callable[[Any], np.ndarray] = lambda o: np.asarray(o, np.float32)
 
 
 OUR_BACKENDS: dict[str, Backend] = {}
@@ -123,10 +133,44 @@ register_backend(Backend("kda_chunked", _make_chunked,
                          note="training op; gate and l2norm composed in the same jit"))
 register_backend(Backend("kda_inference_xla", _make_inference_xla,
                          note="gate and l2norm in-kernel"))
-# Hook for the megakernel backends of `kda_plugin.ops.inference.kda_inference`, e.g.:
-#   register_backend(Backend("kda_inference_pallas_tpu", make=..., available=lambda: None if
-#                    jax.default_backend() == "tpu" else "needs a TPU", peak_memory=...))
-# and likewise "kda_inference_pallas_gpu" and an "fla" (GPU) baseline.
+
+
+def _make_inference_pallas(backend: str):
+  def make(case: Case):
+    from kda_plugin.ops.inference import kda_inference
+
+    @jax.jit
+    def fn(q, k, v, g, beta, seg, a_log, dt_bias):
+      return kda_inference(q, k, v, g, beta, segment_ids=seg, max_num_segments=2, a_log=a_log,
+                           dt_bias=dt_bias, lower_bound=LOWER_BOUND, use_qk_l2norm=True,
+                           output_final_state=True, backend=backend)
+
+    a = case.arrays()
+    return fn, (a["q"], a["k"], a["v"], a["g"], a["beta"], a["segment_ids"], a["a_log"], a["dt_bias"])
+  return make
+
+
+def _pallas_peak(backend: str):
+  def peak(case: Case) -> int:
+    from kda_plugin.ops.inference import estimate_peak_memory
+    a = case.arrays()
+    return estimate_peak_memory(a["q"], a["k"], a["v"], a["g"], a["beta"], segment_ids=a["segment_ids"],
+                                max_num_segments=2, a_log=a["a_log"], dt_bias=a["dt_bias"],
+                                output_final_state=True, backend=backend)
+  return peak
+
+
+def _needs_platform(platform: str) -> Callable[[], str | None]:
+  return lambda: None if jax.default_backend() == platform else f"needs a {platform.upper()} (this is {jax.default_backend()})"
+
+
+# The kda_native kernels on their own platforms (the numerics of both are tested in interpret mode on CPU).
+register_backend(Backend("kda_inference_pallas_tpu", _make_inference_pallas("pallas_tpu"),
+                         available=_needs_platform("tpu"), peak_memory=_pallas_peak("pallas_tpu"),
+                         note="Mosaic megakernel, gate and l2norm in-kernel"))
+register_backend(Backend("kda_inference_pallas_gpu", _make_inference_pallas("pallas_gpu"),
+                         available=_needs_platform("gpu"), peak_memory=_pallas_peak("pallas_gpu"),
+                         note="Pallas GPU (Triton) megakernel, gate and l2norm in-kernel"))
 
 
 # ----------------------------------------------------------------------------- peer (tokamax)
@@ -140,7 +184,7 @@ def _tokamax_available() -> str | None:
   return None
 
 
-def _make_tokamax(case: Case):
+def _make_tokamax(case: Case, implementation: str = "xla_chunked"):
   from tokamax._src.ops.kda.api import kimi_delta_attention
 
   @jax.jit
@@ -148,7 +192,7 @@ def _make_tokamax(case: Case):
     o, final = kimi_delta_attention(q, k, v, g, beta, a_log=a_log, delta_time_bias=dt_bias,
                                     use_gate_in_kernel=True, lower_bound=LOWER_BOUND,
                                     use_qk_l2norm=True, segment_ids=seg, max_num_segments=2,
-                                    output_final_state=True, implementation="xla_chunked")
+                                    output_final_state=True, implementation=implementation)
     return jnp.moveaxis(o, 0, 2), final                                  # [H,B,T,V] -> [B,T,H,V]
 
   a = case.arrays()
@@ -160,6 +204,54 @@ def _make_tokamax(case: Case):
 register_backend(Backend(PEER, _make_tokamax, available=_tokamax_available,
                          note="tokamax 0.0.17 kimi_delta_attention(implementation='xla_chunked'), "
                               "head-first inputs prepared outside the timing"), peer=True)
+register_backend(Backend("tokamax_mosaic", lambda case: _make_tokamax(case, "mosaic"),
+                         available=lambda: _needs_platform("tpu")() or _tokamax_available(),
+                         note="tokamax 0.0.17 kimi_delta_attention(implementation='mosaic') (TPU)"),
+                 peer=True)
+
+
+def _fla_available() -> str | None:
+  if jax.default_backend() != "gpu":
+    return f"needs a GPU (this is {jax.default_backend()})"
+  try:
+    import torch  # noqa: F401
+    from fla.ops.kda import chunk_kda  # noqa: F401
+  except ImportError as e:  # pragma: no cover - depends on the environment
+    return f"torch + fla not importable ({e})"
+  return None
+
+
+def _make_fla(case: Case):
+  """fla's `chunk_kda` on the same inputs: varlen (cu_seqlens) for the two documents of the row, the
+  bounded gate in-kernel (`safe_gate=True, lower_bound`), q/k L2 norm in-kernel, final states."""
+  import torch
+  from fla.ops.kda import chunk_kda
+
+  if case.batch != 1:
+    raise ValueError("the fla baseline packs documents with cu_seqlens and needs --batch 1")
+  a = case.arrays()
+  dev = torch.device("cuda")
+  tt = lambda x, dt=None: torch.from_numpy(np.asarray(x, np.float32)).to(dev, dt or getattr(torch, case.dtype))
+  q, k, v, g = (tt(a[n]) for n in ("q", "k", "v", "g"))
+  beta = tt(a["beta"])
+  a_log, dt_bias = tt(a["a_log"], torch.float32), tt(a["dt_bias"], torch.float32)
+  split = int(np.sum(np.asarray(a["segment_ids"])[0] == 1))
+  cu = torch.tensor([0, split, case.seq_len], dtype=torch.long, device=dev)
+
+  def fn(*_):
+    with torch.inference_mode():
+      o, final = chunk_kda(q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias, use_gate_in_kernel=True,
+                           safe_gate=True, lower_bound=LOWER_BOUND, use_qk_l2norm_in_kernel=True,
+                           output_final_state=True, cu_seqlens=cu)
+    torch.cuda.synchronize()
+    return o, final
+
+  return fn, ()
+
+
+register_backend(Backend("fla_chunk_kda", _make_fla, available=_fla_available,
+                         note="fla chunk_kda (Triton), cu_seqlens packing, gate and l2norm in-kernel",
+                         to_numpy=lambda o: o.float().cpu().numpy()), peer=True)
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -174,37 +266,61 @@ def _xla_peak_bytes(fn, args) -> int | None:
     return None
 
 
-def time_backend(backend: Backend, case: Case, *, runs: int, warmup: int) -> dict[str, Any]:
-  fn, args = backend.make(case)
-  t0 = time.perf_counter()
-  out = jax.block_until_ready(fn(*args))
-  compile_s = time.perf_counter() - t0
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times, cpu = [], []
-  for _ in range(runs):
-    t0, c0 = time.perf_counter(), time.process_time()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-    cpu.append(time.process_time() - c0)
-  peak = backend.peak_memory(case) if backend.peak_memory else _xla_peak_bytes(fn, args)
-  return dict(backend=backend.name, seq_len=case.seq_len, dtype=case.dtype,
-              median_ms=1e3 * statistics.median(times), min_ms=1e3 * min(times), runs=runs,
-              cpu_median_ms=1e3 * statistics.median(cpu),
-              first_call_s=compile_s, peak_bytes=peak, output=np.asarray(out[0], np.float32))
+def measure_case(backends: list[Backend], case: Case, *, runs: int, warmup: int) -> dict[str, dict[str, Any]]:
+  """Times every backend on one case, interleaved: run r calls each backend once (in an order rotated
+  by r), so a slow spell of a shared machine hits all of them alike. Ratios against a peer are the
+  median over runs of the per-run ratio (paired), not the ratio of two medians taken minutes apart."""
+  made = {}
+  for be in backends:
+    print(f"T={case.seq_len} {case.dtype} {be.name}: compiling ...", file=sys.stderr, flush=True)
+    fn, args = be.make(case)
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    first_s = time.perf_counter() - t0
+    for _ in range(warmup):
+      jax.block_until_ready(fn(*args))
+    made[be.name] = (be, fn, args, out, first_s)
+  names = list(made)
+  times = {n: [] for n in names}
+  cpu = {n: [] for n in names}
+  for r in range(runs):
+    for i in range(len(names)):
+      n = names[(i + r) % len(names)]
+      _, fn, args, _, _ = made[n]
+      t0, c0 = time.perf_counter(), time.process_time()
+      jax.block_until_ready(fn(*args))
+      times[n].append(time.perf_counter() - t0)
+      cpu[n].append(time.process_time() - c0)
+  results = {}
+  for n, (be, fn, args, out, first_s) in made.items():
+    peak = be.peak_memory(case) if be.peak_memory else _xla_peak_bytes(fn, args)
+    results[n] = dict(backend=n, seq_len=case.seq_len, dtype=case.dtype, runs=runs,
+                      median_ms=1e3 * statistics.median(times[n]), min_ms=1e3 * min(times[n]),
+                      cpu_median_ms=1e3 * statistics.median(cpu[n]), first_call_s=first_s,
+                      peak_bytes=peak, output=be.to_numpy(out[0]), times_ms=[1e3 * x for x in times[n]])
+  for n, r in results.items():
+    if n in PEER_BACKENDS:
+      continue
+    r["speedup_vs"] = {p: statistics.median(a / b for a, b in zip(times[p], times[n]))
+                       for p in results if p in PEER_BACKENDS}
+    r["cpu_speedup_vs"] = {p: statistics.median(a / b for a, b in zip(cpu[p], cpu[n]))
+                           for p in results if p in PEER_BACKENDS}
+  return results
 
 
 def _markdown(rows: list[dict[str, Any]]) -> str:
-  head = ("| T | dtype | backend | median ms | min ms | tokamax / this | CPU-time ms | "
-          "tokamax / this (CPU time) | est. peak MB | max abs diff vs kda_inference_xla |")
-  lines = [head, "|" + "---|" * 10]
+  head = ("| T | dtype | backend | median ms | min ms | CPU-time ms | tokamax xla_chunked / this | "
+          "same, CPU time | other peers / this | est. peak MB | max abs diff vs kda_inference_xla |")
+  lines = [head, "|" + "---|" * 11]
   for r in rows:
-    sp = f"{r['speedup_vs_peer']:.2f}x" if r.get("speedup_vs_peer") else "-"
-    csp = f"{r['cpu_speedup_vs_peer']:.2f}x" if r.get("cpu_speedup_vs_peer") else "-"
+    sv, cv = r.get("speedup_vs") or {}, r.get("cpu_speedup_vs") or {}
+    sp = f"{sv[PEER]:.2f}x" if PEER in sv else "-"
+    csp = f"{cv[PEER]:.2f}x" if PEER in cv else "-"
+    other = ", ".join(f"{p} {x:.2f}x" for p, x in sv.items() if p != PEER) or "-"
     mb = f"{r['peak_bytes'] / 2**20:.1f}" if r.get("peak_bytes") else "-"
     diff = "-" if r.get("max_abs_diff") is None else f"{r['max_abs_diff']:.2e}"
     lines.append(f"| {r['seq_len']} | {r['dtype']} | {r['backend']} | {r['median_ms']:.2f} | "
-                 f"{r['min_ms']:.2f} | {sp} | {r['cpu_median_ms']:.1f} | {csp} | {mb} | {diff} |")
+                 f"{r['min_ms']:.2f} | {r['cpu_median_ms']:.1f} | {sp} | {csp} | {other} | {mb} | {diff} |")
   return "\n".join(lines)
 
 
@@ -235,20 +351,16 @@ def main(argv=None) -> int:
   for t in args.seq_lens:
     for dt in args.dtypes:
       case = Case(args.batch, t, args.heads, args.key_dim, args.value_dim, dt)
-      results = {}
+      runnable = []
       for name in names:
         reason = table[name].available()
         if reason:
           skipped[name] = reason
-          continue
-        print(f"T={t} {dt} {name} ...", file=sys.stderr, flush=True)
-        results[name] = time_backend(table[name], case, runs=args.runs, warmup=args.warmup)
-      peer = results.get(PEER)
+        else:
+          runnable.append(table[name])
+      results = measure_case(runnable, case, runs=args.runs, warmup=args.warmup)
       ref = results.get("kda_inference_xla")
       for name, r in results.items():
-        r["speedup_vs_peer"] = (peer["median_ms"] / r["median_ms"]) if peer and name != PEER else None
-        r["cpu_speedup_vs_peer"] = ((peer["cpu_median_ms"] / r["cpu_median_ms"])
-                                    if peer and name != PEER else None)
         r["max_abs_diff"] = (float(np.max(np.abs(r["output"] - ref["output"])))
                              if ref is not None and name != "kda_inference_xla" else None)
       for r in results.values():
