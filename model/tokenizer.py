@@ -232,21 +232,33 @@ def check_tokenizer_fits(tok: Tokenizer, config, *, name: str | None = None, adv
   """Checks that tokenizer `tok` fits a model config: no more pieces than `config.vocab_size`, and
   each special id the tokenizer has (bos, eos, pad) equal to the config's `*_token_id`.
 
+  Every mismatch is reported in ONE error, so a user fixes them all in one go, e.g. the tiny config
+  (bos 1, eos 2) with a tokenizer from tools.train_tokenizer (bos 2, eos 3) gives
+  "the tokenizer 'tok.model' does not fit the model config: its bos id is 2 but bos_token_id=1; its
+  eos id is 3 but eos_token_id=2; pass bos_token_id=2 eos_token_id=3".
+
   Args:
     tok: the tokenizer. config: anything indexable by vocab_size / bos_token_id / eos_token_id /
-      pad_token_id (a model config). name: how the messages call the tokenizer (default its path).
-    advise: end each message with the `key=value` that would fit (for tools where the config keys
-      can be overridden).
+      pad_token_id (a model config). name: how the message calls the tokenizer (default its path).
+    advise: end the message with the `key=value` overrides that would fit, all of them on one
+      `pass ...` (for tools where the config keys can be overridden on the command line).
 
   Raises:
-    TokenizerError: the first mismatch, naming the config key and the value that would fit.
+    TokenizerError: one message listing every mismatch (vocabulary size first, then bos, eos, pad).
   """
   name = name if name is not None else repr(os.fspath(getattr(tok, "path", "") or ""))
+  problems, fixes = [], []
   vocab = int(config["vocab_size"])
   if tok.vocab_size > vocab:
-    fix = f"; pass vocab_size={tok.vocab_size} (or larger)" if advise else ""
-    raise TokenizerError(f"the tokenizer {name} has {tok.vocab_size} tokens but vocab_size={vocab}{fix}")
-  for key, tid in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id), ("pad_token_id", tok.pad_id)):
+    problems.append(f"it has {tok.vocab_size} tokens but vocab_size={vocab}")
+    fixes.append(f"vocab_size={tok.vocab_size}")
+  for key, what, tid in (("bos_token_id", "bos", tok.bos_id), ("eos_token_id", "eos", tok.eos_id),
+                         ("pad_token_id", "pad", tok.pad_id)):
     if tid is not None and tid != int(config[key]):
-      fix = f"; pass {key}={tid}" if advise else ""
-      raise TokenizerError(f"{key}={config[key]} disagrees with the tokenizer {name} (its id is {tid}){fix}")
+      problems.append(f"its {what} id is {tid} but {key}={config[key]}")
+      fixes.append(f"{key}={tid}")
+  if problems:
+    fix = f"; pass {' '.join(fixes)}" if advise else ""
+    if advise and fixes[0].startswith("vocab_size="):
+      fix += " (vocab_size may be larger)"
+    raise TokenizerError(f"the tokenizer {name} does not fit the model config: {'; '.join(problems)}{fix}")

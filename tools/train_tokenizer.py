@@ -20,6 +20,12 @@ Special ids: pad=0, unk=1, bos=2, eos=3; ids 4.. are "\n", the 256 byte pieces, 
 pieces. vocab_size must therefore be at least 4 + 1 + 256 + (distinct characters kept by
 character_coverage): 325 for tinyshakespeare (64 distinct characters besides "\n").
 
+The special ids are fixed on purpose: they are the ids of configs/demo.py and of the shipped demo
+tokenizer (kda_plugin/assets/demo/tokenizer.model, made by this tool), so a tokenizer from here fits
+the demo config as is. Other configs keep their own ids (tiny: bos 1, eos 2, like the HF test
+fixtures): tools.train / generate / perplexity then refuse the pair with one error that lists every
+mismatch and the overrides that fix them all, e.g. "pass vocab_size=325 bos_token_id=2 eos_token_id=3".
+
 Prints the split sizes and the held-out compression (UTF-8 bytes per token).
 """
 

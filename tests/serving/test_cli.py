@@ -193,11 +193,12 @@ def test_errors_before_model_load(checkpoints, tokenizer_file, tmp_path, capsys,
        "eval_batch_size must be >= 1"),
       # A tokenizer that does not fit the checkpoint's config (tools.train refuses the same).
       (_gen, [ck, f"tokenizer_path={tokenizer_file}", "prompt=hi"],
-       r"bos_token_id=1 disagrees with the tokenizer tokenizer_path=.*tok.model' \(its id is 2\); pass bos_token_id=2"),
+       r"the tokenizer tokenizer_path=.*tok.model' does not fit the model config: its bos id is 2 but bos_token_id=1; "
+       r"its eos id is 3 but eos_token_id=2; pass bos_token_id=2 eos_token_id=3$"),
       (_ppl, [ck, f"tokenizer_path={tokenizer_file}", f"eval_data={tmp_path / 'ok.txt'}", "bos_token_id=2"],
-       r"eos_token_id=2 disagrees with the tokenizer .* \(its id is 3\); pass eos_token_id=3"),
+       r"does not fit the model config: its eos id is 3 but eos_token_id=2; pass eos_token_id=3$"),
       (_gen, [ck, f"tokenizer_path={DEMO_TOKENIZER}", "prompt=hi", "bos_token_id=2", "eos_token_id=3"],
-       r"has 1024 tokens but vocab_size=512; pass vocab_size=1024"),
+       r"it has 1024 tokens but vocab_size=512; pass vocab_size=1024"),
       (_gen, [ck, f"tokenizer_path={tmp_path / 'ok.txt'}", "prompt=hi"], r"ok.txt"),
   ]
   for tool, argv, msg in cases:

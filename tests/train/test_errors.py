@@ -138,8 +138,35 @@ def test_tokenizer_that_does_not_fit_the_config(tmp_path):
   text = tmp_path / "c.txt"
   text.write_text("To be, or not to be.\n\nThat is the question.\n\nWhether 'tis nobler.\n")
   base = ("train_data_format=text", f"tokenizer_path={tok}")
-  with pytest.raises(TrainError, match=r"has 1024 tokens but vocab_size=64; pass vocab_size=1024"):
+  # Every mismatch in one message, with one `pass ...` that fixes them all.
+  with pytest.raises(TrainError) as e:
     train(tiny_config(text, tmp_path / "o", *base), progress=False)
-  with pytest.raises(TrainError, match=r"bos_token_id=1 disagrees with the tokenizer .* \(its id is 2\); pass bos_token_id=2"):
+  assert str(e.value) == (
+      f"the tokenizer {str(tok)!r} does not fit the model config: it has 1024 tokens but vocab_size=64; its bos id "
+      f"is 2 but bos_token_id=1; its eos id is 3 but eos_token_id=2; pass vocab_size=1024 bos_token_id=2 "
+      f"eos_token_id=3 (vocab_size may be larger)")
+  with pytest.raises(TrainError, match=r"its bos id is 2 but bos_token_id=1; its eos id is 3 but eos_token_id=2; "
+                                       r"pass bos_token_id=2 eos_token_id=3$"):
     train(tiny_config(text, tmp_path / "o", *base, "vocab_size=1024"), progress=False)
+  assert not (tmp_path / "o").exists()
+
+
+def test_train_tokenizer_output_with_the_tiny_config(tmp_path):
+  """A tokenizer from tools.train_tokenizer (pad 0, unk 1, bos 2, eos 3) with the tiny config (bos 1, eos 2):
+  the one error names every key to change, and those overrides alone make the pair fit."""
+  from tools import train_tokenizer
+  from tools.train import _tokenizer
+  text = tmp_path / "c.txt"
+  text.write_text("".join(f"line {i} of a small corpus, with words to merge.\n" for i in range(200)))
+  assert train_tokenizer.main([f"input={text}", f"model_prefix={tmp_path / 'tok'}", "vocab_size=300"]) == 0
+  tok = tmp_path / "tok.model"
+  keys = ("train_data_format=text", f"tokenizer_path={tok}")
+  with pytest.raises(TrainError) as e:
+    train(tiny_config(text, tmp_path / "o", *keys), progress=False)
+  msg = str(e.value)
+  assert msg.endswith("; pass vocab_size=300 bos_token_id=2 eos_token_id=3 (vocab_size may be larger)"), msg
+  assert "its bos id is 2 but bos_token_id=1" in msg and "its eos id is 3 but eos_token_id=2" in msg
+  assert "pad" not in msg  # pad 0 agrees
+  fixed = _tokenizer(tiny_config(text, tmp_path / "o", *keys, *msg.split("; pass ")[1].split(" (")[0].split()))
+  assert (fixed.vocab_size, fixed.bos_id, fixed.eos_id, fixed.pad_id) == (300, 2, 3, 0)
   assert not (tmp_path / "o").exists()
