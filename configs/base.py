@@ -113,6 +113,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.compare_tolerance = 1e-4  # largest allowed max |log-prob difference| against compare_attention (else exit 1)
   c.dump_logprobs = False  # tools.perplexity: write every document's per-token log-probs to output_json
   c.output_json = ""  # tools.generate / tools.perplexity: write the results here as JSON ("" = no file)
+  c.overwrite = False  # replace an existing output_json (generate/perplexity); tools.train: use an output_dir holding other files
 
   # ---- Training (tools.train; model/train_lib.py) ------------------------------------------------
   # Data: the train side of the held-out split of `train_data`, tokenised with `tokenizer_path`

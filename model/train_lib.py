@@ -45,7 +45,7 @@ STATE_ITEM, DATA_ITEM, META_ITEM = "state", "data", "meta"
 # evaluate, checkpoint or export, and implementation choices that compute the same function.
 # Every other key (model shape, data, optimizer, seeds, steps) must match the checkpoint.
 RESUME_FREE_KEYS = frozenset({
-    "output_dir", "resume", "stop_at_step", "checkpoint_every", "checkpoint_keep", "eval_every",
+    "output_dir", "overwrite", "resume", "stop_at_step", "checkpoint_every", "checkpoint_keep", "eval_every",
     "eval_batch_size", "eval_max_windows", "log_every", "export_every", "export_dtype", "train_data",
     "tokenizer_path", "load_parameters_path", "attention", "kda_impl", "moe_impl", "model_name",
     "logical_axis_rules", "distributed_init", "coordinator_address", "num_processes", "process_id",

@@ -4,7 +4,7 @@ Usage:
   python -m tools.generate load_parameters_path=DIR [tokenizer_path=FILE] [attention=kda_native]
       (prompt="text" | prompts_file=FILE | prompt_ids="1,2,3") max_new_tokens=N
       decode_sampling_strategy=greedy|weighted|topk|nucleus [decode_sampling_temperature=T]
-      [decode_sampling_top_k=K] [decode_sampling_nucleus_p=P] [seed=S] [output_json=FILE]
+      [decode_sampling_top_k=K] [decode_sampling_nucleus_p=P] [seed=S] [output_json=FILE [overwrite=true]]
 
 The model config comes from the checkpoint (DIR/config.json); any key=value of configs/base.py given
 here overrides it (e.g. attention=kda_reference, max_cache_length=4096, dtype=bfloat16).
@@ -27,7 +27,10 @@ Keys:
   generate_batch_size   prompts packed into one prefill row and decoded together (default 8).
   max_cache_length      the model's limit: prompt + max_new_tokens must fit (MLA cache per sequence).
   output_json           write, per prompt, the prompt ids, generated ids, text (with a tokenizer) and
-                        finish reason, plus the timings, to this file (atomically).
+                        finish reason, plus the timings, to this file (atomically: a temporary file
+                        renamed over it). An existing file is refused before any work unless
+                        overwrite=true.
+  overwrite             true: replace an existing output_json (default false).
   ici_*_parallelism     with several devices: the mesh to serve on (data, fsdp, expert, tensor; -1 =
                         the rest; default all devices on data), parameters restored sharded
                         (model/sharding.py); distributed_init=true starts a multi-host job.
@@ -155,7 +158,7 @@ def main(argv: list[str]) -> int:
   overrides, cfg = common.parse_args(argv)
   given = common.given_keys(argv)
   if cfg.output_json:
-    common.check_output_path(cfg.output_json)  # before any work, not after it
+    common.check_output_path(cfg.output_json, overwrite=cfg.overwrite)  # before any work, not after it
   params = sampling_params(cfg)
   if cfg.max_new_tokens < 1:
     raise GenerationError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
@@ -196,7 +199,7 @@ def main(argv: list[str]) -> int:
         f"prefill {t.prefill_tokens} tokens, {t.prefill_tokens_per_s:.1f} tokens/s | decode {t.decode_tokens} "
         f"tokens in {t.decode_steps} steps, {t.decode_tokens_per_s:.1f} tokens/s")
   if cfg.output_json:
-    common.write_json_atomic(cfg.output_json, {
+    common.write_json_atomic(cfg.output_json, overwrite=cfg.overwrite, data={
         "checkpoint": str(mcfg.load_parameters_path), "attention": mcfg.attention, "dtype": mcfg.dtype,
         "tokenizer": mcfg.tokenizer_path or None, "max_new_tokens": cfg.max_new_tokens,
         "sampling": {"strategy": params.strategy, "temperature": params.temperature, "top_k": params.top_k,

@@ -3,7 +3,7 @@ r"""Perplexity of a checkpoint on a corpus, with documents packed and long docum
 Usage:
   python -m tools.perplexity load_parameters_path=DIR eval_data=FILE [eval_format=text|jsonl|ids]
       [tokenizer_path=FILE] max_target_length=N [attention=kda_native] [compare_attention=NAME]
-      [compare_tolerance=X] [dump_logprobs=true] [output_json=FILE]
+      [compare_tolerance=X] [dump_logprobs=true] [output_json=FILE [overwrite=true]]
 
 The model config comes from the checkpoint (DIR/config.json); any key=value of configs/base.py given
 here overrides it.
@@ -26,7 +26,10 @@ Keys:
                         and the perplexity difference; exit status 1 when the former exceeds
                         compare_tolerance.
   dump_logprobs         add every document's token ids and per-token log-probs to output_json.
-  output_json           write the figures (and dumps) to this file, atomically.
+  output_json           write the figures (and dumps) to this file, atomically (a temporary file
+                        renamed over it). An existing file is refused before any work unless
+                        overwrite=true.
+  overwrite             true: replace an existing output_json (default false).
 
 Reports perplexity = exp(mean negative log-likelihood per scored token), bits per byte (text/jsonl:
 total NLL in bits / UTF-8 bytes of the documents), the token count and tokens/s (compilation
@@ -129,7 +132,7 @@ def _report(name, figs):
 def main(argv: list[str]) -> int:
   overrides, cfg = common.parse_args(argv)
   if cfg.output_json:
-    common.check_output_path(cfg.output_json)  # before any work, not after it
+    common.check_output_path(cfg.output_json, overwrite=cfg.overwrite)  # before any work, not after it
   if cfg.compare_attention:
     registry.get_backend(cfg.compare_attention)  # an unknown name fails now, not after the first pass
   if cfg.compare_tolerance < 0:
@@ -169,7 +172,7 @@ def main(argv: list[str]) -> int:
     result["documents"] = [{"index": i, "token_ids": d.tolist(), "logprobs": lp.tolist()}
                            for i, (d, lp) in enumerate(zip(docs, res.logprobs))]
   if cfg.output_json:
-    common.write_json_atomic(cfg.output_json, result)
+    common.write_json_atomic(cfg.output_json, result, overwrite=cfg.overwrite)
     print(f"wrote {cfg.output_json}", file=sys.stderr)
   return status
 

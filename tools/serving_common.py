@@ -135,11 +135,16 @@ def tokenizer_for(model_config, *, required_for: str | None = None):
   return tok
 
 
-def check_output_path(path: str | os.PathLike, key: str = "output_json") -> pathlib.Path:
+def check_output_path(path: str | os.PathLike, key: str = "output_json", *, overwrite: bool = False) -> pathlib.Path:
   """The parent directory of output file `path` (the value of `key`), checked before any work.
 
+  Args:
+    path: the output file. key: the argument that named it (for the message). overwrite: accept an
+      existing file at `path` (it is replaced when the tool writes); the `overwrite=true` key.
+
   Raises:
-    UsageError naming `key`: the parent directory does not exist, or `path` is a directory.
+    UsageError naming `key`: the parent directory does not exist, `path` is a directory, or `path`
+      exists and `overwrite` is false (tools.convert_checkpoint's rule for its output, too).
   """
   path = pathlib.Path(path)
   parent = path.parent if str(path.parent) else pathlib.Path(".")
@@ -147,18 +152,21 @@ def check_output_path(path: str | os.PathLike, key: str = "output_json") -> path
     raise UsageError(f"{key}={str(path)!r}: directory {str(parent)!r} does not exist")
   if path.is_dir():
     raise UsageError(f"{key}={str(path)!r} is a directory; expected a file path")
+  if not overwrite and (path.exists() or path.is_symlink()):
+    raise UsageError(f"{key}={str(path)!r} already exists; pass overwrite=true to replace it")
   return parent
 
 
-def write_json_atomic(path: str | os.PathLike, data, key: str = "output_json") -> None:
+def write_json_atomic(path: str | os.PathLike, data, key: str = "output_json", *, overwrite: bool = False) -> None:
   """Writes `data` as JSON to `path` through a temporary file in the same directory, then renames it
-  (readers never see a half-written file).
+  (readers never see a half-written file; NaN/infinite floats are written as null).
 
   Raises:
-    UsageError: the parent directory does not exist, or `path` is a directory (see
-      `check_output_path`; tools call that first, before any work).
+    UsageError: the parent directory does not exist, `path` is a directory, or `path` exists and
+      `overwrite` is false (see `check_output_path`; tools call that first, before any work, and this
+      checks again: a file that appeared meanwhile is not replaced without overwrite).
   """
-  parent = check_output_path(path, key)
+  parent = check_output_path(path, key, overwrite=overwrite)
   path = pathlib.Path(path)
   fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
   try:

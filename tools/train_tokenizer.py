@@ -2,10 +2,13 @@ r"""Trains a sentencepiece tokenizer on the training split of a UTF-8 text file.
 
 Usage:
   python -m tools.train_tokenizer input=FILE model_prefix=PATH vocab_size=N \
-      [model_type=bpe|unigram] [heldout_fraction=0.1] [character_coverage=1.0]
+      [model_type=bpe|unigram] [heldout_fraction=0.1] [character_coverage=1.0] [overwrite=false]
 
 Writes PATH.model (load it with `model.tokenizer.SentencePieceTokenizer`) and PATH.vocab (one
 "piece<TAB>score" line per id, backslash/newline/tab escaped as \\, \n, \t; for reading only).
+Each is written to a temporary file and renamed into place. When PATH.model or PATH.vocab already
+exists the tool refuses before reading the input, unless overwrite=true (then both are replaced),
+like tools.convert_checkpoint's output_path.
 
 The last `heldout_fraction` of the file (by bytes, cut at a line boundary: the project's held-out
 rule, `model.input_pipeline.split_heldout`) is never seen by the trainer. Each remaining non-blank
@@ -35,6 +38,7 @@ import io
 import os
 import re
 import sys
+import tempfile
 import time
 
 import sentencepiece as spm
@@ -44,7 +48,7 @@ from tools.cli_args import parse_key_values
 
 SPECIAL_IDS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
 REQUIRED = ("input", "model_prefix", "vocab_size")
-DEFAULTS = {"model_type": "bpe", "heldout_fraction": "0.1", "character_coverage": "1.0"}
+DEFAULTS = {"model_type": "bpe", "heldout_fraction": "0.1", "character_coverage": "1.0", "overwrite": "false"}
 
 
 class UsageError(ValueError):
@@ -80,15 +84,51 @@ def parse_args(argv: list[str]) -> dict:
   if args["model_type"] not in ("bpe", "unigram"):
     raise UsageError(f"model_type must be 'bpe' or 'unigram', got {args['model_type']!r}")
   out["model_type"] = args["model_type"]
+  if args["overwrite"].lower() not in ("true", "false"):
+    raise UsageError(f"overwrite must be true or false, got {args['overwrite']!r}")
+  out["overwrite"] = args["overwrite"].lower() == "true"
   if not out["model_prefix"] or out["model_prefix"].endswith(os.sep):
     raise UsageError(f"model_prefix must be a file path prefix, got {out['model_prefix']!r}")
   return out
 
 
+def output_paths(model_prefix: str, overwrite: bool = False) -> tuple[str, str]:
+  """`(PATH.model, PATH.vocab)` of `model_prefix`, checked before any work.
+
+  Raises:
+    UsageError naming model_prefix: one of them is a directory, or exists and `overwrite` is false.
+  """
+  paths = (model_prefix + ".model", model_prefix + ".vocab")
+  for path in paths:
+    if os.path.isdir(path):
+      raise UsageError(f"model_prefix={model_prefix!r}: {path!r} is a directory")
+  existing = [p for p in paths if os.path.lexists(p)]
+  if existing and not overwrite:
+    raise UsageError(f"model_prefix={model_prefix!r}: {' and '.join(map(repr, existing))} already "
+                     f"exist{'s' if len(existing) == 1 else ''}; pass overwrite=true to replace "
+                     f"{'it' if len(existing) == 1 else 'them'}")
+  return paths
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+  """Writes `data` to `path` through a temporary file in the same directory, then renames it."""
+  fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                             dir=os.path.dirname(os.path.abspath(path)))
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
 def train_tokenizer(input: str, model_prefix: str, vocab_size: int, *, model_type: str = "bpe",
                     heldout_fraction: float = 0.1, character_coverage: float = 1.0,
-                    num_threads: int | None = None) -> dict:
-  """Trains and writes `model_prefix.model` / `.vocab` from the training split of `input`.
+                    num_threads: int | None = None, overwrite: bool = False) -> dict:
+  """Trains and writes `model_prefix.model` / `.vocab` from the training split of `input`
+  (each atomically; existing files only with `overwrite`).
 
   Returns:
     dict with "model_path", "train_bytes", "heldout_bytes", "train_lines", "heldout_tokens" and
@@ -96,8 +136,10 @@ def train_tokenizer(input: str, model_prefix: str, vocab_size: int, *, model_typ
 
   Raises:
     UsageError: missing, empty, non-UTF-8 input (naming file and line), an empty training split, or
-      a failed sentencepiece training (e.g. vocab_size too small or too large for the data).
+      a failed sentencepiece training (e.g. vocab_size too small or too large for the data), or
+      existing output files without `overwrite` (checked first, see `output_paths`).
   """
+  model_path, vocab_path = output_paths(model_prefix, overwrite)
   try:
     text = read_text_file(input)
   except (FileNotFoundError, DataFormatError) as e:
@@ -126,16 +168,15 @@ def train_tokenizer(input: str, model_prefix: str, vocab_size: int, *, model_typ
     if m:  # byte pieces, specials and every kept character need an id before any merge
       hint = f" (this data needs vocab_size >= {int(m.group(1))})"
     raise UsageError(f"sentencepiece training failed for vocab_size={vocab_size}{hint}: {e}") from None
-  model_path = model_prefix + ".model"
-  with open(model_path, "wb") as f:
-    f.write(model.getvalue())
   sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
-  with open(model_prefix + ".vocab", "w", encoding="utf-8") as f:
-    # For people only (loading uses .model): one "piece<TAB>score" line per id, with backslash,
-    # newline and tab escaped so the "\n" piece does not break the one-line-per-id layout.
-    for i in range(sp.vocab_size()):
-      piece = sp.id_to_piece(i).replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
-      f.write(f"{piece}\t{sp.get_score(i)}\n")
+  # For people only (loading uses .model): one "piece<TAB>score" line per id, with backslash,
+  # newline and tab escaped so the "\n" piece does not break the one-line-per-id layout.
+  vocab_lines = []
+  for i in range(sp.vocab_size()):
+    piece = sp.id_to_piece(i).replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
+    vocab_lines.append(f"{piece}\t{sp.get_score(i)}\n")
+  _write_atomic(model_path, model.getvalue())
+  _write_atomic(vocab_path, "".join(vocab_lines).encode("utf-8"))
   heldout_tokens = len(sp.encode(heldout)) if heldout else 0
   heldout_bytes = len(heldout.encode("utf-8"))
   return {

@@ -142,6 +142,32 @@ def test_cli_subprocess_trains(corpus, tmp_path):
   assert SentencePieceTokenizer(tmp_path / "cli.model").vocab_size == 350
 
 
+def test_existing_output_needs_overwrite(corpus, tmp_path, capsys, monkeypatch):
+  """An existing PATH.model / PATH.vocab is refused before the input is read, unless overwrite=true."""
+  import tools.train_tokenizer as tt
+  prefix = tmp_path / "m"
+  (tmp_path / "m.vocab").write_text("keep me\n")
+
+  def no_read(*a, **k):
+    raise AssertionError("the input was read before the existing output was refused")
+  monkeypatch.setattr(tt, "read_text_file", no_read)
+  assert main([f"input={corpus[0]}", f"model_prefix={prefix}", "vocab_size=350"]) == 2
+  assert capsys.readouterr().err == (f"error: model_prefix={str(prefix)!r}: {str(prefix) + '.vocab'!r} already "
+                                     f"exists; pass overwrite=true to replace it\n")
+  assert main([f"input={corpus[0]}", f"model_prefix={prefix}", "vocab_size=350", "overwrite=maybe"]) == 2
+  assert "overwrite must be true or false, got 'maybe'" in capsys.readouterr().err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["m.vocab"] and (tmp_path / "m.vocab").read_text() == "keep me\n"
+  monkeypatch.undo()
+  assert main([f"input={corpus[0]}", f"model_prefix={prefix}", "vocab_size=350", "overwrite=true"]) == 0
+  assert SentencePieceTokenizer(tmp_path / "m.model").vocab_size == 350
+  vocab = (tmp_path / "m.vocab").read_text().splitlines()
+  assert len(vocab) == 350 and vocab[0].startswith("<pad>\t")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["m.model", "m.vocab"]  # no temporary left behind
+  capsys.readouterr()
+  assert main([f"input={corpus[0]}", f"model_prefix={prefix}", "vocab_size=350"]) == 2  # both exist now
+  assert "'.model' and" not in (err := capsys.readouterr().err) and "m.model' and '" in err and "replace them" in err
+
+
 def test_load_errors_name_the_path(tmp_path):
   with pytest.raises(TokenizerError, match="not found: .*missing.model"):
     SentencePieceTokenizer(tmp_path / "missing.model")

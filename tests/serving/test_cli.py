@@ -218,6 +218,39 @@ def test_errors_before_model_load(checkpoints, tokenizer_file, tmp_path, capsys,
       assert err.startswith("error: output_json=") and __import__("re").search(msg, err) and ".tmp" not in err, err
 
 
+def test_existing_output_json_needs_overwrite(checkpoints, reference, tmp_path, capsys, monkeypatch):
+  """An existing output_json is refused before any work (as tools.convert_checkpoint refuses an existing
+  output), unless overwrite=true; then it is replaced, through a temporary file."""
+  from tools import serving_common
+  ck = f"load_parameters_path={checkpoints['dense']}"
+  out = tmp_path / "old.json"
+  out.write_text("keep me\n")
+  ids = tmp_path / "ok.txt"
+  ids.write_text("3 4 5 6\n")
+  real_load = serving_common.load_on_mesh
+
+  def no_load(*a, **k):
+    raise AssertionError("the model was loaded before the existing output_json was refused")
+  monkeypatch.setattr(serving_common, "load", no_load)
+  monkeypatch.setattr(serving_common, "load_on_mesh", no_load)
+  for tool, argv in ((_gen, [ck, "prompt_ids=3"]), (_ppl, [ck, f"eval_data={ids}", "eval_format=ids"])):
+    assert tool(argv + [f"output_json={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: output_json={str(out)!r} already exists; pass overwrite=true to replace it\n", err
+    assert out.read_text() == "keep me\n"
+  with pytest.raises(serving_common.UsageError, match="already exists; pass overwrite=true"):
+    serving_common.write_json_atomic(out, {"a": 1})
+  assert out.read_text() == "keep me\n"
+
+  monkeypatch.setattr(serving_common, "load_on_mesh", real_load)
+  ref = reference("dense")
+  status = _gen([ck, "attention=kda_reference", f"prompt_ids={_ids(ref['prompt_ids'][0])}", "max_new_tokens=12",
+                 "decode_stop_at_eos=false", f"output_json={out}", "overwrite=true"])
+  assert status == 0, capsys.readouterr().err
+  assert json.loads(out.read_text())["results"][0]["generated_ids"] == ref["greedy_ids"][0].tolist()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.txt", "old.json"]  # no temporary left behind
+
+
 def test_json_output_has_no_nan(tmp_path):
   from tools.serving_common import write_json_atomic
   out = tmp_path / "x.json"
@@ -229,3 +262,5 @@ def test_json_output_has_no_nan(tmp_path):
 def test_help(capsys):
   assert _gen(["--help"]) == 0 and "decode_sampling_strategy" in capsys.readouterr().out
   assert _ppl(["--help"]) == 0 and "compare_attention" in capsys.readouterr().out
+  for tool in (_gen, _ppl):
+    assert tool(["--help"]) == 0 and "overwrite             true: replace an existing output_json" in capsys.readouterr().out
