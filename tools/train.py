@@ -31,6 +31,12 @@ What a run does:
     config.json + tokenizer copy) to DIR/params at the end, so `load_parameters_path=DIR/params` alone
     serves tools.generate and tools.perplexity.
 
+output_dir must be new, empty, or a run directory of this tool (it holds checkpoints/ or
+metrics.jsonl: a run to resume, see resume=, or a finished one). Any other non-empty directory is
+refused before anything is read or written, so a typo cannot scatter a run among unrelated files;
+`overwrite=true` writes the run into it anyway (nothing there is deleted; the run's own
+checkpoints/, metrics.jsonl and params/ are created or replaced).
+
 Errors (missing or empty data, a tokenizer that does not fit the config, a resume whose config
 does not match the checkpoint) are printed as one line naming the key; the exit status is 2.
 """
@@ -217,6 +223,30 @@ def _check_resume(meta: dict, now: dict, ckpt_dir) -> None:
                      + "); use the original values or a new output_dir")
 
 
+def is_run_directory(path: pathlib.Path) -> bool:
+  """Whether directory `path` holds a run of this tool: its checkpoints/ directory or metrics.jsonl
+  (the first things a run writes; an interrupted run that completed no step removes them again)."""
+  return (path / CHECKPOINT_SUBDIR).is_dir() or (path / METRICS_FILE).is_file()
+
+
+def check_output_dir(path: pathlib.Path, given: str, overwrite: bool) -> None:
+  """Refuses an existing, non-empty `path` (output_dir=`given`) that is not a run directory of this
+  tool (`is_run_directory`), unless `overwrite`; a new, empty or run directory passes.
+
+  Raises:
+    TrainError naming output_dir, a few of the entries found, and the two ways out.
+  """
+  if overwrite or not path.is_dir() or is_run_directory(path):
+    return
+  names = sorted(p.name for p in path.iterdir())
+  if not names:
+    return
+  shown = ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
+  raise TrainError(f"output_dir={given!r} is not empty and is not a run directory of tools.train (no "
+                   f"{CHECKPOINT_SUBDIR}/ or {METRICS_FILE}; it holds {shown}); choose a new or empty directory, "
+                   f"or pass overwrite=true to write the run into it (nothing in it is deleted)")
+
+
 def _raise_interrupt(signum, frame):
   raise KeyboardInterrupt(f"signal {signum}")
 
@@ -266,6 +296,7 @@ def train(cfg, *, progress: bool = True) -> dict:
   out = pathlib.Path(cfg.output_dir).absolute()
   if out.exists() and not out.is_dir():
     raise TrainError(f"output_dir={cfg.output_dir!r} exists and is not a directory")
+  check_output_dir(out, cfg.output_dir, cfg.overwrite)
   tok = _tokenizer(cfg)
   it, windows = build_data(cfg, tok)
   final_step = cfg.stop_at_step if 0 < cfg.stop_at_step < cfg.steps else cfg.steps

@@ -62,6 +62,32 @@ def test_output_dir_and_tokenizer_keys(corpus, tmp_path):
           progress=False)
 
 
+def test_unrelated_non_empty_output_dir_is_refused(corpus, tmp_path):
+  """output_dir may be new, empty or a run directory of tools.train; any other non-empty directory is
+  refused before anything is written, unless overwrite=true (which deletes nothing)."""
+  out = tmp_path / "mine"
+  out.mkdir()
+  (out / "notes.txt").write_text("mine\n")
+  (out / "data").mkdir()
+  with pytest.raises(TrainError) as e:
+    train(tiny_config(corpus, out, "steps=3"), progress=False)
+  assert str(e.value) == (
+      f"output_dir={str(out)!r} is not empty and is not a run directory of tools.train (no checkpoints/ or "
+      f"metrics.jsonl; it holds data, notes.txt); choose a new or empty directory, or pass overwrite=true to "
+      f"write the run into it (nothing in it is deleted)")
+  assert sorted(p.name for p in out.iterdir()) == ["data", "notes.txt"]
+
+  result = train(tiny_config(corpus, out, "steps=3", "overwrite=true"), progress=False)
+  assert result["step"] == 3 and result["export"] is not None
+  assert (out / "notes.txt").read_text() == "mine\n" and (out / "data").is_dir()
+  # Now it is a run directory: the same command (without overwrite) resumes the finished run.
+  again = train(tiny_config(corpus, out, "steps=3"), progress=False)
+  assert again["start_step"] == 3 and again["step"] == 3
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  assert train(tiny_config(corpus, empty, "steps=3", "stop_at_step=1"), progress=False)["step"] == 1
+
+
 def test_resume_with_a_different_config_is_refused(corpus, tmp_path):
   # The config is checked against the checkpoint's metadata before any array is built or read,
   # so a stand-in state is enough here (test_train.py resumes real train states).
