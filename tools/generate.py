@@ -121,31 +121,48 @@ def read_prompts(cfg, given: set[str], tokenizer, vocab_size: int) -> tuple[list
 
 
 class _Streamer:
-  """Prints one prompt and its continuation as it is produced. The text is decoded from prompt +
-  generated ids together, so pieces that start a word keep their leading space."""
+  """Prints one prompt and its continuation as it is produced (to `out`, default stdout).
 
-  def __init__(self, tokenizer, eos_id, prompt_ids):
+  The text is decoded from prompt + generated ids together, so pieces that start a word keep their
+  leading space, and only the new suffix of that text is written. A character made of several
+  byte-fallback pieces (<0xE6><0x97><0xA5> for "日") decodes to U+FFFD replacement characters until
+  its last byte arrives: trailing U+FFFD are held back until a later token completes (or follows)
+  them, and `finish` writes whatever is still held. The streamed text is therefore exactly the
+  decoded text, each character written once.
+  """
+
+  def __init__(self, tokenizer, eos_id, prompt_ids, out=None):
     self.tokenizer, self.eos_id = tokenizer, eos_id
+    self.out = out if out is not None else sys.stdout
     self.ids: list[int] = list(prompt_ids)
-    self.printed = self._render()
-    sys.stdout.write(self.printed)
-    sys.stdout.flush()
+    self.printed = ""
+    self._emit(self._render(), final=False)
 
   def _render(self) -> str:
     shown = [t for t in self.ids if t != self.eos_id]
     return self.tokenizer.decode(shown) if not self.tokenizer.ids_only else " ".join(map(str, shown))
 
+  def _emit(self, text: str, final: bool) -> None:
+    if not final:
+      text = text.rstrip("\ufffd")  # an incomplete multi-byte character: wait for its last byte
+    if not text.startswith(self.printed):
+      # Decoding is prefix-stable for this project's tokenizers once incomplete bytes are held back;
+      # should an earlier piece still change, write only what lies beyond the printed length.
+      text = self.printed + text[len(self.printed):]
+    if len(text) > len(self.printed):
+      self.out.write(text[len(self.printed):])
+      self.out.flush()
+      self.printed = text
+
   def __call__(self, start, tokens, live):
     if not live[0]:
       return
     self.ids.append(int(tokens[0]))
-    text = self._render()
-    if text.startswith(self.printed):
-      sys.stdout.write(text[len(self.printed):])
-    else:  # an earlier piece changed with later tokens (rare): print the whole text on a new line
-      sys.stdout.write("\n" + text)
-    sys.stdout.flush()
-    self.printed = text
+    self._emit(self._render(), final=False)
+
+  def finish(self) -> None:
+    """Writes the text still held back (replacement characters no later byte completed)."""
+    self._emit(self._render(), final=True)
 
 
 def _text(tokenizer, ids, eos_id):
@@ -188,6 +205,7 @@ def main(argv: list[str]) -> int:
   results, timings = gen.generate(prompts, cfg.max_new_tokens, sampling_params=params, seed=cfg.seed,
                                   stop_at_eos=cfg.decode_stop_at_eos, on_tokens=stream)
   if stream is not None:
+    stream.finish()
     sys.stdout.write("\n")
   else:
     for i, r in enumerate(results):

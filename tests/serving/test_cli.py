@@ -251,6 +251,34 @@ def test_existing_output_json_needs_overwrite(checkpoints, reference, tmp_path, 
   assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.txt", "old.json"]  # no temporary left behind
 
 
+@pytest.mark.parametrize("prompt_len", [2, 9])  # 9: the prompt itself ends inside a byte-fallback character
+def test_streamed_text_with_byte_fallback_is_written_once(prompt_len):
+  """Multi-byte characters built from byte-fallback pieces (the demo tokenizer has byte fallback):
+  the stream is exactly the decoded text, no prefix written twice; an unfinished character is
+  written by finish()."""
+  import io
+  tok = SentencePieceTokenizer(DEMO_TOKENIZER)
+  text = "ROMEO: café 日本!"
+  ids = tok.encode(text)
+  pieces = [tok.id_to_piece(i) for i in ids]
+  assert sum(p.startswith("<0x") for p in pieces) == 8, pieces  # é (2 bytes), 日 and 本 (3 each)
+  out = io.StringIO()
+  stream = generate._Streamer(tok, tok.eos_id, ids[:prompt_len], out=out)
+  for t in ids[prompt_len:] + [tok.eos_id]:
+    stream(0, np.array([t]), np.array([True]))
+  stream(0, np.array([0]), np.array([False]))  # a masked step after EOS writes nothing
+  stream.finish()
+  assert out.getvalue() == text
+  # Bytes no later piece completes: held back while streaming, written (as U+FFFD) at the end.
+  out = io.StringIO()
+  stream = generate._Streamer(tok, tok.eos_id, ids[:1], out=out)
+  for t in ids[1:9]:  # ends after <0xE6>, the first of 日's three bytes
+    stream(0, np.array([t]), np.array([True]))
+  assert out.getvalue() == "ROMEO: café "
+  stream.finish()
+  assert out.getvalue() == "ROMEO: café \ufffd" == tok.decode(ids[:9])
+
+
 def test_json_output_has_no_nan(tmp_path):
   from tools.serving_common import write_json_atomic
   out = tmp_path / "x.json"
