@@ -17,8 +17,11 @@ other prompts share the batch.
 
 Timings (host wall clock; compilation and one warm-up run are excluded and reported apart): time to
 first token = prefill plus the first sampled token on the host; prefill tokens/s = real prompt
-tokens / that time; decode tokens/s = tokens produced by decode steps for live sequences / the
-decode loop's time (steps of a last chunk past max_new_tokens are run but not counted).
+tokens / that time; decode tokens/s = generated tokens / the decode loop's time, where generated
+tokens are those decode steps produce for live sequences (EOS included; never the masked outputs of
+finished sequences or unused slots) and the decode steps counted are those that generated at least
+one token (steps of a last chunk after every sequence finished, or past max_new_tokens, are run and
+their time is in the decode time, but they are not counted).
 """
 
 from __future__ import annotations
@@ -82,7 +85,12 @@ class SequenceResult:
 
 @dataclasses.dataclass
 class Timings:
-  """Wall-clock figures of a `generate` call, in seconds and tokens (summed over prompt groups)."""
+  """Wall-clock figures of a `generate` call, in seconds and tokens (summed over prompt groups).
+
+  decode_tokens counts generated tokens only (live sequences; masked outputs of finished sequences
+  and unused slots are not counted); decode_steps counts the decode steps that generated at least
+  one token (see the module docstring).
+  """
 
   compile_s: float = 0.0
   time_to_first_token_s: float = 0.0
@@ -371,6 +379,8 @@ class Generator:
       toks_host, lives_host, done_host = jax.device_get((toks, lives, done))
       for k in range(min(self.decode_chunk, max_new_tokens - i)):   # steps past the budget are dropped
         live = lives_host[k] & real
+        if not live.any():  # every sequence had finished: a masked step of the chunk, nothing generated
+          break
         timings.decode_steps += 1
         timings.decode_tokens += int(live.sum())
         for j in np.nonzero(live)[0]:

@@ -36,7 +36,9 @@ Keys:
                         (model/sharding.py); distributed_init=true starts a multi-host job.
 
 Prints the generated text (or ids), then the time to first token, prefill tokens/s and decode
-tokens/s (compilation is done first and reported apart). Bad input (missing checkpoint or tokenizer,
+tokens/s (compilation is done first and reported apart). The decode figures count generated tokens
+only: tokens of sequences still running (EOS included), never the masked steps of sequences that have
+finished; the first token of each sequence comes from the prefill and is not among them. Bad input (missing checkpoint or tokenizer,
 an empty prompt, a prompt longer than the model's limit, a file that is not UTF-8, ids outside the
 vocabulary, an unknown sampling strategy, ...) prints one `error:` line and exits with status 2.
 """
@@ -215,7 +217,7 @@ def main(argv: list[str]) -> int:
   t = timings
   print(f"compile {t.compile_s:.2f} s | time to first token {t.time_to_first_token_s * 1e3:.1f} ms | "
         f"prefill {t.prefill_tokens} tokens, {t.prefill_tokens_per_s:.1f} tokens/s | decode {t.decode_tokens} "
-        f"tokens in {t.decode_steps} steps, {t.decode_tokens_per_s:.1f} tokens/s")
+        f"generated tokens in {t.decode_steps} steps, {t.decode_tokens_per_s:.1f} generated tokens/s")
   if cfg.output_json:
     common.write_json_atomic(cfg.output_json, overwrite=cfg.overwrite, data={
         "checkpoint": str(mcfg.load_parameters_path), "attention": mcfg.attention, "dtype": mcfg.dtype,

@@ -47,7 +47,7 @@ def test_generate_ids_prompt(checkpoints, reference, tmp_path, capsys):
   assert r["text"] is None and r["finish_reason"] == "length"
   # The single prompt streamed as ids: prompt then continuation on one line.
   assert " ".join(map(str, ref["prompt_ids"][0].tolist() + ref["greedy_ids"][0].tolist())) in text
-  for what in ("time to first token", "tokens/s", "prefill 12 tokens", "decode 11 tokens"):
+  for what in ("time to first token", "tokens/s", "prefill 12 tokens", "decode 11 generated tokens in 11 steps"):
     assert what in text
   t = data["timings"]
   assert t["prefill_tokens"] == 12 and t["decode_tokens"] == 11 and t["time_to_first_token_s"] > 0
