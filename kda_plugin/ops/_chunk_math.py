@@ -136,25 +136,57 @@ def _diag_scores(qb, kb, gb, row0, c):
   return lax.fori_loop(0, r_, body, (zero, zero))
 
 
-def intra_chunk_scores(q, k, G, *, blocked: bool):
-  """`Akk` and `Aqk` of the chunk before segment/causal masking (entries with r >= i are valid).
+def block_row(x, j):
+  """`[C, D] -> [C, D]` whose row r is row `SUB * (r // SUB) + j` of `x` (row j of r's own block).
 
-  blocked=True (Mosaic): diagonal 16-row blocks elementwise; the block below a diagonal block is a
-  matmul factored around the block's last row `p`: exp(G_r - G_i) = exp(G_r - G_p) exp(G_p - G_i)
-  with i <= p < r, so both factors are <= 1 and neither can overflow (an underflowed factor only
-  hides a product that is smaller still). blocked=False (Triton, no value slicing): every column
-  elementwise over all rows.
+  A masked reduction over the `[C / SUB, SUB, D]` view, broadcast back over each block: one select
+  and one add per element, exact (a single non-zero term), no gather and no value slicing.
+  """
+  c, d = x.shape
+  x3 = x.reshape(c // SUB, SUB, d)
+  pick = lax.broadcasted_iota(jnp.int32, x3.shape, 1) == j
+  sel = jnp.sum(jnp.where(pick, x3, 0.0), axis=1, keepdims=True)
+  return jnp.broadcast_to(sel, x3.shape).reshape(c, d)
+
+
+def _diag_scores_all_blocks(q, k, G):
+  """Elementwise scores of all diagonal 16x16 blocks at once, `(akk, aqk)` `[C, C]` (Triton path).
+
+  Iteration j (SUB iterations) fills, for every row r, the column i(r) = SUB * (r // SUB) + j of
+  r's own block: one exponent per (row, channel), masked to -inf before `exp` where i(r) > r, so
+  every exponent is G_r - G_i <= 0 (exact, no factor that can overflow). Entries outside the
+  diagonal blocks are 0.
+  """
+  c, d = G.shape
+  rows = iota((c, d), 0)
+  first = jnp.left_shift(jnp.right_shift(rows, _SUB_SHIFT), _SUB_SHIFT)  # first row of r's block
+  cols = iota((c, c), 1)
+  col_first = jnp.left_shift(jnp.right_shift(iota((c, c), 0), _SUB_SHIFT), _SUB_SHIFT)
+
+  def body(j, carry):
+    akk, aqk = carry
+    e = jnp.exp(jnp.where(first + j <= rows, G - block_row(G, j), NEG_INF)) * block_row(k, j)
+    hit = cols == col_first + j
+    akk = jnp.where(hit, jnp.sum(e * k, axis=1, keepdims=True), akk)
+    aqk = jnp.where(hit, jnp.sum(e * q, axis=1, keepdims=True), aqk)
+    return akk, aqk
+
+  zero = jnp.zeros((c, c), jnp.float32)
+  return lax.fori_loop(0, SUB, body, (zero, zero))
+
+
+def _below_diag_scores(q, k, G):
+  """Scores of every entry below the diagonal 16x16 blocks, `(akk, aqk)` `[C, C]`, by matmuls.
+
+  Column block `blk` against all rows below it, factored around the block's last row `p`:
+  exp(G_r - G_i) = exp(G_r - G_p) exp(G_p - G_i) with i <= p < r, so both factors are <= 1 and
+  neither can overflow (an underflowed factor only hides a product that is smaller still).
+  Only masks (no value slicing): usable by Mosaic and Triton.
   """
   c = G.shape[0]
-  if not blocked:
-    return _diag_scores(q, k, G, 0, c)
-  nb = c // SUB
-  diag = [_diag_scores(q[i * SUB:(i + 1) * SUB], k[i * SUB:(i + 1) * SUB],
-                       G[i * SUB:(i + 1) * SUB], i * SUB, c) for i in range(nb)]
-  akk = jnp.concatenate([a for a, _ in diag], axis=0)
-  aqk = jnp.concatenate([a for _, a in diag], axis=0)
   rows = iota(G.shape, 0)
-  for blk in range(nb - 1):
+  akk = aqk = jnp.zeros((c, c), jnp.float32)
+  for blk in range(c // SUB - 1):
     p = blk * SUB + SUB - 1
     gp = row_at(G, p)
     below = jnp.exp(jnp.where(rows > p, G - gp, NEG_INF))
@@ -163,6 +195,29 @@ def intra_chunk_scores(q, k, G, *, blocked: bool):
     akk = akk + dot_nt(k * below, kl)
     aqk = aqk + dot_nt(q * below, kl)
   return akk, aqk
+
+
+def intra_chunk_scores(q, k, G, *, blocked: bool):
+  """`Akk` and `Aqk` of the chunk before segment/causal masking (entries with r >= i are valid).
+
+  Args: q, k, G float32 `[C, K]` (C a multiple of 16). Returns `(akk, aqk)` float32 `[C, C]`.
+  Entries strictly below the diagonal 16x16 blocks come from matmuls (`_below_diag_scores`); the
+  diagonal blocks are exact elementwise sums with one masked exponent per entry. blocked=True
+  (Mosaic) builds each diagonal block from its own 16-row slice; blocked=False (Triton, no value
+  slicing) builds all diagonal blocks together in 16 masked iterations (`_diag_scores_all_blocks`).
+  Math: ../shared/docs/kda.md section 2 and segment_native_chunk.md ("Costs and special cases").
+  """
+  c = G.shape[0]
+  if not blocked:
+    akk, aqk = _diag_scores_all_blocks(q, k, G)
+  else:
+    nb = c // SUB
+    diag = [_diag_scores(q[i * SUB:(i + 1) * SUB], k[i * SUB:(i + 1) * SUB],
+                         G[i * SUB:(i + 1) * SUB], i * SUB, c) for i in range(nb)]
+    akk = jnp.concatenate([a for a, _ in diag], axis=0)
+    aqk = jnp.concatenate([a for _, a in diag], axis=0)
+  below_kk, below_qk = _below_diag_scores(q, k, G)
+  return akk + below_kk, aqk + below_qk
 
 
 def unit_lower_inverse(a):

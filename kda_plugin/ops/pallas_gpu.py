@@ -6,8 +6,10 @@ chunk's end is the loop carry) and an inner loop over the pieces of each chunk, 
 step schedule as the TPU kernel (`_segment_schedule`) plus `chunk_start [B, NC + 1]` (the first
 step of each chunk). Final states are stored at the ending document's slot of the final-state array,
 which is aliased to the initial states (zeros when none), so absent labels keep their initial state.
-The chunk math is shared with the TPU kernel (`_chunk_math`), with the unblocked score builder since
-Triton has no value slicing. Matmuls run in IEEE float32 (`Precision.HIGHEST`, no TF32).
+The chunk math is shared with the TPU kernel (`_chunk_math`): scores below the diagonal 16x16 blocks
+by matmuls as on TPU, the diagonal blocks by the unblocked builder (all four blocks together in 16
+masked iterations, since Triton has no value slicing). Matmuls run in IEEE float32
+(`Precision.HIGHEST`, no TF32).
 
 Layouts are those of `pallas_tpu` (prepared by `kda_plugin.ops.inference`), with K and V padded to
 powers of two (>= 16) as Triton requires.

@@ -68,3 +68,61 @@ def test_unit_lower_inverse_matches_float64(kind):
 def test_unit_lower_inverse_refuses_non_power_of_two():
   with pytest.raises(ValueError, match="power of two"):
     cm.unit_lower_inverse(jnp.zeros((48, 48), jnp.float32))
+
+
+def _chunk_oracle(q, k, g, beta, seg):
+  """G, (I + Diag(beta) Akk)^-1 and Aqk of one chunk, float64, entry by entry (masked equations)."""
+  q, k, g, beta = (np.asarray(x, np.float64) for x in (q, k, g, beta))
+  G = np.cumsum(g, axis=0)
+  akk = np.zeros((C, C))
+  aqk = np.zeros((C, C))
+  for r in range(C):
+    for i in range(r + 1):
+      if seg[r] == 0 or seg[r] != seg[i]:
+        continue
+      dec = np.exp(G[r] - G[i])
+      aqk[r, i] = np.sum(q[r] * k[i] * dec)
+      if i < r:
+        akk[r, i] = np.sum(k[r] * k[i] * dec)
+  tinv = np.linalg.inv(np.eye(C) + beta[:, None] * akk)
+  return G, tinv, aqk
+
+
+@pytest.mark.parametrize("steep", [False, True], ids=["moderate", "steep"])
+@pytest.mark.parametrize("blocked", [True, False], ids=["mosaic_blocked", "triton_unblocked"])
+def test_chunk_prep_matches_float64(blocked, steep):
+  """Both score builders give the same chunk matrices as the float64 definition, on a chunk with
+  seven documents (runs of length 1, padding, a boundary inside every 16-row block) and, for
+  `steep`, ~-20 nats per token (|G| ~ 1300 at row 63: any unbounded factor would overflow)."""
+  rng = np.random.default_rng(7 if steep else 8)
+  kd = 32
+  seg = np.zeros(C, np.int32)
+  for label, a, b in [(3, 0, 5), (1, 5, 6), (4, 6, 7), (2, 7, 30), (6, 33, 50), (5, 50, 51),
+                      (7, 51, 64)]:
+    seg[a:b] = label
+  q = rng.standard_normal((C, kd)) * 0.3
+  k = rng.standard_normal((C, kd))
+  k /= np.linalg.norm(k, axis=1, keepdims=True)
+  g = -rng.uniform(18.0, 22.0, (C, kd)) if steep else -rng.uniform(0.0, 0.6, (C, kd))
+  g[seg == 0] = 0.0
+  beta = rng.uniform(0.0, 1.0, C)
+  beta[seg == 0] = 0.0
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  prep = jax.jit(lambda *a: cm.chunk_prep(*a, blocked=blocked))
+  G, tinv, aqk = prep(f32(q), f32(k), f32(g), f32(beta[:, None]), jnp.asarray(seg[:, None]),
+                      jnp.asarray(seg[None, :]))
+  want_G, want_tinv, want_aqk = _chunk_oracle(q.astype(np.float32), k.astype(np.float32),
+                                              g.astype(np.float32), beta.astype(np.float32), seg)
+  for name, got in (("G", G), ("tinv", tinv), ("aqk", aqk)):
+    assert np.all(np.isfinite(np.asarray(got))), name
+  np.testing.assert_allclose(np.asarray(G), want_G, rtol=2e-6, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(tinv), want_tinv, rtol=0, atol=2e-6)
+  np.testing.assert_allclose(np.asarray(aqk), want_aqk, rtol=0, atol=2e-6)
+
+
+def test_block_row_picks_row_j_of_each_block():
+  x = np.arange(C * 8, dtype=np.float32).reshape(C, 8)
+  for j in (0, 5, 15):
+    got = np.asarray(jax.jit(cm.block_row)(jnp.asarray(x), j))
+    want = x[(np.arange(C) // 16) * 16 + j]
+    np.testing.assert_array_equal(got, want)
