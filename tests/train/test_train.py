@@ -234,7 +234,8 @@ def test_sigterm_before_the_first_step_says_nothing_was_saved(corpus, tmp_path, 
     out.mkdir()
     (out / "notes.txt").write_text("mine")
   with pytest.raises(KeyboardInterrupt):
-    train(tiny_config(corpus, out, "steps=3"), progress=False)
+    # overwrite=true: a directory holding other files is only used when asked for (tools.train refuses it otherwise)
+    train(tiny_config(corpus, out, "steps=3", *(["overwrite=true"] if existing else [])), progress=False)
   err = capsys.readouterr().err
   assert "no step was completed and nothing was saved" in err, err
   # What the run created is gone; a directory that was there before keeps only what it held.
