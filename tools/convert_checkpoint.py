@@ -26,6 +26,14 @@ Keys:
   tokenizer_path        to_orbax: a sentencepiece .model file to copy into the checkpoint (optional).
   max_shard_size        to_hf: bytes per safetensors shard (units B, KB, MB, GB; decimal); default 5GB.
 
+HF config.json: to_orbax stores the source's config.json unchanged as DIR/hf_config.json. to_hf
+writes the keys the model defines (shapes, layer layout, special ids, ...) from DIR/config.json and
+keeps every other key of DIR/hf_config.json when there is one (informational keys such as
+model_max_length, linear_num_heads, head_dim, qk_head_dim, transformers_version), so a round trip
+gives back the source's config.json. Its `dtype` (and `torch_dtype`, when the source config has that
+key) is the dtype holding the most parameter bytes of the written tensors: "bfloat16" for bf16
+matrices with float32 vectors (A_log, dt_bias, router), which is how transformers labels such a file.
+
 Memory: tensors are read one at a time from the memory-mapped safetensors (each file is opened only for
 the read, so its pages do not stay mapped) and written to Orbax in pieces of at most ~256 MB (one
 stacked expert array may be larger), so peak host memory is about the largest tensor plus that piece,
@@ -60,6 +68,7 @@ PIECE_BYTES = 256 * 2**20  # parameters handed to Orbax per write (bounded host 
 DIRECTIONS = ("to_orbax", "to_hf")
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+HF_CONFIG_FILE = "hf_config.json"  # to_orbax: the source's config.json, kept for to_hf
 KEYS = ("direction", "hf_model_path", "load_parameters_path", "output_path", "weight_dtype", "overwrite",
         "tokenizer_path", "max_shard_size")
 
@@ -320,6 +329,7 @@ def hf_to_orbax(args: Args) -> dict:
   n_tensors = 0
   with ck.ParameterWriter(args.output_path, cfg, tokenizer_path=args.tokenizer_path or None,
                           overwrite=args.overwrite) as writer, _progress(total, "to_orbax") as bar:
+    (writer.tmp / HF_CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2) + "\n")
     piece, piece_bytes = {}, 0
     for e in entries:
       if piece and piece_bytes + e.nbytes > PIECE_BYTES:
@@ -426,8 +436,10 @@ def orbax_to_hf(args: Args) -> dict:
     if out_dtype[e.name] not in hl.NP_TO_ST:
       raise ConversionError(f"parameter {e.name} has dtype {out_dtype[e.name]}, which safetensors output does "
                             f"not support here")
-  hf_cfg = hl.config_to_hf(cfg, dtype=cfg.weight_dtype)
   tensors = [(n, e.hf_shape, out_dtype[e.name]) for e in entries for n in e.hf_names]
+  label = majority_dtype(tensors)
+  hf_cfg = merge_hf_config(hl.config_to_hf(cfg, dtype=label),
+                           _stored_hf_config(pathlib.Path(args.load_parameters_path)), label)
   shards = _plan_shards(tensors, args.max_shard_size)
   nshard = len(shards)
   names = (["model.safetensors"] if nshard == 1 else
@@ -460,7 +472,48 @@ def orbax_to_hf(args: Args) -> dict:
   seconds = time.perf_counter() - t0
   return {"direction": "to_hf", "tensors": len(tensors), "parameters": len(entries), "bytes_read": total,
           "bytes_written": total, "seconds": seconds, "output": os.fspath(pathlib.Path(args.output_path).absolute()),
-          "shards": nshard, "weight_dtype": cfg.weight_dtype}
+          "shards": nshard, "weight_dtype": label}
+
+
+def majority_dtype(tensors: Sequence[tuple[str, tuple, np.dtype]]) -> str:
+  """The name ("float32", "bfloat16", ...) of the dtype holding the most bytes among `(name, shape,
+  dtype)` tensors (ties: the first met): the dtype an HF config.json reports for a mixed checkpoint."""
+  size: dict[np.dtype, int] = {}
+  for _, shape, dtype in tensors:
+    size[dtype] = size.get(dtype, 0) + int(np.prod(shape)) * dtype.itemsize
+  best = max(size, key=size.get)
+  return "bfloat16" if best == np.dtype(hl.MODEL_DTYPES["bfloat16"]) else np.dtype(best).name
+
+
+def merge_hf_config(ours: dict, source: dict | None, dtype: str) -> dict:
+  """`source` (the original HF config.json, or None) updated with every key of `ours` (the keys the
+  model defines win; nested dicts such as linear_attn_config are merged key by key), with `dtype` as
+  its dtype (and torch_dtype, when the source has that key). Key order: the source's, then new keys."""
+  def merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+      out[k] = merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+    return out
+  out = merge(source or {}, ours)
+  out["dtype"] = dtype
+  if "torch_dtype" in out:
+    out["torch_dtype"] = dtype
+  return out
+
+
+def _stored_hf_config(ckpt: pathlib.Path) -> dict | None:
+  """The source HF config.json that to_orbax kept in checkpoint `ckpt`, or None (e.g. a checkpoint
+  written by tools.train). Raises ConversionError naming the file when it is not a JSON object."""
+  f = ckpt / HF_CONFIG_FILE
+  if not f.is_file():
+    return None
+  try:
+    data = json.loads(f.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ConversionError(f"{f} is not valid JSON: {e}") from None
+  if not isinstance(data, dict):
+    raise ConversionError(f"{f} must hold a JSON object (the source HF config.json)")
+  return data
 
 
 def _read_groups(entries: list[hl.Entry]):

@@ -218,6 +218,59 @@ def test_to_hf_config_agrees_with_transformers_config(converted, tmp_path):
     assert {k: v for k, v in back.items() if k not in skip} == {k: v for k, v in orig.items() if k not in skip}
 
 
+def test_round_trip_keeps_the_source_hf_config(converted, tmp_path):
+  """to_orbax keeps the source config.json as hf_config.json; to_hf merges it back, so informational
+  keys (model_max_length, linear_num_heads, head_dim, qk_head_dim, ...) survive the round trip."""
+  for name, src in (("dense", DENSE), ("sharded", SHARDED)):
+    theirs = json.loads((src / "config.json").read_text())
+    assert json.loads((converted[name] / "hf_config.json").read_text()) == theirs
+    out = tmp_path / name
+    _run(["direction=to_hf", f"load_parameters_path={converted[name]}", f"output_path={out}"])
+    ours = json.loads((out / "config.json").read_text())
+    for key in ("model_max_length", "linear_num_heads", "head_dim", "qk_head_dim", "linear_head_dim",
+                "pretraining_tp", "transformers_version"):
+      assert ours[key] == theirs[key], key
+    assert {k: ours[k] for k in theirs} == theirs  # ours adds a few keys transformers defaults (mla_use_nope, ...)
+    assert set(ours) - set(theirs) <= {"mla_use_nope", "moe_layer_freq", "moe_router_activation_func",
+                                       "num_nextn_predict_layers", "use_grouped_topk"}
+  # A checkpoint without hf_config.json (e.g. written by tools.train) gets the model's keys only.
+  bare = tmp_path / "bare"
+  shutil.copytree(converted["dense"], bare)
+  (bare / "hf_config.json").unlink()
+  _run(["direction=to_hf", f"load_parameters_path={bare}", f"output_path={tmp_path / 'bare_hf'}"])
+  ours = json.loads((tmp_path / "bare_hf" / "config.json").read_text())
+  assert "model_max_length" not in ours and ours["dtype"] == "float32" and ours["vocab_size"] == 512
+
+
+def test_to_hf_dtype_is_the_dtype_of_most_parameter_bytes(tmp_path):
+  """bf16 matrices + float32 vectors (a tools.train export with export_dtype=bfloat16 keeps
+  weight_dtype=float32 in its config) are labelled bfloat16, in dtype and torch_dtype."""
+  src = _write_bf16_source(tmp_path / "bf16")
+  cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
+  cfg["torch_dtype"] = cfg.pop("dtype")  # an older transformers' spelling
+  (tmp_path / "bf16" / "config.json").write_text(json.dumps(cfg))
+  _run([f"hf_model_path={tmp_path / 'bf16'}", f"output_path={tmp_path / 'ck'}"])
+  stored = json.loads((tmp_path / "ck" / "config.json").read_text())
+  stored["weight_dtype"] = "float32"
+  (tmp_path / "ck" / "config.json").write_text(json.dumps(stored))
+  bytes_by_dtype = {}
+  for v in src.values():
+    bytes_by_dtype[v.dtype.name] = bytes_by_dtype.get(v.dtype.name, 0) + v.nbytes
+  assert 0 < bytes_by_dtype["float32"] < bytes_by_dtype["bfloat16"]  # a mixed checkpoint
+  summary = _run(["direction=to_hf", f"load_parameters_path={tmp_path / 'ck'}", f"output_path={tmp_path / 'hf'}"])
+  out = json.loads((tmp_path / "hf" / "config.json").read_text())
+  assert (out["dtype"], out["torch_dtype"], summary["weight_dtype"]) == ("bfloat16",) * 3
+  # weight_dtype=float32 casts every tensor: then the label is float32.
+  _run(["direction=to_hf", f"load_parameters_path={tmp_path / 'ck'}", f"output_path={tmp_path / 'hf32'}",
+        "weight_dtype=float32"])
+  out = json.loads((tmp_path / "hf32" / "config.json").read_text())
+  assert (out["dtype"], out["torch_dtype"]) == ("float32", "float32")
+  assert cc.majority_dtype([("a", (3, 2), np.dtype(np.float32)), ("b", (4, 4), np.dtype(ml_dtypes.bfloat16))]) == \
+      "bfloat16"  # 24 bytes vs 32
+  assert cc.majority_dtype([("a", (5, 2), np.dtype(np.float32)), ("b", (4, 4), np.dtype(ml_dtypes.bfloat16))]) == \
+      "float32"  # 40 bytes vs 32
+
+
 @pytest.mark.skipif(not REF_PY.exists(), reason=".venv-ref (torch + transformers) is absent")
 def test_transformers_loads_to_hf_output(converted, tmp_path):
   args = []
