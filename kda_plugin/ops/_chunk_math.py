@@ -185,13 +185,14 @@ def _below_diag_scores(q, k, G):
   """
   c = G.shape[0]
   rows = iota(G.shape, 0)
+  # exp(G_p - G_i) for every row i against the last row p of its own block: one exponent per
+  # (row, channel), shared by all column blocks (each one uses only its own rows)
+  k_inside = k * jnp.exp(block_row(G, SUB - 1) - G)
   akk = aqk = jnp.zeros((c, c), jnp.float32)
   for blk in range(c // SUB - 1):
     p = blk * SUB + SUB - 1
-    gp = row_at(G, p)
-    below = jnp.exp(jnp.where(rows > p, G - gp, NEG_INF))
-    inside = jnp.exp(jnp.where((rows >= blk * SUB) & (rows <= p), gp - G, NEG_INF))
-    kl = k * inside
+    below = jnp.exp(jnp.where(rows > p, G - row_at(G, p), NEG_INF))
+    kl = jnp.where((rows >= blk * SUB) & (rows <= p), k_inside, 0.0)
     akk = akk + dot_nt(k * below, kl)
     aqk = aqk + dot_nt(q * below, kl)
   return akk, aqk
