@@ -126,3 +126,41 @@ def test_block_row_picks_row_j_of_each_block():
     got = np.asarray(jax.jit(cm.block_row)(jnp.asarray(x), j))
     want = x[(np.arange(C) // 16) * 16 + j]
     np.testing.assert_array_equal(got, want)
+
+
+def _count_ops(fn, *args):
+  """(exp elements, {dot shape: count}) in fn's jaxpr, loop bodies times their trip counts."""
+  from jax.extend import core as jcore  # noqa: PLC0415
+  exps, dots = 0, {}
+
+  def walk(jaxpr, mult):
+    nonlocal exps
+    for eqn in jaxpr.eqns:
+      assert eqn.primitive.name != "while", "a loop without a static trip count"
+      if eqn.primitive.name == "exp":
+        exps += mult * eqn.outvars[0].aval.size
+      if eqn.primitive.name == "dot_general":
+        key = tuple(tuple(v.aval.shape) for v in eqn.invars)
+        dots[key] = dots.get(key, 0) + mult
+      inner = mult * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+      for p in eqn.params.values():
+        for j in (p if isinstance(p, (list, tuple)) else [p]):
+          if isinstance(j, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+            walk(getattr(j, "jaxpr", j), inner)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr, 1)
+  return exps, dots
+
+
+@pytest.mark.parametrize("blocked", [True, False], ids=["mosaic_blocked", "triton_unblocked"])
+def test_chunk_prep_op_budget(blocked):
+  """Per-chunk work of chunk_prep (C = 64, K = 128): 20 C*K exps (16 for the diagonal blocks, 4 for
+  the blocks below), 6 score matmuls [C,K]x[C,K]^T, the cumsum matmul and 10 [C,C] matmuls for the
+  inverse. Was 22 C*K (TPU) / 64 C*K (GPU) exps and 21 inverse matmuls before the restructuring."""
+  kd = 128
+  x = jnp.zeros((C, kd), jnp.float32)
+  exps, dots = _count_ops(lambda *a: cm.chunk_prep(*a, blocked=blocked), x, x, x,
+                          jnp.zeros((C, 1)), jnp.zeros((C, 1), jnp.int32),
+                          jnp.zeros((1, C), jnp.int32))
+  assert exps == 20 * C * kd
+  assert dots == {((C, C), (C, kd)): 1, ((C, kd), (C, kd)): 6, ((C, C), (C, C)): 10}
