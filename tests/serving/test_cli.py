@@ -218,7 +218,7 @@ def test_errors_before_model_load(checkpoints, tokenizer_file, tmp_path, capsys,
       assert err.startswith("error: output_json=") and __import__("re").search(msg, err) and ".tmp" not in err, err
 
 
-def test_existing_output_json_needs_overwrite(checkpoints, reference, tmp_path, capsys, monkeypatch):
+def test_existing_output_json_needs_overwrite(checkpoints, tmp_path, capsys, monkeypatch):
   """An existing output_json is refused before any work (as tools.convert_checkpoint refuses an existing
   output), unless overwrite=true; then it is replaced, through a temporary file."""
   from tools import serving_common
@@ -227,8 +227,6 @@ def test_existing_output_json_needs_overwrite(checkpoints, reference, tmp_path, 
   out.write_text("keep me\n")
   ids = tmp_path / "ok.txt"
   ids.write_text("3 4 5 6\n")
-  real_load = serving_common.load_on_mesh
-
   def no_load(*a, **k):
     raise AssertionError("the model was loaded before the existing output_json was refused")
   monkeypatch.setattr(serving_common, "load", no_load)
@@ -242,12 +240,13 @@ def test_existing_output_json_needs_overwrite(checkpoints, reference, tmp_path, 
     serving_common.write_json_atomic(out, {"a": 1})
   assert out.read_text() == "keep me\n"
 
-  monkeypatch.setattr(serving_common, "load_on_mesh", real_load)
-  ref = reference("dense")
-  status = _gen([ck, "attention=kda_reference", f"prompt_ids={_ids(ref['prompt_ids'][0])}", "max_new_tokens=12",
-                 "decode_stop_at_eos=false", f"output_json={out}", "overwrite=true"])
-  assert status == 0, capsys.readouterr().err
-  assert json.loads(out.read_text())["results"][0]["generated_ids"] == ref["greedy_ids"][0].tolist()
+  # overwrite=true: the existing file passes the up-front check (the tool goes on to load the model)...
+  for tool, argv in ((_gen, [ck, "prompt_ids=3"]), (_ppl, [ck, f"eval_data={ids}", "eval_format=ids"])):
+    with pytest.raises(AssertionError, match="the model was loaded"):
+      tool(argv + [f"output_json={out}", "overwrite=true"])
+  # ... and the final write replaces it through a temporary file.
+  serving_common.write_json_atomic(out, {"a": 1}, overwrite=True)
+  assert json.loads(out.read_text()) == {"a": 1}
   assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.txt", "old.json"]  # no temporary left behind
 
 

@@ -105,12 +105,12 @@ def test_decode_timings_count_generated_tokens_only(load, reference):
   prompts = _three_prompts(reference("dense"))
   free, t_free = _generator(model, cfg).generate(prompts, NEW, stop_at_eos=False)
   assert (t_free.decode_tokens, t_free.decode_steps) == (3 * (NEW - 1), NEW - 1)
-  eos = free[0].token_ids[2]   # prompt 0 alone: it stops at its 3rd token, inside the first decode chunk
+  eos = free[0].token_ids[2]   # prompt 0: it stops at its 3rd token, inside the first decode chunk
   gen = Generator(model, max_length=int(cfg.max_cache_length), eos_id=eos, pad_id=0, decode_chunk=8)
-  (one,), t = gen.generate(prompts[:1], NEW)
-  k = one.token_ids.index(eos) + 1
-  assert one.finish_reason == "eos" and k <= 3
-  assert (t.decode_tokens, t.decode_steps) == (k - 1, k - 1)  # was (k - 1, 8): the masked steps counted
+  same, t = gen.generate([prompts[0]] * 3, NEW)  # the shapes of the three prompts: no new compilation
+  k = same[0].token_ids.index(eos) + 1
+  assert k <= 3 and all(r.finish_reason == "eos" and len(r.token_ids) == k for r in same)
+  assert (t.decode_tokens, t.decode_steps) == (3 * (k - 1), k - 1)  # was (3 * (k - 1), 8): masked steps counted
   several, t = gen.generate(prompts, NEW)
   assert t.decode_tokens == sum(len(r.token_ids) - 1 for r in several)
   assert t.decode_steps == max(len(r.token_ids) for r in several) - 1
