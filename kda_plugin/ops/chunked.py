@@ -115,7 +115,7 @@ def _scores_chunk(q, k, gb, tb, ce):
   m = 0.5 * g_full[..., -1:, :]
   em = jnp.exp(m)                                                      # one row per chunk
   row_f = jnp.exp(g_full - m)
-  col_f = jnp.exp(m - g_full)
+  col_f = 1.0 / row_f          # exp(m - G): |G - m| <= FACTOR_LIMIT / 2, so a normal float; cheaper than exp
   col = k * col_f
   # NT products (contracting the last axis of both): no element-level transpose is materialised.
   c = q.shape[-2]
@@ -172,6 +172,15 @@ def _diag_exact(qb, kb, gb):
   aq = jnp.sum(qb[..., :, None, :] * ki * e, axis=-1)
   ak = jnp.sum(kb[..., :, None, :] * ki * e, axis=-1)
   return jnp.concatenate([aq, ak], axis=-2)                           # [..., NB, 2SUB, SUB]
+
+
+def _cumsum_rows(x):
+  """Inclusive cumulative sum along axis -2 by unrolled adds, in sequential order: XLA CPU lowers
+  `jnp.cumsum` to a reduce-window that costs about twice as much on these short (16-row) axes."""
+  out = [x[..., 0, :]]
+  for i in range(1, x.shape[-2]):
+    out.append(out[-1] + x[..., i, :])
+  return jnp.stack(out, axis=-2)
 
 
 def _chunk_cumsum(gb, tb):
@@ -263,7 +272,7 @@ def _chunk_prep(q, k, v, g, beta, seg, *, scale, prep=None, diag_mode="auto"):
   bh = jnp.swapaxes(jnp.where(valid[..., None], beta.astype(jnp.float32), 0.0), -1, -2)[..., None]
   same = (seg[..., :, None] == seg[..., None, :]) & valid[..., :, None]
   causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
-  gb = jnp.cumsum(gh.reshape(gh.shape[:-2] + (nb, SUB, kd)), axis=-2)
+  gb = _cumsum_rows(gh.reshape(gh.shape[:-2] + (nb, SUB, kd)))
   tb = gb[..., -1, :]
   ce = tb[..., None, :] - gb
   aqk, akk, eg, dte = _scores(qh, kh, gb, tb, ce, diag_mode)
@@ -397,16 +406,25 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
       o = o + xs[9][..., c:, :]
     vnew = _mm("bhri,bhiv->bhrv", linv, r)                                       # per-token deltas
     o = o + _mm("bhri,bhiv->bhrv", aqk, vnew, out_precision)
-    fresh = h0[bidx, slot(sx[:, -1])] if h0 is not None else jnp.zeros_like(s)
-    base = jnp.where(lic[:, None, None, None], s, fresh)
+    # The state leaving the chunk decays the carried state if the carried document is still open at
+    # its end, else the initial state of the document that is (the selects act on [B, H, K, 1]
+    # factors, not on the [B, H, K, V] states).
+    dec = cp.egl[..., c - 1, :, None]                                            # [B, H, K, 1]
+    kept = lic[:, None, None, None]
     kd_last = jnp.where(last, cp.kh * cp.dte, 0.0)
-    s_next = cp.egl[..., c - 1, :, None] * base + _mm("bhik,bhiv->bhkv", kd_last, vnew)
+    s_next = jnp.where(kept, dec, 0.0) * s + _mm("bhik,bhiv->bhkv", kd_last, vnew)
+    if h0 is not None:
+      s_next = s_next + jnp.where(kept, 0.0, dec) * h0[bidx, slot(sx[:, -1])]
     if buf is not None:
-      sbuf, vbuf = buf
-      sc = slot(cl)
-      sbuf = sbuf.at[bidx, sc].set(jnp.where(cc[:, None, None, None], s, sbuf[bidx, sc]))
-      vbuf = vbuf.at[bidx, xs[-1]].set(vnew)    # kept only for chunks where a document ends
-      buf = (sbuf, vbuf)
+      def save(bufs):
+        sbuf, vbuf = bufs
+        sc = slot(cl)
+        sbuf = sbuf.at[bidx, sc].set(jnp.where(cc[:, None, None, None], s, sbuf[bidx, sc]))
+        vbuf = vbuf.at[bidx, xs[-1]].set(vnew)  # kept only for chunks where a document ends
+        return sbuf, vbuf
+      # Most chunks neither close a carried document nor end one: they skip the read-modify-write of
+      # a [B, H, K, V] slot (as costly as a third of the chunk's matmuls on CPU).
+      buf = lax.cond(jnp.any(cc) | jnp.any(xs[-1] < n_slots), save, lambda bufs: bufs, buf)
     return (s_next, buf), jnp.swapaxes(o, 1, 2).astype(out_dtype)               # [B, C, H, V]
 
   out_dtype = q.dtype
