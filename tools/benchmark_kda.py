@@ -4,10 +4,10 @@ Seed case (issue acceptance): B=1, H=8, K=V=128, T in {512, 8192}, float32 and b
 documents split at T/2 - 17 (not 64-aligned), bounded gate (lower_bound=-5, a_log=0, dt_bias=-2)
 activated inside each op, q/k L2-normalised inside each op, final states requested. Every backend
 gets the same raw inputs; each call is jitted, warmed up, then timed `--runs` times with
-`block_until_ready`. Runs are interleaved (run r calls every backend once, in an order rotated by r)
-so that a slow spell of a shared machine hits all backends alike; the median latency, the process CPU
-time of the same runs, and the speed-up against each peer (the median over runs of the paired ratio)
-are reported.
+`block_until_ready`. Runs are interleaved (round r calls every backend, in an order rotated by r, once
+untimed and once timed) so that a slow spell of a shared machine hits all backends alike while every
+timed call follows a call of its own op; the median latency, the process CPU time of the same runs,
+and the speed-up against each peer (the median over rounds of the paired ratio) are reported.
 
 Backends by platform (the others are listed as skipped, with the reason):
   any:  kda_chunked (training op), kda_inference_xla (kda_native's XLA backend, the CPU default),
@@ -267,9 +267,10 @@ def _xla_peak_bytes(fn, args) -> int | None:
 
 
 def measure_case(backends: list[Backend], case: Case, *, runs: int, warmup: int) -> dict[str, dict[str, Any]]:
-  """Times every backend on one case, interleaved: run r calls each backend once (in an order rotated
-  by r), so a slow spell of a shared machine hits all of them alike. Ratios against a peer are the
-  median over runs of the per-run ratio (paired), not the ratio of two medians taken minutes apart."""
+  """Times every backend on one case, interleaved: round r calls each backend (in an order rotated by
+  r) twice, untimed then timed, so a slow spell of a shared machine hits all of them alike while each
+  timed call follows a call of its own op. Ratios against a peer are the median over rounds of the
+  per-round ratio (paired), not the ratio of two medians taken minutes apart."""
   made = {}
   for be in backends:
     print(f"T={case.seq_len} {case.dtype} {be.name}: compiling ...", file=sys.stderr, flush=True)
@@ -287,6 +288,10 @@ def measure_case(backends: list[Backend], case: Case, *, runs: int, warmup: int)
     for i in range(len(names)):
       n = names[(i + r) % len(names)]
       _, fn, args, _, _ = made[n]
+      # One untimed call first: the timed call then finds the allocator, caches and thread pool in
+      # the state its own op leaves (as in a model step), not the state of the previous peer, whose
+      # frees of hundreds of MB otherwise cost the next op its page faults.
+      jax.block_until_ready(fn(*args))
       t0, c0 = time.perf_counter(), time.process_time()
       jax.block_until_ready(fn(*args))
       times[n].append(time.perf_counter() - t0)
