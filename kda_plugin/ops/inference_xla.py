@@ -4,7 +4,11 @@ activation and the q/k L2 norm applied per chunk inside the scan.
 Math: ../shared/docs/kda.md sections 2 and 4, ../shared/docs/segment_native_chunk.md. The algorithm
 is `kda_plugin.ops.chunked.kda_chunk_core` (shared with the training path, not a second copy); this
 module only validates the arguments, chooses the static score factorisation a bounded gate permits,
-fuses the gate / L2 norm into the per-chunk work, and runs it at 32-row chunks (`INFERENCE_CHUNK`).
+and fuses the gate / L2 norm into the per-chunk work.
+
+Chunk size: 64 rows, as the training op. 32-row chunks have 20 % fewer FLOPs per token (smaller C x C
+products) and win on a loaded CPU, but on an idle 2-core host 64 is 5-10 % faster in wall time (larger
+operations keep both cores busy); measured with paired runs in one process.
 """
 
 from __future__ import annotations
@@ -17,11 +21,6 @@ import jax.numpy as jnp
 from kda_plugin.ops._contract import check_kda_inputs
 from kda_plugin.ops.chunked import FACTOR_LIMIT, SUB, kda_chunk_core, run_with_slots
 from kda_plugin.ops.gates import activate_gate, check_lower_bound, l2norm
-
-# Rows per chunk of the fused forward. Smaller chunks than the training op's 64 trade a longer scan for
-# 20 % fewer FLOPs per token (the C x C score and solve products shrink; the state products do not);
-# on CPU the forward is ~10 % faster at 32 (measured with tools/benchmark_kda.py; 16 is slower again).
-INFERENCE_CHUNK = 32
 
 
 def kda_inference_xla(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
@@ -98,4 +97,4 @@ def _forward(q, k, v, g, beta, seg, h0, gate, *, scale, n_slots, want_final, dia
   use_prep = use_l2norm or gate is not None
   return kda_chunk_core(q, k, v, g, beta, seg, h0, scale=scale, n_slots=n_slots,
                         want_final=want_final, diag_mode=diag_mode,
-                        prep=prep if use_prep else None, chunk=INFERENCE_CHUNK)
+                        prep=prep if use_prep else None)
