@@ -266,17 +266,28 @@ def _xla_peak_bytes(fn, args) -> int | None:
     return None
 
 
-def measure_case(backends: list[Backend], case: Case, *, runs: int, warmup: int) -> dict[str, dict[str, Any]]:
+def measure_case(backends: list[Backend], case: Case, *, runs: int, warmup: int,
+                 failed: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
   """Times every backend on one case, interleaved: round r calls each backend (in an order rotated by
   r) twice, untimed then timed, so a slow spell of a shared machine hits all of them alike while each
   timed call follows a call of its own op. Ratios against a peer are the median over rounds of the
-  per-round ratio (paired), not the ratio of two medians taken minutes apart."""
+  per-round ratio (paired), not the ratio of two medians taken minutes apart. A backend whose build
+  or first call raises is left out of the case and its error recorded in `failed` (printed with the
+  table: on a device the kernels and peers have not run on before, one failure must not hide the
+  other figures)."""
   made = {}
   for be in backends:
     print(f"T={case.seq_len} {case.dtype} {be.name}: compiling ...", file=sys.stderr, flush=True)
-    fn, args = be.make(case)
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
+    try:
+      fn, args = be.make(case)
+      t0 = time.perf_counter()
+      out = jax.block_until_ready(fn(*args))
+    except Exception as e:  # noqa: BLE001 - reported, not swallowed
+      if failed is None:
+        raise
+      failed[f"{be.name} (T={case.seq_len} {case.dtype})"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+      print(f"  failed: {failed[list(failed)[-1]]}", file=sys.stderr, flush=True)
+      continue
     first_s = time.perf_counter() - t0
     for _ in range(warmup):
       jax.block_until_ready(fn(*args))
@@ -352,7 +363,7 @@ def main(argv=None) -> int:
   unknown = [n for n in names if n not in table]
   if unknown:
     ap.error(f"unknown backend(s) {unknown}; choose from {sorted(table)}")
-  rows, skipped = [], {}
+  rows, skipped, failed = [], {}, {}
   for t in args.seq_lens:
     for dt in args.dtypes:
       case = Case(args.batch, t, args.heads, args.key_dim, args.value_dim, dt)
@@ -363,7 +374,7 @@ def main(argv=None) -> int:
           skipped[name] = reason
         else:
           runnable.append(table[name])
-      results = measure_case(runnable, case, runs=args.runs, warmup=args.warmup)
+      results = measure_case(runnable, case, runs=args.runs, warmup=args.warmup, failed=failed)
       ref = results.get("kda_inference_xla")
       for name, r in results.items():
         r["max_abs_diff"] = (float(np.max(np.abs(r["output"] - ref["output"])))
@@ -375,6 +386,8 @@ def main(argv=None) -> int:
   print(_markdown(rows))
   for name, reason in skipped.items():
     print(f"skipped {name}: {reason}")
+  for name, reason in failed.items():
+    print(f"FAILED {name}: {reason}")
   meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), jax=jax.__version__,
               backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
               cpu_count=os.cpu_count(), python=platform.python_version(),
@@ -385,9 +398,9 @@ def main(argv=None) -> int:
               runs=args.runs, warmup=args.warmup,
               notes={n: table[n].note for n in names if n in table})
   with open(args.output, "w") as f:
-    json.dump(dict(meta=meta, results=rows, skipped=skipped), f, indent=2)
+    json.dump(dict(meta=meta, results=rows, skipped=skipped, failed=failed), f, indent=2)
   print(f"wrote {args.output}")
-  return 0
+  return 1 if failed else 0
 
 
 if __name__ == "__main__":
