@@ -16,6 +16,7 @@ For token t of a document (t >= 1) the score is `log p(doc[t] | doc[:t])`, compu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -27,12 +28,13 @@ import numpy as np
 from flax import nnx
 
 from model import cache as cache_lib
+from model import sharding
 from model.input_pipeline import EvalWindow, pack_eval_windows
 from model.serving import round_up
 
 
-# Compiled window functions per (graphdef, treedef, T, B, N, cache length), shared by every Scorer in
-# the process.
+# Compiled window functions per (graphdef, treedef, T, B, N, cache length, mesh, rules), shared by
+# every Scorer in the process.
 _COMPILED: dict = {}
 
 
@@ -89,6 +91,15 @@ def _carry(cache, window_continues, window_prev_label, batch: int, num_slots: in
   return jax.tree.map(move, cache)
 
 
+def _zeros_like(shapes, shardings=None):
+  """Fresh zeros per leaf of a tree of shapes (each its own buffer: the cache is donated), placed
+  on `shardings` (a matching tree) when given, created sharded rather than copied there."""
+  if shardings is None:
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+  return jax.tree.map(lambda x, sh: jax.jit(lambda: jnp.zeros(x.shape, x.dtype), out_shardings=sh)(), shapes,
+                      shardings)
+
+
 class Scorer:
   """Scores documents with a `KimiLinearForCausalLM`.
 
@@ -99,13 +110,19 @@ class Scorer:
     num_slots: N, documents per row (`max_num_segments`).
     pad_id: id on padding.
     cache_multiple: the MLA cache length (longest document) is rounded up to this.
+    mesh, rules: score with a model sharded on this `jax.sharding.Mesh` (`model.sharding`; rules: a
+      config or parsed `logical_axis_rules`, default the base rules): the window is traced in
+      `sharding.mesh_context`, window rows and the carried cache are split over the batch axes
+      (`batch_sharding`, `cache_shardings`; a dimension they do not divide stays replicated), and
+      the per-token log-probs come back replicated, so every process of a multi-host job reads
+      them all. None: one device (the model's own).
 
   Raises:
     ValueError: sizes below 1 (seq_len below 2).
   """
 
   def __init__(self, model, *, seq_len: int, batch_size: int = 1, num_slots: int = 8, pad_id: int = 0,
-               cache_multiple: int = 64):
+               cache_multiple: int = 64, mesh=None, rules=None):
     if int(seq_len) < 2:
       raise ValueError(f"max_target_length must be >= 2 (a token and its target), got {seq_len}")
     for name, v in (("batch_size", batch_size), ("num_slots", num_slots), ("cache_multiple", cache_multiple)):
@@ -114,11 +131,17 @@ class Scorer:
     self.model = model
     self.seq_len, self.batch_size, self.num_slots = int(seq_len), int(batch_size), int(num_slots)
     self.pad_id, self.cache_multiple = int(pad_id), int(cache_multiple)
+    self.mesh, self._rules = mesh, rules
     self._graphdef, state = nnx.split(model)
     self._leaves, self._treedef = jax.tree.flatten(state)
 
   def _window_fn(self, cache_length: int):
-    key = (self._graphdef, self._treedef, self.seq_len, self.batch_size, self.num_slots, cache_length)
+    """`((compiled, input shardings), seconds to compile and warm up)` for this cache length (cached).
+
+    The input shardings are `(cache, [B, T] arrays, [B, N] arrays)`: None each off-mesh."""
+    rules_key = None if self._rules is None else repr(sharding.as_rules(self._rules))
+    key = (self._graphdef, self._treedef, self.seq_len, self.batch_size, self.num_slots, cache_length, self.mesh,
+           rules_key)
     if key in _COMPILED:
       return _COMPILED[key], 0.0
     b, n = self.batch_size, self.num_slots
@@ -133,19 +156,39 @@ class Scorer:
       return jnp.where(loss_mask, lp, 0.0), cache
 
     cache = jax.eval_shape(lambda: self.model.init_cache(b, n, cache_length))
+    mesh = self.mesh
+    if mesh is None:
+      shardings = (None, None, None)
+      ctx, jit_kw = contextlib.nullcontext(), {}
+    else:
+      rules = sharding.as_rules(self._rules)
+      cache_sh = sharding.cache_shardings(cache, mesh, rules)
+      bt_sh = sharding.batch_sharding(mesh, (b, self.seq_len), rules_or_cfg=rules)
+      bn_sh = sharding.batch_sharding(mesh, (b, n), ("activation_batch", None), rules_or_cfg=rules)
+      shardings = (cache_sh, bt_sh, bn_sh)
+      ctx = sharding.mesh_context(mesh, rules)
+      # Log-probs replicated (a [B, T] float32: cheap), so that every process can read all of them;
+      # the cache keeps the layout it came in with, so one window's output feeds the next.
+      jit_kw = dict(in_shardings=(jax.tree.map(lambda x: x.sharding, self._leaves), cache_sh, bt_sh, bt_sh, bt_sh,
+                                  bt_sh, bn_sh, bn_sh),
+                    out_shardings=(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), cache_sh))
     bt = jax.ShapeDtypeStruct((b, self.seq_len), jnp.int32)
     bn = jax.ShapeDtypeStruct((b, n), jnp.int32)
     t0 = time.perf_counter()
-    compiled = jax.jit(run, donate_argnums=(1,)).lower(
-        self._leaves, cache, bt, bt, jax.ShapeDtypeStruct((b, self.seq_len), jnp.bool_),
-        bt, jax.ShapeDtypeStruct((b, n), jnp.bool_), bn).compile()
+    with ctx:
+      compiled = jax.jit(run, donate_argnums=(1,), **jit_kw).lower(
+          self._leaves, cache, bt, bt, jax.ShapeDtypeStruct((b, self.seq_len), jnp.bool_),
+          bt, jax.ShapeDtypeStruct((b, n), jnp.bool_), bn).compile()
     # Warm-up on an all-padding window: a fresh executable's first run pays one-time set-up costs.
-    zeros = jnp.zeros((b, self.seq_len), jnp.int32)
-    fresh = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), cache)
-    jax.block_until_ready(compiled(self._leaves, fresh, zeros, zeros, zeros.astype(bool), zeros,
-                                   jnp.zeros((b, n), bool), jnp.zeros((b, n), jnp.int32)))
-    _COMPILED[key] = compiled
-    return compiled, time.perf_counter() - t0
+    zeros = np.zeros((b, self.seq_len), np.int32)
+    zn = np.zeros((b, n), np.int32)
+    fresh = _zeros_like(cache, shardings[0])
+    put = lambda x, sh: jnp.asarray(x) if sh is None else jax.device_put(x, sh)
+    jax.block_until_ready(compiled(self._leaves, fresh, put(zeros, shardings[1]), put(zeros, shardings[1]),
+                                   put(zeros.astype(bool), shardings[1]), put(zeros, shardings[1]),
+                                   put(zn.astype(bool), shardings[2]), put(zn, shardings[2])))
+    _COMPILED[key] = (compiled, shardings)
+    return _COMPILED[key], time.perf_counter() - t0
 
   def windows(self, docs: Sequence[np.ndarray]) -> list[EvalWindow]:
     """`pack_eval_windows` of `docs` with this scorer's T, B and N."""
@@ -173,10 +216,11 @@ class Scorer:
         raise ScoringError(f"document {i} holds token ids outside the vocabulary [0, {vocab}): {bad[:8].tolist()}")
     windows = self.windows(docs)
     longest = max((d.size for d in docs), default=1)
-    fn, compile_s = self._window_fn(round_up(longest, self.cache_multiple))
-    empty = self.model.init_cache(self.batch_size, self.num_slots, round_up(longest, self.cache_multiple))
-    # Fresh zeros per leaf: init_cache may share one buffer between leaves, and the cache is donated.
-    cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), empty)
+    length = round_up(longest, self.cache_multiple)
+    (fn, (cache_sh, bt_sh, bn_sh)), compile_s = self._window_fn(length)
+    empty = jax.eval_shape(lambda: self.model.init_cache(self.batch_size, self.num_slots, length))
+    cache = _zeros_like(empty, cache_sh)
+    put = lambda x, sh: x if sh is None else jax.device_put(x, sh)
     sizes = np.array([max(d.size - 1, 0) for d in docs], np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     flat = np.zeros(int(starts[-1]), np.float64)   # every document's scores, end to end
@@ -184,8 +228,8 @@ class Scorer:
     t0 = time.perf_counter()
     total, count = 0.0, 0
     for w in it:
-      lp, cache = fn(self._leaves, cache, w.inputs, w.targets, w.loss_mask, w.segment_ids, w.continues,
-                     w.prev_label)
+      lp, cache = fn(self._leaves, cache, put(w.inputs, bt_sh), put(w.targets, bt_sh), put(w.loss_mask, bt_sh),
+                     put(w.segment_ids, bt_sh), put(w.continues, bn_sh), put(w.prev_label, bn_sh))
       lp = np.asarray(lp, np.float64)
       rows, cols = np.nonzero(w.loss_mask)
       slot = w.segment_ids[rows, cols] - 1

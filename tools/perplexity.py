@@ -30,6 +30,11 @@ Keys:
                         renamed over it). An existing file is refused before any work unless
                         overwrite=true.
   overwrite             true: replace an existing output_json (default false).
+  ici_*_parallelism     with several devices: the mesh to score on (data, fsdp, expert, tensor; -1 =
+                        the rest; default all devices on data), parameters restored sharded
+                        (model/sharding.py), window rows split over the batch axes (a window of
+                        eval_batch_size rows that they do not divide is replicated there);
+                        distributed_init=true starts a multi-host job (every host reads the corpus).
 
 Reports perplexity = exp(mean negative log-likelihood per scored token), bits per byte (text/jsonl:
 total NLL in bits / UTF-8 bytes of the documents), the token count and tokens/s (compilation
@@ -104,12 +109,14 @@ def check_windows(cfg) -> None:
     raise common.UsageError(f"eval_batch_size must be >= 1, got {cfg.eval_batch_size}")
 
 
-def score(model, cfg, mcfg, docs, desc):
-  """`ScoreResult` of `docs` under `model` with the tool's window settings."""
+def score(model, cfg, mcfg, docs, desc, mesh=None):
+  """`ScoreResult` of `docs` under `model` with the tool's window settings (on `mesh` when given,
+  with `mcfg`'s logical_axis_rules)."""
   check_windows(cfg)
   pad = int(mcfg.pad_token_id) if 0 <= int(mcfg.pad_token_id) < int(mcfg.vocab_size) else 0
   scorer = Scorer(model, seq_len=cfg.max_target_length, batch_size=cfg.eval_batch_size,
-                  num_slots=int(mcfg.max_num_segments), pad_id=pad, cache_multiple=cfg.prefill_length_multiple)
+                  num_slots=int(mcfg.max_num_segments), pad_id=pad, cache_multiple=cfg.prefill_length_multiple,
+                  mesh=mesh, rules=None if mesh is None else mcfg)
   return scorer.score(docs, progress=_progress(desc))
 
 
@@ -129,6 +136,13 @@ def _report(name, figs):
         f"{figs['num_windows']} windows, {figs['tokens_per_s']:.1f} tokens/s (compile {figs['compile_s']:.1f} s)")
 
 
+def _is_writer() -> bool:
+  """True in process 0: in a multi-host job every process computes the same figures, and only the
+  first writes output_json (another's write would find the file there and refuse it)."""
+  import jax
+  return jax.process_index() == 0
+
+
 def main(argv: list[str]) -> int:
   overrides, cfg = common.parse_args(argv)
   if cfg.output_json:
@@ -142,11 +156,14 @@ def main(argv: list[str]) -> int:
   stored = common.read_model_config(cfg, overrides)
   tokenizer = common.tokenizer_for(stored)
   docs, num_bytes = load_documents(cfg, tokenizer, int(stored.vocab_size))
-  model, mcfg = common.load(cfg, overrides)
+  model, mcfg, mesh = common.load_on_mesh(cfg, overrides)  # mesh None on one device
+  if mesh is not None:
+    from model.sharding import describe_mesh
+    print(f"scoring on {describe_mesh(mesh)}", file=sys.stderr)
   print(f"model {mcfg.model_name} from {mcfg.load_parameters_path}: attention={mcfg.attention}, dtype={mcfg.dtype}; "
         f"{len(docs)} documents, {sum(d.size for d in docs)} tokens, windows of {cfg.eval_batch_size} x "
         f"{cfg.max_target_length}", file=sys.stderr)
-  res = score(model, cfg, mcfg, docs, mcfg.attention)
+  res = score(model, cfg, mcfg, docs, mcfg.attention, mesh)
   figs = _figures(res, num_bytes)
   _report(mcfg.attention, figs)
   result = {"checkpoint": str(mcfg.load_parameters_path), "eval_data": cfg.eval_data, "eval_format": cfg.eval_format,
@@ -154,8 +171,8 @@ def main(argv: list[str]) -> int:
             "eval_batch_size": cfg.eval_batch_size, "num_documents": len(docs), **figs}
   status = 0
   if cfg.compare_attention:
-    other, ocfg = common.load(cfg, overrides, [f"attention={cfg.compare_attention}"])
-    ores = score(other, cfg, ocfg, docs, cfg.compare_attention)
+    other, ocfg, omesh = common.load_on_mesh(cfg, overrides, [f"attention={cfg.compare_attention}"])
+    ores = score(other, cfg, ocfg, docs, cfg.compare_attention, omesh)
     ofigs = _figures(ores, num_bytes)
     _report(cfg.compare_attention, ofigs)
     a = np.concatenate([lp for lp in res.logprobs] + [np.zeros(0)])
@@ -171,7 +188,7 @@ def main(argv: list[str]) -> int:
   if cfg.dump_logprobs:
     result["documents"] = [{"index": i, "token_ids": d.tolist(), "logprobs": lp.tolist()}
                            for i, (d, lp) in enumerate(zip(docs, res.logprobs))]
-  if cfg.output_json:
+  if cfg.output_json and _is_writer():
     common.write_json_atomic(cfg.output_json, result, overwrite=cfg.overwrite)
     print(f"wrote {cfg.output_json}", file=sys.stderr)
   return status

@@ -132,3 +132,38 @@ def _ids_file(tmp_path):
   f = tmp_path / "prompts.txt"
   f.write_text("\n".join(" ".join(map(str, p)) for p in PROMPTS) + "\n")
   return f
+
+
+@pytest.mark.parametrize("mesh_name", ["fsdp2_tensor2_data2", "data8"])
+def test_perplexity_tool_scores_on_the_mesh(saved, tmp_path, capsys, mesh_name):
+  """tools.perplexity under the job's mesh keys: parameters restored sharded, windows of 4 rows split
+  on data x fsdp (data8: 4 rows do not divide 8, so they are replicated), documents longer than a
+  window carried across windows; every per-token log-prob and the perplexity equal a one-device
+  Scorer's on the same checkpoint."""
+  import json
+
+  from model.scoring import Scorer
+  from tools import perplexity
+  path, _, _ = saved
+  rng = np.random.default_rng(3)
+  docs = [rng.integers(3, 64, n).tolist() for n in (5, 19, 2, 11, 30, 7, 13, 4, 9)]
+  data = tmp_path / "docs.txt"
+  data.write_text("\n".join(" ".join(map(str, d)) for d in docs) + "\n")
+  out = tmp_path / "ppl.json"
+  rc = perplexity.main([f"load_parameters_path={path}", f"eval_data={data}", "eval_format=ids",
+                        "max_target_length=8", "eval_batch_size=4", "prefill_length_multiple=16",
+                        "dump_logprobs=true", f"output_json={out}", *c.MESHES[mesh_name]])
+  assert rc == 0
+  sizes = dict(zip(("data", "fsdp", "expert", "tensor"), c.SIZES[mesh_name]))
+  want_mesh = " ".join(f"{a}={n}" for a, n in sizes.items())
+  assert f"scoring on mesh {want_mesh} (8 devices, 1 process)" in capsys.readouterr().err
+  got = json.loads(out.read_text())
+  model, cfg = checkpointing.load_model(path, list(c.ONE_DEVICE))
+  ref = Scorer(model, seq_len=8, batch_size=4, num_slots=cfg.max_num_segments, cache_multiple=16).score(docs)
+  assert got["num_windows"] == ref.num_windows > 2  # long documents continue across windows
+  assert got["num_tokens"] == ref.num_tokens == sum(len(d) - 1 for d in docs)
+  for i, d in enumerate(got["documents"]):
+    assert d["token_ids"] == docs[i]
+    c.assert_close(d["logprobs"], ref.logprobs[i], f"document {i} log-probs")
+  print(f"{mesh_name}: perplexity {got['perplexity']!r} vs one device {ref.perplexity!r}")
+  assert abs(got["perplexity"] - ref.perplexity) <= 1e-5 * ref.perplexity, (got["perplexity"], ref.perplexity)
