@@ -613,13 +613,17 @@ class BatchIterator:
     num_epochs: stop after this many epochs, or None for an endless stream.
     start_step: first step to yield (or use `restore`).
     pad_id: input/target id of the all-padding rows past the last epoch.
+    process_rows: a `slice` of the B batch rows: iteration then yields only these rows of each
+      global batch (`[stop - start, T]`; a multi-host job's share, `model.sharding.process_rows`);
+      the global order, epochs and `state` are those of the whole batch. None: every row.
 
   Raises:
     ValueError: no rows, batch_size < 1, num_epochs < 1.
   """
 
   def __init__(self, rows: Batch, batch_size: int, seed: int, *, shuffle: bool = True,
-               num_epochs: int | None = None, start_step: int = 0, pad_id: int = 0):
+               num_epochs: int | None = None, start_step: int = 0, pad_id: int = 0,
+               process_rows: slice | None = None):
     self.rows = Batch(*(np.asarray(a) for a in rows))
     self.num_rows = int(self.rows.inputs.shape[0])
     if self.num_rows < 1:
@@ -633,6 +637,7 @@ class BatchIterator:
     self.shuffle = bool(shuffle)
     self.num_epochs = None if num_epochs is None else int(num_epochs)
     self.step = int(start_step)
+    self.process_rows = process_rows
     self._perm_cache: dict[int, np.ndarray] = {}
     pad_row = [np.zeros_like(a[:1]) for a in self.rows]
     pad_row[0] = np.full_like(pad_row[0], pad_id)  # inputs
@@ -678,11 +683,20 @@ class BatchIterator:
       out[j] = -1 if self.num_epochs is not None and e >= self.num_epochs else self._perm(e)[k]
     return out
 
-  def batch_at(self, step: int) -> Batch:
-    """The batch of `step` (`[B, T]` arrays), independent of the iterator's position."""
+  def batch_at(self, step: int, rows: slice | None = None) -> Batch:
+    """The batch of `step` (`[B, T]` arrays), independent of the iterator's position; with `rows`
+    (a slice of the B batch rows) only those rows are gathered (`[len, T]`).
+
+    Raises:
+      ValueError: a negative step, or `rows` with a step or outside [0, B].
+    """
     if step < 0:
       raise ValueError(f"step must be >= 0, got {step}")
     idx = self.row_indices(step)
+    if rows is not None:
+      if rows.step not in (None, 1) or not 0 <= (rows.start or 0) <= (rows.stop or 0) <= self.batch_size:
+        raise ValueError(f"rows must be a contiguous slice of the {self.batch_size} batch rows, got {rows}")
+      idx = idx[rows]
     safe = np.where(idx < 0, 0, idx)
     fields = []
     for a, pad in zip(self.rows, self._pad):
@@ -696,7 +710,7 @@ class BatchIterator:
   def __next__(self) -> Batch:
     if self.num_steps is not None and self.step >= self.num_steps:
       raise StopIteration
-    batch = self.batch_at(self.step)
+    batch = self.batch_at(self.step, self.process_rows)
     self.step += 1
     return batch
 

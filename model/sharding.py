@@ -568,6 +568,54 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int], logical_axes=BATCH_TOKENS, 
   return NamedSharding(mesh, fitted_spec(axes, shape, mesh, rules))
 
 
+def process_rows(mesh: Mesh, shape: Sequence[int], logical_axes=BATCH_TOKENS, rules_or_cfg=None) -> slice:
+  """The rows (leading dimension) of a global batch array of `shape` that this process's devices
+  hold under `batch_sharding`: the part of the batch this process must build.
+
+  On one process, or when the batch axes do not divide the rows (replicated), `slice(0, shape[0])`.
+  With the `data` axis across hosts (`create_mesh` orders devices by process), process p of P gets
+  rows `[p * B / P, (p + 1) * B / P)`.
+
+  Raises:
+    ConfigError: this process's devices hold rows that are not one contiguous range (a mesh whose
+      batch axes interleave processes), which `global_batch` cannot assemble from one local block.
+  """
+  shape = tuple(int(d) for d in shape)
+  index = batch_sharding(mesh, shape, logical_axes, rules_or_cfg).addressable_devices_indices_map(shape)
+  ranges = sorted({(sl[0].start or 0, shape[0] if sl[0].stop is None else sl[0].stop) for sl in index.values()})
+  for (_, stop), (start, _) in zip(ranges, ranges[1:]):
+    if start != stop:
+      raise ConfigError(f"process {jax.process_index()} holds batch rows {ranges}, not one contiguous range: lay "
+                       f"the batch mesh axes out so that each process's devices are adjacent along them")
+  return slice(ranges[0][0], ranges[-1][1])
+
+
+def global_batch(local, mesh: Mesh, shape: Sequence[int], logical_axes=BATCH_TOKENS, rules_or_cfg=None) -> jax.Array:
+  """The global `[B, ...]` array of `shape`, sharded by `batch_sharding`, from this process's rows.
+
+  Args:
+    local: this process's rows `process_rows(mesh, shape, ...)` of the global batch (NumPy; on one
+      process, the whole batch). Every process passes its own slice; none builds the whole batch.
+    mesh, shape, logical_axes, rules_or_cfg: as `batch_sharding`; `shape` is the global shape.
+
+  Returns:
+    A `jax.Array` of `shape` (`jax.make_array_from_process_local_data`: each device gets its rows
+    from the local block, no cross-host transfer).
+
+  Raises:
+    ValueError: `local` is not the size of this process's rows. ConfigError: as `process_rows`.
+  """
+  shape = tuple(int(d) for d in shape)
+  local = np.asarray(local)
+  rows = process_rows(mesh, shape, logical_axes, rules_or_cfg)
+  want = (rows.stop - rows.start,) + shape[1:]
+  if local.shape != want:
+    raise ValueError(f"global_batch: local rows have shape {local.shape}, expected {want} (rows {rows.start}:"
+                     f"{rows.stop} of the global {shape})")
+  return jax.make_array_from_process_local_data(batch_sharding(mesh, shape, logical_axes, rules_or_cfg), local,
+                                                shape)
+
+
 def cache_logical_axes(cache):
   """Logical axes of each leaf of a `model.cache.ModelCache` (same tree structure).
 

@@ -209,9 +209,38 @@ def train_step_fn(graphdef, hparams: tuple, num_slots: int):
 
   def run(state, batch):
     get = batch.get if isinstance(batch, dict) else functools.partial(getattr, batch)
-    return jitted(state, *(jnp.asarray(get(k)) for k in ("inputs", "targets", "loss_mask", "segment_ids")))
+    return jitted(state, *(jnp.asarray(get(k)) for k in BATCH_FIELDS))
 
   return run
+
+
+BATCH_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids")
+
+
+def feed_on_mesh(it, mesh, rules_or_cfg=None):
+  """Makes batch iterator `it` build only this process's rows of each global batch and returns
+  `to_global(batch) -> dict` of the global `[B, T]` arrays of `BATCH_FIELDS` for `train_step_fn`.
+
+  Each process gathers only its rows (`model.sharding.process_rows` of the batch sharding: with the
+  `data` axis across hosts, 1/P of the batch) and `model.sharding.global_batch`
+  (`jax.make_array_from_process_local_data`) assembles the global array from every process's block.
+  On one process the whole batch, placed by the batch sharding, with the same values.
+
+  Args:
+    it: a `model.input_pipeline.BatchIterator` (its `process_rows` is set). mesh: the job's mesh.
+    rules_or_cfg: logical_axis_rules (a config or parsed rules; default the base rules).
+
+  Raises:
+    model.config.ConfigError: a mesh whose batch axes give this process non-contiguous rows.
+  """
+  from model import sharding
+  shape = (it.batch_size, int(it.rows.inputs.shape[1]))
+  it.process_rows = sharding.process_rows(mesh, shape, rules_or_cfg=rules_or_cfg)
+
+  def to_global(batch):
+    return {k: sharding.global_batch(getattr(batch, k), mesh, shape, rules_or_cfg=rules_or_cfg) for k in BATCH_FIELDS}
+
+  return to_global
 
 
 @functools.lru_cache(maxsize=8)

@@ -377,11 +377,16 @@ def train(cfg, *, progress: bool = True) -> dict:
 
     # On a mesh, steps and evaluations are traced in its context (KDA kernels per head shard).
     mesh_ctx = contextlib.ExitStack()
+    to_global = None
     if mesh is not None:
       mesh_ctx.enter_context(sharding.mesh_context(mesh, cfg))
+      # Each process builds only its rows of the global batch (the data axis spans the hosts).
+      to_global = train_lib.feed_on_mesh(it, mesh, cfg)
     try:
       while step < final_step:
         batch = next(it)
+        if to_global is not None:
+          batch = to_global(batch)
         state, m = step_fn(state, batch)
         step += 1
         pending.append((step, m))

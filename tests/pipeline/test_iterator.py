@@ -114,3 +114,23 @@ def test_make_train_iterator_uses_train_split_only(tmp_path):
     b = it.batch_at(step)
     seen |= set(b.inputs[b.segment_ids > 0].tolist())
   assert seen == {1, 2} | set(range(10, 55))  # the last 5 of 50 equal-length lines are held out
+
+
+def test_process_rows_yield_only_that_slice_of_each_global_batch():
+  """A multi-host job's share: each process's iterator gives exactly its rows of the global batch
+  (the two halves together are the whole batch, across an epoch boundary and the padding past the
+  last epoch), with the same step and state as the whole-batch iterator."""
+  rows = _rows(7)
+  whole = BatchIterator(rows, 4, seed=5, num_epochs=2)
+  halves = [BatchIterator(rows, 4, seed=5, num_epochs=2, process_rows=slice(0, 2)),
+            BatchIterator(rows, 4, seed=5, num_epochs=2, process_rows=slice(2, 4))]
+  steps = 0
+  for full, first, second in zip(whole, *halves):
+    for a, b0, b1 in zip(full, first, second):
+      assert b0.shape[0] == b1.shape[0] == 2
+      np.testing.assert_array_equal(np.concatenate([b0, b1]), a)
+    steps += 1
+  assert steps == whole.num_steps == 4
+  assert halves[0].state == halves[1].state == whole.state
+  with pytest.raises(ValueError, match="contiguous slice of the 4 batch rows"):
+    whole.batch_at(0, slice(2, 6))

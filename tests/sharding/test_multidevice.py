@@ -48,7 +48,9 @@ def _free_port() -> int:
 def test_two_process_job_through_the_distributed_keys():
   """Two processes of 4 CPU devices each start through `distributed_init=true` and the explicit
   coordinator keys; the 8-device mesh spans both (its data axis crosses the processes) and the
-  loss on it equals each process's one-device loss."""
+  loss on it equals each process's one-device loss. Three training steps on that mesh, each process
+  building only its half of every global batch, give the losses of the same steps on one device
+  fed the whole batch."""
   import json
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
   port = _free_port()
@@ -64,3 +66,11 @@ def test_two_process_job_through_the_distributed_keys():
     assert (v["processes"], v["devices"], v["local_devices"]) == (2, 8, 4)
     assert v["data_row_processes"] == [[0], [1]], v  # data axis = across hosts, tensor axis inside one
     assert abs(v["mesh_loss"] - v["local_loss"]) <= 1e-5 * (1 + abs(v["local_loss"])), v
+    # Training with per-host input: each process built only its 4 rows of the 8-row global batch.
+    assert v["process_rows"] == [4 * v["process"], 4 * v["process"] + 4] and v["local_batch_rows"] == 4, v
+    want, got = v["one_device_train_losses"], v["mesh_train_losses"]
+    assert len(got) == len(want) == 3 and len(set(want)) == 3, v  # three different steps
+    for g, w in zip(got, want):
+      assert abs(g - w) <= 1e-5 * (1 + abs(w)), v
+  # Both processes report the same global losses (one global computation, not two local ones).
+  assert views[0]["mesh_train_losses"] == views[1]["mesh_train_losses"], views

@@ -5,7 +5,11 @@ Usage: `python -m tests.sharding.multidevice.md_two_processes PORT PROCESS_ID` w
 `XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu` (tests/sharding/
 test_multidevice.py starts both). Prints one JSON line: the process's view of the mesh and the
 packed-batch loss on the 8-device mesh (data=2 across the processes x tensor=4) next to its own
-one-device loss of the same parameters.
+one-device loss of the same parameters; then the losses of TRAIN_STEPS training steps
+(`model.train_lib`, as tools.train runs them) on that mesh, where this process builds only its half
+of each global batch (`train_lib.feed_on_mesh`: rows `process_rows`, assembled by
+`jax.make_array_from_process_local_data`), next to the losses of the same steps on one device of
+this process from the whole global batch.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import json
 import sys
 
 import jax
+
+TRAIN_STEPS = 3
 
 
 def main(port: int, pid: int) -> None:
@@ -39,11 +45,46 @@ def main(port: int, pid: int) -> None:
   with sharding.mesh_context(mesh, cfg):
     glob = float(jax.jit(loss)(jax.device_put(state, sharding.state_shardings(abstract)),
                                jax.device_put(ids, batch), jax.device_put(seg, batch)))
+  train = _train_losses(cfg, mesh)
   rows = [sorted({d.process_index for d in np.asarray(mesh.devices)[i].flat}) for i in range(mesh.shape["data"])]
   print(json.dumps(dict(process=jax.process_index(), processes=jax.process_count(), devices=jax.device_count(),
                         local_devices=jax.local_device_count(), mesh=sharding.describe_mesh(mesh),
-                        data_row_processes=rows, local_loss=local, mesh_loss=glob)))
+                        data_row_processes=rows, local_loss=local, mesh_loss=glob, **train)))
   jax.distributed.shutdown()
+
+
+def _train_losses(cfg, mesh) -> dict:
+  """Per-step losses of TRAIN_STEPS steps on `mesh` (this process feeding only its rows) and on
+  this process's first device alone (the whole batch), from the same initial state and batches."""
+  import numpy as np
+
+  from model import sharding, train_lib
+  from model.input_pipeline import BatchIterator, pack_documents
+  rng = np.random.default_rng(0)
+  docs = [rng.integers(3, 64, rng.integers(4, 20)) for _ in range(40)]
+  rows = pack_documents(docs, 16, max_segments=cfg.max_num_segments)
+  hparams = train_lib.optimizer_hparams(cfg)
+  out = {}
+  for name, on_mesh in (("one_device", None), ("mesh", mesh)):
+    it = BatchIterator(rows, 8, seed=1)
+    graphdef, state = train_lib.create_train_state(cfg, hparams, on_mesh)
+    step = train_lib.train_step_fn(graphdef, hparams, cfg.max_num_segments)
+    losses = []
+    if on_mesh is None:
+      for _ in range(TRAIN_STEPS):
+        state, m = step(state, next(it))
+        losses.append(float(m["loss"]))
+    else:
+      to_global = train_lib.feed_on_mesh(it, on_mesh, cfg)
+      out["process_rows"] = [it.process_rows.start, it.process_rows.stop]
+      with sharding.mesh_context(on_mesh, cfg):
+        for _ in range(TRAIN_STEPS):
+          local = next(it)
+          out.setdefault("local_batch_rows", int(local.inputs.shape[0]))
+          state, m = step(state, to_global(local))
+          losses.append(float(m["loss"]))
+    out[f"{name}_train_losses"] = losses
+  return out
 
 
 if __name__ == "__main__":
