@@ -100,6 +100,26 @@ def _decay_to_row(gb, ce, tb, e):
   return out.reshape(out.shape[:-3] + (nb * sub, kd))
 
 
+@jax.custom_jvp
+def _exp_pair(x):
+  """`(exp(x), exp(-x))` from one exp and a reciprocal (cheaper than a second exp on CPU); callers keep
+  |x| <= FACTOR_LIMIT / 2 so both are normal floats.
+
+  The derivative is declared as that of two exps: differentiating the reciprocal instead would form
+  -exp(-x)**2 (up to exp(FACTOR_LIMIT)) times the incoming cotangent before the bounded product with
+  exp(x), which overflows to inf and NaN for ordinary training gradients.
+  """
+  e = jnp.exp(x)
+  return e, 1.0 / e
+
+
+@_exp_pair.defjvp
+def _exp_pair_jvp(primals, tangents):
+  (x,), (dx,) = primals, tangents
+  e, r = _exp_pair(x)
+  return (e, r), (e * dx, -r * dx)
+
+
 def _scores_chunk(q, k, gb, tb, ce):
   """Raw `Aqk, Akk [..., C, C]` from one factorisation per chunk (needs |G_{C-1}| <= FACTOR_LIMIT),
   and the decay factors `exp(G_r)`, `exp(G_{C-1} - G_r)` `[..., C, K]` (see `_scores`).
@@ -114,8 +134,7 @@ def _scores_chunk(q, k, gb, tb, ce):
   g_full = _chunk_cumsum(gb, tb)
   m = 0.5 * g_full[..., -1:, :]
   em = jnp.exp(m)                                                      # one row per chunk
-  row_f = jnp.exp(g_full - m)
-  col_f = 1.0 / row_f          # exp(m - G): |G - m| <= FACTOR_LIMIT / 2, so a normal float; cheaper than exp
+  row_f, col_f = _exp_pair(g_full - m)
   col = k * col_f
   # NT products (contracting the last axis of both): no element-level transpose is materialised.
   c = q.shape[-2]

@@ -140,6 +140,22 @@ def test_gradients_match_reference():
     assert _max_diff(a, b) <= 2e-5 * scale, f"gradient of {name} differs"
 
 
+def test_gradients_match_reference_at_the_factorisation_limit():
+  # Every full chunk decays by 87.5-87.8 nats per channel, just inside FACTOR_LIMIT (88): the
+  # one-factorisation score path with factors near exp(+-44). Its derivative must stay finite too:
+  # exp(-x) taken as 1/exp(x) and differentiated as a reciprocal squares exp(-44) into a flushed
+  # subnormal, 1/0 = inf, and NaN gradients (found by a 200-step tools.train run).
+  q, k, v, g, beta, h0 = _inputs(7)
+  g = -np.random.default_rng(7).uniform(1.368, 1.3715, size=g.shape).astype(np.float32)
+  seg = _seg("boundary_inside_chunk")
+  got = _GRAD_CHUNKED(q, k, v, g, beta, h0, seg, *_weights(7))
+  want = _GRAD_REFERENCE(q, k, v, g, beta, h0, seg, *_weights(7))
+  for name, a, b in zip("q k v g beta initial_state".split(), got, want):
+    assert np.all(np.isfinite(np.asarray(a))), f"non-finite gradient for {name}"
+    scale = max(1.0, float(np.max(np.abs(b))))
+    assert _max_diff(a, b) <= 2e-5 * scale, f"gradient of {name} differs"
+
+
 def _rel_rms(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
