@@ -353,16 +353,32 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=int, default=2, help="untimed runs after the compiling call")
   ap.add_argument("--backends", nargs="+", default=None,
                   help=f"subset to run (default all): {sorted(OUR_BACKENDS) + sorted(PEER_BACKENDS)}")
-  ap.add_argument("--output", default="benchmark_kda.json", help="JSON results path (default %(default)s)")
+  ap.add_argument("--output", default="benchmark_kda.json",
+                  help="JSON results path, replaced if it exists (written atomically at the end; its directory "
+                       "must exist) (default %(default)s)")
   args = ap.parse_args(argv)
   if args.runs < 5:
     ap.error("--runs must be at least 5")
+  for flag, values, least in (("--seq-lens", args.seq_lens, 1), ("--batch", [args.batch], 1),
+                              ("--heads", [args.heads], 1), ("--key-dim", [args.key_dim], 1),
+                              ("--value-dim", [args.value_dim], 1), ("--warmup", [args.warmup], 0)):
+    bad = [x for x in values if x < least]
+    if bad:
+      ap.error(f"{flag} must be at least {least}, got {bad[0]}")
+  out_dir = os.path.dirname(os.path.abspath(args.output))
+  if os.path.isdir(args.output):
+    ap.error(f"--output {args.output} is a directory; expected a file path")
+  if not os.path.isdir(out_dir):
+    ap.error(f"--output {args.output}: directory {out_dir} does not exist")
 
   table = {**OUR_BACKENDS, **PEER_BACKENDS}
   names = args.backends or list(table)
   unknown = [n for n in names if n not in table]
   if unknown:
     ap.error(f"unknown backend(s) {unknown}; choose from {sorted(table)}")
+  runnable_names = [n for n in names if not table[n].available()]
+  if not runnable_names:
+    ap.error("nothing to run here: " + "; ".join(f"{n}: {table[n].available()}" for n in names))
   rows, skipped, failed = [], {}, {}
   for t in args.seq_lens:
     for dt in args.dtypes:
@@ -397,8 +413,10 @@ def main(argv=None) -> int:
                         use_qk_l2norm=True),
               runs=args.runs, warmup=args.warmup,
               notes={n: table[n].note for n in names if n in table})
-  with open(args.output, "w") as f:
+  tmp = f"{args.output}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
     json.dump(dict(meta=meta, results=rows, skipped=skipped, failed=failed), f, indent=2)
+  os.replace(tmp, args.output)
   print(f"wrote {args.output}")
   return 1 if failed else 0
 

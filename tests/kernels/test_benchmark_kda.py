@@ -47,3 +47,28 @@ def test_failing_backend_is_reported_and_exit_is_nonzero(tmp_path, capsys, monke
   assert "FAILED broken (T=64 float32): RuntimeError: kernel did not compile" in text
   assert json.loads(out.read_text())["failed"] == {
       "broken (T=64 float32)": "RuntimeError: kernel did not compile"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq-lens", "0"], "--seq-lens must be at least 1, got 0"),
+    (["--batch", "0"], "--batch must be at least 1"),
+    (["--heads", "-1"], "--heads must be at least 1"),
+    (["--warmup", "-3"], "--warmup must be at least 0"),
+    (["--runs", "3"], "--runs must be at least 5"),
+    (["--backends", "nope"], "unknown backend(s) ['nope']"),
+    (["--backends", "kda_inference_pallas_gpu"], "nothing to run here: kda_inference_pallas_gpu: needs a GPU"),
+])
+def test_bad_arguments_exit_2_before_any_work(argv, message, capsys, tmp_path):
+  with pytest.raises(SystemExit) as e:
+    bk.main(argv + ["--output", str(tmp_path / "b.json")])
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+  assert not (tmp_path / "b.json").exists()
+
+
+def test_bad_output_paths(capsys, tmp_path):
+  for out, message in ((tmp_path, "is a directory"), (tmp_path / "missing" / "b.json", "does not exist")):
+    with pytest.raises(SystemExit) as e:
+      bk.main(["--output", str(out)])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
