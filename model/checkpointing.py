@@ -28,6 +28,7 @@ checkpoint loads with `weight_dtype=bfloat16`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pathlib
 import shutil
@@ -333,18 +334,50 @@ def save_parameters(path: str | os.PathLike, model, config, *, tokenizer_path: s
 # Reading
 # ------------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _held_absl_warnings():
+  """Holds back the records Orbax logs through absl (logger 'absl') in the block and yields them as
+  a list: Orbax reports an unreadable array metadata as a multi-line WARNING (with the TensorStore
+  spec) and returns None; the caller turns that into one error line or passes the records on."""
+  held: list = []
+
+  class _Hold(logging.Filter):
+    def filter(self, record):
+      held.append(record)
+      return False
+
+  log, hold = logging.getLogger("absl"), _Hold()
+  log.addFilter(hold)
+  try:
+    yield held
+  finally:
+    log.removeFilter(hold)
+
+
 def stored_parameters(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
   """`{'model.layers.0.self_attn.q_proj.kernel': (shape, dtype), ...}` read from the metadata only.
 
   Raises:
-    CheckpointError: no checkpoint at `path`, or unreadable Orbax metadata.
+    CheckpointError: no checkpoint at `path`, or unreadable Orbax metadata (a truncated or corrupt
+      params/: one line `load_parameters_path=DIR: params/ is corrupt or truncated (<TensorStore's
+      first line>)`).
   """
   p = _check_dir(path)
   try:
-    meta = _ocp().metadata(p / PARAMS_DIR).metadata
+    with _quiet_orphaned_reads(p / PARAMS_DIR), _held_absl_warnings() as held:
+      meta = _ocp().metadata(p / PARAMS_DIR).metadata
+      if meta is None:
+        # Orbax logs the reason (e.g. a truncated file holding the arrays' zarr.json) and returns None.
+        details = [r.getMessage().split("Error details:", 1)[1] for r in held if "Error details:" in r.getMessage()]
+        cause = details[0].strip().splitlines()[0].split(" [tensorstore_spec=")[0] if details else "no array metadata"
+        raise CheckpointError(f"load_parameters_path={os.fspath(p)}: params/ is corrupt or truncated ({cause})")
+  except CheckpointError:
+    raise
   except Exception as e:  # orbax raises many kinds; all mean "not a readable checkpoint"
     raise CheckpointError(f"{p / PARAMS_DIR}: cannot read the Orbax checkpoint metadata "
                           f"({type(e).__name__}: {e})") from None
+  for record in held:  # the metadata was read after all: pass on what Orbax logged
+    logging.getLogger(record.name).handle(record)
   return {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in flatten(meta).items()}
 
 
@@ -353,7 +386,8 @@ def read_parameters(path: str | os.PathLike, names: Sequence[str]) -> dict[str, 
   their stored dtype; host memory is what these arrays need (tools stream a checkpoint this way).
 
   Raises:
-    CheckpointError: an unknown name, or unreadable array data (naming the checkpoint).
+    CheckpointError: an unknown name, or unreadable array data (one line naming the checkpoint and
+      the first line of TensorStore's error; see `_read_error`).
   """
   p = _check_dir(path)
   stored = stored_parameters(p)
@@ -371,12 +405,124 @@ def read_parameters(path: str | os.PathLike, names: Sequence[str]) -> dict[str, 
   ctx = _context()
   ctx.pytree.loading.partial_load = True
   try:
-    with ctx:
+    with ctx, _quiet_orphaned_reads(p / PARAMS_DIR):
       out = _ocp().load(p / PARAMS_DIR, abstract)
   except Exception as e:
-    raise CheckpointError(f"{p / PARAMS_DIR}: cannot read parameters {list(names)[:3]}... ({type(e).__name__}: "
-                          f"{e}); the checkpoint may be truncated or corrupt") from None
+    raise _read_error(p, e) from None
   return {k: np.asarray(v) for k, v in flatten(out).items()}
+
+
+def _root_cause(e: BaseException) -> BaseException:
+  """The innermost exception of `e`'s `__cause__` / `__context__` chain (Orbax wraps TensorStore's
+  error, which names the file and the byte range, in a generic Exception)."""
+  seen = {id(e)}
+  while True:
+    nxt = e.__cause__ or e.__context__
+    if nxt is None or id(nxt) in seen:
+      return e
+    seen.add(id(nxt))
+    e = nxt
+
+
+def _read_error(path: pathlib.Path, e: BaseException) -> CheckpointError:
+  """One-line CheckpointError for an Orbax load of `path/params` that raised `e`: the first line of
+  the root cause (TensorStore's status, e.g. `OUT_OF_RANGE: ... not valid for value of size 1000`),
+  never the multi-line TensorStore spec Orbax's own message embeds."""
+  cause = _root_cause(e)
+  lines = str(cause).strip().splitlines()
+  first = f"{type(cause).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+  if "RESOURCE_EXHAUSTED" in first or isinstance(cause, MemoryError):
+    what = "not enough memory to restore params/"
+  elif "PERMISSION_DENIED" in first or isinstance(cause, PermissionError):
+    what = "params/ is not readable"
+  else:
+    what = "params/ is corrupt or truncated"
+  return CheckpointError(f"load_parameters_path={os.fspath(path)}: {what} ({first})")
+
+
+# When one array of an Orbax load fails, Orbax closes its event loop while TensorStore still reads the
+# other arrays; as each of those reads completes, its callback hits the closed loop and Python prints
+# a "RuntimeError: Event loop is closed" traceback through sys.unraisablehook (dozens of them, some
+# after the load has raised), plus "Exception ignored in <coroutine ...>" for the abandoned Orbax
+# coroutines and asyncio's "... exception was never retrieved" log records. They carry no
+# information beyond the error already raised. `_quiet_orphaned_reads` drops exactly these (matched
+# by type, message and the Orbax/event-loop frames they come from); anything else goes to the hooks
+# that were there before. After a successful load the filter is removed and whatever it held back
+# is passed on; after a failed one it stays (the stragglers arrive later) but still only drops those.
+_filter_state: dict = {"previous": None, "held": None, "failed": False, "paths": set()}
+
+
+def _in_orbax(tb) -> bool:
+  while tb is not None:
+    if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
+
+
+def _is_orphan_noise(exc: BaseException | None, obj=None) -> bool:
+  if exc is None:
+    return False
+  if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+      tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_name.endswith("_check_closed")
+  code = getattr(obj, "cr_code", None)
+  if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+    return True
+  # TensorStore's own read errors (asyncio tasks around its futures) name the checkpoint's files.
+  return _in_orbax(exc.__traceback__) or any(path in str(exc) for path in _filter_state["paths"])
+
+
+def _unraisable_hook(unraisable) -> None:
+  if _is_orphan_noise(unraisable.exc_value, unraisable.object):
+    if _filter_state["held"] is not None:
+      _filter_state["held"].append(unraisable)
+    return
+  (_filter_state["previous"] or sys.__unraisablehook__)(unraisable)
+
+
+class _AsyncioNoise:
+  """logging.Filter for the 'asyncio' logger: drops unretrieved-exception records of Orbax reads."""
+
+  def filter(self, record) -> bool:
+    if not record.exc_info or not _is_orphan_noise(record.exc_info[1]):
+      return True
+    if _filter_state["held"] is not None:
+      _filter_state["held"].append(record)
+    return False
+
+
+_asyncio_filter = _AsyncioNoise()
+
+
+@contextlib.contextmanager
+def _quiet_orphaned_reads(params_dir: pathlib.Path):
+  log = logging.getLogger("asyncio")
+  if sys.unraisablehook is not _unraisable_hook:
+    _filter_state["previous"] = sys.unraisablehook
+    sys.unraisablehook = _unraisable_hook
+  log.addFilter(_asyncio_filter)  # no-op when already there
+  held: list = []
+  _filter_state["held"] = held
+  _filter_state["paths"].add(os.fspath(params_dir))
+  try:
+    yield
+  except BaseException:
+    _filter_state.update(held=None, failed=True)  # keep dropping the stragglers for good
+    raise
+  _filter_state["held"] = None
+  _filter_state["paths"].discard(os.fspath(params_dir))
+  if not _filter_state["failed"]:  # no earlier failure left stragglers behind: take the filter off
+    if sys.unraisablehook is _unraisable_hook:
+      sys.unraisablehook = _filter_state["previous"] or sys.__unraisablehook__
+    log.removeFilter(_asyncio_filter)
+  for item in held:  # this load succeeded, so these were no leftovers of a failure: show them
+    if isinstance(item, logging.LogRecord):
+      logging.getLogger(item.name).handle(item)
+    else:
+      (_filter_state["previous"] or sys.__unraisablehook__)(item)
 
 
 def _default_sharding():
@@ -407,7 +553,9 @@ def restore_parameters(path: str | os.PathLike, abstract_state, shardings=None):
 
   Raises:
     CheckpointError: missing checkpoint, a parameter missing from / unexpected in the checkpoint,
-      a shape mismatch (each named), or unreadable array data.
+      a shape mismatch (each named), or unreadable array data (one line: `load_parameters_path=DIR:
+      params/ is corrupt or truncated (...)`). The asyncio noise of Orbax's abandoned reads after
+      such a failure is dropped (`_quiet_orphaned_reads`).
   """
   p = _check_dir(path)
   as_state = isinstance(abstract_state, nnx.State)
@@ -418,10 +566,10 @@ def restore_parameters(path: str | os.PathLike, abstract_state, shardings=None):
     target = jax.tree.map(_abstract_leaf, pure, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
   _check_matches(p, stored_parameters(p), flatten(target))
   try:
-    restored = _ocp().load(p / PARAMS_DIR, target)
+    with _quiet_orphaned_reads(p / PARAMS_DIR):
+      restored = _ocp().load(p / PARAMS_DIR, target)
   except Exception as e:
-    raise CheckpointError(f"{p / PARAMS_DIR}: cannot read the parameter arrays ({type(e).__name__}: {e}); "
-                          f"the checkpoint may be truncated or corrupt") from None
+    raise _read_error(p, e) from None
   if not as_state:
     return restored
   state = jax.tree.map(lambda x: x, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))

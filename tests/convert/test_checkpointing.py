@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
+import subprocess
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -146,3 +151,103 @@ def test_load_model_from_relative_path(saved, tiny, monkeypatch):
   want = nnx.to_pure_dict(nnx.state(model))
   got = nnx.to_pure_dict(nnx.state(loaded))
   jax.tree.map(np.testing.assert_array_equal, want, got)
+
+
+def _corrupt_copy(src, dst, min_size=1000):
+  """`dst`: a copy of checkpoint `src` whose files under params/state/**/d/ (OCDBT data files) larger
+  than `min_size` bytes are truncated to 1000 bytes (the QA reproduction: `truncate -s 1000` on the
+  large files under params/)."""
+  shutil.copytree(src, dst)
+  data = [f for f in (dst / "params").rglob("*") if f.is_file() and f.parent.name == "d" and f.stat().st_size > min_size]
+  assert data, "no array data files found to truncate"
+  for f in data:
+    os.truncate(f, 1000)
+  return dst
+
+
+def test_truncated_params_one_line_error(saved, tmp_path):
+  """A truncated params/ is one CheckpointError line naming load_parameters_path and TensorStore's
+  first line (not Orbax's multi-line TensorStore spec), whether the array data (a restore error) or
+  the file holding the arrays' zarr metadata (Orbax returns no metadata) was cut."""
+  cases = {"data": _corrupt_copy(saved, tmp_path / "data", min_size=100_000),  # only the 170 kB data file
+           "all": _corrupt_copy(saved, tmp_path / "all")}
+  for name, bad in cases.items():
+    loads = (lambda: ck.load_model(bad), lambda: ck.read_parameters(bad, ["lm_head.kernel", "model.norm.scale"]),
+             lambda: ck.stored_parameters(bad))
+    for i, load in enumerate(loads):
+      if name == "data" and i == 2:
+        assert "lm_head.kernel" in load()  # the metadata is intact: only reading the arrays fails
+        continue
+      with pytest.raises(ck.CheckpointError) as info:
+        load()
+      msg = str(info.value)
+      assert "\n" not in msg, msg
+      assert msg.startswith(f"load_parameters_path={bad}: params/ is corrupt or truncated (OUT_OF_RANGE: ") or \
+          msg.startswith(f"load_parameters_path={bad}: params/ is corrupt or truncated (ValueError: OUT_OF_RANGE: "), msg
+      assert "is not valid for value of size 1000" in msg and "TensorStore(" not in msg, msg
+
+
+def test_truncated_params_cli_prints_one_line(tmp_path):
+  """`python -m tools.generate` on a truncated copy of the demo checkpoint: exactly one stderr line,
+  exit 2. Orbax leaves TensorStore reads running after the first failure, whose "Event loop is
+  closed" tracebacks and asyncio "exception was never retrieved" records used to surround the error
+  line (itself a multi-line TensorStore spec): about 90 lines."""
+  import sys
+  from tools.demo import ASSETS
+  bad = _corrupt_copy(ASSETS, tmp_path / "bad", min_size=100_000)
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  r = subprocess.run([sys.executable, "-m", "tools.generate", f"load_parameters_path={bad}", "prompt=hi",
+                      "max_new_tokens=4"], cwd=repo, capture_output=True, text=True, timeout=300)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+  assert lines[0].startswith(f"error: load_parameters_path={bad}: params/ is corrupt or truncated ("), lines[0]
+  assert not r.stdout
+
+
+def test_orphaned_read_noise_filter(tmp_path):
+  """`_quiet_orphaned_reads` drops only the leftovers of a failed Orbax load ("Event loop is closed"
+  from an event loop's _check_closed, exceptions naming the params/ being read) and passes everything
+  else on; after a successful load it hands what it held back to the previous hook."""
+  seen = []
+  previous = lambda u: seen.append(str(u.exc_value))  # the hook installed before the load
+
+  def _check_closed():
+    raise RuntimeError("Event loop is closed")
+
+  def unraisable(exc_fn):
+    try:
+      exc_fn()
+    except Exception as e:
+      return types.SimpleNamespace(exc_value=e, exc_type=type(e), exc_traceback=e.__traceback__, object=None,
+                                   err_msg=None)
+
+  def other():
+    raise RuntimeError("Event loop is closed")  # same text, but not raised by a loop's _check_closed
+
+  def tensorstore():
+    raise ValueError(f'OUT_OF_RANGE: in OCDBT database at local file "{tmp_path / "params"}/state/"')
+
+  old = sys.unraisablehook
+  sys.unraisablehook = previous
+  state = dict(ck._filter_state)
+  ck._filter_state.update(previous=None, held=None, failed=False, paths=set())
+  try:
+    with ck._quiet_orphaned_reads(tmp_path / "params"):  # succeeds: held items are passed on afterwards
+      sys.unraisablehook(unraisable(_check_closed))
+      sys.unraisablehook(unraisable(other))
+      assert seen == ["Event loop is closed"]  # only `other` went through at once
+    assert seen == ["Event loop is closed"] * 2 and sys.unraisablehook is previous
+    seen.clear()
+    with pytest.raises(ck.CheckpointError):
+      with ck._quiet_orphaned_reads(tmp_path / "params"):
+        raise ck.CheckpointError("load failed")
+    for fn in (_check_closed, tensorstore, _check_closed):  # stragglers after the failure: dropped
+      sys.unraisablehook(unraisable(fn))
+    sys.unraisablehook(unraisable(other))
+    sys.unraisablehook(unraisable(lambda: 1 / 0))
+    assert seen == ["Event loop is closed", "division by zero"]
+  finally:
+    sys.unraisablehook = old
+    ck._filter_state.clear()
+    ck._filter_state.update(state)
+    logging.getLogger("asyncio").removeFilter(ck._asyncio_filter)
