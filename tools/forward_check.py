@@ -7,6 +7,9 @@ Builds the model with random weights (seed `init_seed`), runs a packed forward i
 (train, eval, prefill, then decode steps) and prints, per mode, the attention backend and the op it
 called (e.g. "kda_native -> kda_inference[xla]"), a logits checksum and timings (first call with
 compilation, then the median of the repeats). Config keys: see configs/base.py.
+
+Exit status: 0; 1 when a mode failed (each is reported); 2 for a bad argument or when XLA runs out of
+memory (one `error:` line naming --seq and --batch).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from flax import nnx
 from model import sharding
 from model.config import ConfigError, load_config
 from model.kimi_linear import KimiLinearForCausalLM, last_token_logits
+from tools.serving_common import out_of_memory
 
 
 def _parser():
@@ -38,7 +42,7 @@ def _parser():
   p.add_argument("--decode-steps", type=int, default=2, help="decode steps after prefill (default 2)")
   p.add_argument("--modes", default="train,eval,prefill",
                  help="comma-separated modes to run: train, eval, prefill (prefill includes the decode steps)")
-  p.add_argument("--repeats", type=int, default=3, help="timed repeats per mode after the first call (default 3)")
+  p.add_argument("--repeats", type=int, default=3, help="timed repeats per mode after the first call (default 3, >= 1)")
   return p
 
 
@@ -59,6 +63,10 @@ def packed_batch(rng: np.random.Generator, vocab: int, batch: int, seq: int, doc
   return jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(positions)
 
 
+class _OutOfMemory(Exception):
+  """XLA's RESOURCE_EXHAUSTED in a mode: the message is the tool's one `error:` line."""
+
+
 def _timed(fn, *args, repeats):
   t0 = time.perf_counter()
   out = jax.block_until_ready(fn(*args))
@@ -68,7 +76,7 @@ def _timed(fn, *args, repeats):
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     runs.append(time.perf_counter() - t0)
-  return out, first, (statistics.median(runs) if runs else float("nan"))
+  return out, first, statistics.median(runs) if runs else float("nan")  # repeats=0 only for decode steps > 0
 
 
 def _checksum(x):
@@ -80,7 +88,7 @@ def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   # Every bad argument is one `error:` line and exit status 2, before the model is built.
   for flag, value, low in (("--batch", args.batch, 1), ("--seq", args.seq, 1), ("--docs", args.docs, 1),
-                           ("--decode-steps", args.decode_steps, 0), ("--repeats", args.repeats, 0)):
+                           ("--decode-steps", args.decode_steps, 0), ("--repeats", args.repeats, 1)):
     if value < low:
       print(f"error: {flag} must be >= {low}, got {value}", file=sys.stderr)
       return 2
@@ -133,15 +141,16 @@ def main(argv=None) -> int:
     try:
       fn()
     except Exception as e:  # report every mode, then fail
+      if out_of_memory(e) is not None:  # every mode would fail the same way: stop with one line
+        raise _OutOfMemory(f"error: out of memory in the {mode} pass ({out_of_memory(e)}): lower --seq "
+                           f"(T={args.seq}) or --batch (B={args.batch})") from None
       failed.append(mode)
       print(f"[{mode:7s}] FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
-  for mode in [m for m in ("train", "eval") if m in modes]:
-    def fwd(mode=mode):
-      logits, first, med = _timed(run(mode), state, ids, seg, pos, repeats=args.repeats)
-      print(f"[{mode:7s}] {route(mode)} | logits {tuple(logits.shape)} {_checksum(logits)} | "
-            f"first {first * 1e3:.1f} ms, median {med * 1e3:.2f} ms")
-    attempt(mode, fwd)
+  def fwd(mode):
+    logits, first, med = _timed(run(mode), state, ids, seg, pos, repeats=args.repeats)
+    print(f"[{mode:7s}] {route(mode)} | logits {tuple(logits.shape)} {_checksum(logits)} | "
+          f"first {first * 1e3:.1f} ms, median {med * 1e3:.2f} ms")
 
   def generate():
     (logits, cache, last), first, med = _timed(prefill, state, ids, seg, pos, repeats=args.repeats)
@@ -153,8 +162,14 @@ def main(argv=None) -> int:
       print(f"[decode ] {route('decode')} | step {step}: logits {tuple(dl.shape)} {_checksum(dl)} | "
             f"first {first * 1e3:.1f} ms" + (f", median {med * 1e3:.2f} ms" if step == 0 else ""))
       tok = jnp.argmax(dl, axis=-1).astype(jnp.int32)
-  if "prefill" in modes:
-    attempt("prefill", generate)
+  try:
+    for mode in [m for m in ("train", "eval") if m in modes]:
+      attempt(mode, lambda mode=mode: fwd(mode))
+    if "prefill" in modes:
+      attempt("prefill", generate)
+  except _OutOfMemory as e:
+    print(str(e), file=sys.stderr)
+    return 2
   if failed:
     print(f"FAILED modes: {failed}")
     return 1

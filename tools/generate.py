@@ -55,6 +55,8 @@ from model.tokenizer import TokenizerError
 from tools import serving_common as common
 
 _PROMPT_KEYS = ("prompt", "prompts_file", "prompt_ids")
+# What sizes the prefill and the cache: named in the one-line error when XLA runs out of memory.
+MEMORY_KEYS = "generate_batch_size, max_new_tokens or the prompt length"
 
 
 def sampling_params(cfg, vocab_size: int | None = None) -> SamplingParams:

@@ -54,6 +54,9 @@ from model.scoring import Scorer
 from model.tokenizer import TokenizerError
 from tools import serving_common as common
 
+# What sizes the scoring computation: named in the one-line error when XLA runs out of memory.
+MEMORY_KEYS = "max_target_length or eval_batch_size (the window is eval_batch_size x max_target_length tokens)"
+
 
 def load_documents(cfg, tokenizer, vocab_size: int):
   """`(token documents, UTF-8 byte count or None)` of eval_data.

@@ -191,8 +191,27 @@ def _finite(data):
   return data
 
 
-def run_tool(main: Callable[[list[str]], int], doc: str, argv: Sequence[str] | None = None) -> int:
-  """Runs `main(argv)` with `--help` and the one-line error contract; returns the exit status."""
+def out_of_memory(e: BaseException) -> str | None:
+  """The first line of `e` when it is XLA's RESOURCE_EXHAUSTED (an allocation the device, or the host
+  on CPU, cannot make: e.g. "RESOURCE_EXHAUSTED: Out of memory allocating 2662825103120 bytes."),
+  else None."""
+  import jax
+  if isinstance(e, jax.errors.JaxRuntimeError) and str(e).lstrip().startswith("RESOURCE_EXHAUSTED"):
+    return str(e).strip().splitlines()[0]
+  return None
+
+
+def run_tool(main: Callable[[list[str]], int], doc: str, argv: Sequence[str] | None = None, *,
+             memory_keys: str | None = None) -> int:
+  """Runs `main(argv)` with `--help` and the one-line error contract; returns the exit status.
+
+  Expected errors (`EXPECTED_ERRORS`, CheckpointError, a missing backend module) print one `error:`
+  line and give 2; so does XLA's RESOURCE_EXHAUSTED, as `error: out of memory (<XLA's first line>):
+  lower <memory_keys>`, where `memory_keys` (default: the tool module's `MEMORY_KEYS`) names the
+  keys that size the computation. Ctrl-C prints `interrupted` on a line of its own and gives 130.
+  """
+  if memory_keys is None:
+    memory_keys = getattr(sys.modules.get(getattr(main, "__module__", ""), None), "MEMORY_KEYS", None)
   argv = list(sys.argv[1:] if argv is None else argv)
   if any(a in ("-h", "--help", "help") for a in argv):
     print(doc.strip())
@@ -210,3 +229,10 @@ def run_tool(main: Callable[[list[str]], int], doc: str, argv: Sequence[str] | N
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
     return 130
+  except Exception as e:
+    oom = out_of_memory(e)
+    if oom is None:
+      raise
+    hint = f": lower {memory_keys}" if memory_keys else ""
+    print(f"error: out of memory ({oom}){hint}", file=sys.stderr)
+    return 2

@@ -54,7 +54,7 @@ def test_unknown_attention_lists_registered_backends():
 def _forward_check(*args):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "tools.forward_check", *args, "--seq", "16", "--batch", "1",
-                         "--docs", "2", "--decode-steps", "1", "--repeats", "0"],
+                         "--docs", "2", "--decode-steps", "1", "--repeats", "1"],
                         capture_output=True, text=True, env=env, timeout=300,
                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
@@ -77,6 +77,7 @@ def test_forward_check_is_served_by_the_plugin_through_entry_points():
     (["tiny", "--seq", "-1"], "error: --seq must be >= 1, got -1"),
     (["tiny", "--docs", "99"], "error: --docs=99 exceeds max_num_segments="),
     (["tiny", "--modes", "evil"], "error: --modes: unknown ['evil']"),
+    (["tiny", "--repeats", "0"], "error: --repeats must be >= 1, got 0"),  # was "median nan ms"
     (["nosuchconfig"], "error: unknown model config 'nosuchconfig'; available: "),
 ])
 def test_forward_check_bad_arguments_are_one_error_line(argv, message, capsys):
@@ -85,6 +86,31 @@ def test_forward_check_bad_arguments_are_one_error_line(argv, message, capsys):
   out = capsys.readouterr()
   assert out.err.strip().splitlines() == [out.err.strip()] and out.err.startswith(message), out.err
   assert "FAILED" not in out.out
+
+
+def test_forward_check_out_of_memory_is_one_error_line(capsys, monkeypatch):
+  """XLA's RESOURCE_EXHAUSTED (e.g. --seq 100000: 320 GB on CPU) stops the tool with one `error:` line
+  naming --seq and --batch and exit status 2, not a FAILED line per mode and status 1. The allocation
+  failure is simulated: the first timed call raises the error XLA raises."""
+  import jax
+  from tools import forward_check
+  calls = []
+
+  def oom(fn, *args, repeats):
+    calls.append(fn)
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 320134547656 bytes.")
+  monkeypatch.setattr(forward_check, "_timed", oom)
+  assert forward_check.main(["tiny", "--seq", "32", "--batch", "1", "--docs", "2"]) == 2
+  out = capsys.readouterr()
+  assert out.err == ("error: out of memory in the train pass (RESOURCE_EXHAUSTED: Out of memory allocating "
+                     "320134547656 bytes.): lower --seq (T=32) or --batch (B=1)\n"), out.err
+  assert len(calls) == 1 and "FAILED" not in out.out  # stopped at the first mode
+
+  def other(fn, *args, repeats):  # any other failure is still reported per mode, status 1
+    raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+  monkeypatch.setattr(forward_check, "_timed", other)
+  assert forward_check.main(["tiny", "--seq", "32", "--batch", "1", "--docs", "2", "--modes", "eval"]) == 1
+  assert "[eval   ] FAILED: JaxRuntimeError: INTERNAL: something else" in capsys.readouterr().out
 
 
 def test_forward_check_help_and_bad_key():

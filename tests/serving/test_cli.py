@@ -286,6 +286,36 @@ def test_json_output_has_no_nan(tmp_path):
   assert json.loads(out.read_text()) == {"perplexity": None, "v": [None, 1.5]}
 
 
+def test_out_of_memory_is_one_error_line(checkpoints, tmp_path, capsys, monkeypatch):
+  """XLA's RESOURCE_EXHAUSTED (e.g. max_target_length=100000: 2.6 TB for the demo model) is one
+  `error:` line naming the keys to lower, exit 2 (was a traceback, exit 1). Simulated: the scoring /
+  generation call raises the error XLA raises (nothing is allocated)."""
+  import jax
+  from model.serving import Generator
+  ids = tmp_path / "ok.txt"
+  ids.write_text("3 4 5 6\n")
+  ck = f"load_parameters_path={checkpoints['dense']}"
+  xla = "RESOURCE_EXHAUSTED: Out of memory allocating 2662825103120 bytes."
+
+  def oom(*a, **k):
+    raise jax.errors.JaxRuntimeError(xla + "\nmore detail")
+  monkeypatch.setattr(perplexity, "score", oom)
+  monkeypatch.setattr(Generator, "generate", oom)
+  assert _ppl([ck, f"eval_data={ids}", "eval_format=ids", "max_target_length=100000"]) == 2
+  err = capsys.readouterr().err.splitlines()[-1]
+  assert err == f"error: out of memory ({xla}): lower {perplexity.MEMORY_KEYS}", err
+  assert "max_target_length or eval_batch_size" in perplexity.MEMORY_KEYS
+  assert _gen([ck, "prompt_ids=3,4", "max_new_tokens=2"]) == 2
+  err = capsys.readouterr().err.splitlines()[-1]
+  assert err == f"error: out of memory ({xla}): lower generate_batch_size, max_new_tokens or the prompt length", err
+
+  def other(*a, **k):
+    raise jax.errors.JaxRuntimeError("INTERNAL: not a memory error")
+  monkeypatch.setattr(perplexity, "score", other)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # anything else is not hidden
+    _ppl([ck, f"eval_data={ids}", "eval_format=ids"])
+
+
 def test_help(capsys):
   assert _gen(["--help"]) == 0 and "decode_sampling_strategy" in capsys.readouterr().out
   assert _ppl(["--help"]) == 0 and "compare_attention" in capsys.readouterr().out
