@@ -13,7 +13,6 @@ import math
 import os
 import pathlib
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 
 from configs import base
@@ -23,6 +22,7 @@ from model.registry import UnknownBackendError
 from model.scoring import ScoringError
 from model.serving import GenerationError
 from model.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
+from tools.atomic_file import atomic_writer
 
 
 class UsageError(ValueError):
@@ -159,25 +159,19 @@ def check_output_path(path: str | os.PathLike, key: str = "output_json", *, over
 
 def write_json_atomic(path: str | os.PathLike, data, key: str = "output_json", *, overwrite: bool = False) -> None:
   """Writes `data` as JSON to `path` through a temporary file in the same directory, then renames it
-  (readers never see a half-written file; NaN/infinite floats are written as null).
+  (readers never see a half-written file; NaN/infinite floats are written as null). The file gets
+  the permissions of a plain `open()` (0o666 less the umask).
 
   Raises:
     UsageError: the parent directory does not exist, `path` is a directory, or `path` exists and
       `overwrite` is false (see `check_output_path`; tools call that first, before any work, and this
       checks again: a file that appeared meanwhile is not replaced without overwrite).
   """
-  parent = check_output_path(path, key, overwrite=overwrite)
+  check_output_path(path, key, overwrite=overwrite)
   path = pathlib.Path(path)
-  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(_finite(data), f, indent=1, allow_nan=False)
-      f.write("\n")
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
+  with atomic_writer(path) as f:  # the umask's mode, as a plain open() gives (not mkstemp's 0600)
+    json.dump(_finite(data), f, indent=1, allow_nan=False)
+    f.write("\n")
 
 
 def _finite(data):

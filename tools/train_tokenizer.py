@@ -38,12 +38,12 @@ import io
 import os
 import re
 import sys
-import tempfile
 import time
 
 import sentencepiece as spm
 
 from model.input_pipeline import DataFormatError, read_text_file, split_heldout
+from tools.atomic_file import atomic_writer
 from tools.cli_args import parse_key_values
 
 SPECIAL_IDS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
@@ -111,17 +111,10 @@ def output_paths(model_prefix: str, overwrite: bool = False) -> tuple[str, str]:
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-  """Writes `data` to `path` through a temporary file in the same directory, then renames it."""
-  fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                             dir=os.path.dirname(os.path.abspath(path)))
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
+  """Writes `data` to `path` through a temporary file in the same directory, then renames it; the
+  file gets the umask's mode (0o666 less the umask), as a plain `open()` gives."""
+  with atomic_writer(path, "wb") as f:
+    f.write(data)
 
 
 def train_tokenizer(input: str, model_prefix: str, vocab_size: int, *, model_type: str = "bpe",
@@ -135,11 +128,14 @@ def train_tokenizer(input: str, model_prefix: str, vocab_size: int, *, model_typ
     "heldout_bytes_per_token".
 
   Raises:
-    UsageError: missing, empty, non-UTF-8 input (naming file and line), an empty training split, or
+    UsageError: missing, empty, non-UTF-8 input (naming file and line), an input that is a directory,
+      an empty training split, or
       a failed sentencepiece training (e.g. vocab_size too small or too large for the data), or
       existing output files without `overwrite` (checked first, see `output_paths`).
   """
   model_path, vocab_path = output_paths(model_prefix, overwrite)
+  if os.path.isdir(input):
+    raise UsageError(f"input={input!r} is a directory; expected a UTF-8 text file")
   try:
     text = read_text_file(input)
   except (FileNotFoundError, DataFormatError) as e:

@@ -205,3 +205,23 @@ def test_ids_only_mode():
     IdsOnlyTokenizer(50, bos_id=60)
   with pytest.raises(TokenizerError, match="no bos_id"):
     IdsOnlyTokenizer(50).encode("1", add_bos=True)
+
+
+def test_cli_input_directory_says_directory(tmp_path, capsys):
+  """input=<a directory> says so (it used to say "input file not found")."""
+  assert main([f"input={tmp_path}", f"model_prefix={tmp_path / 'm'}", "vocab_size=300"]) == 2
+  assert capsys.readouterr().err == f"error: input={str(tmp_path)!r} is a directory; expected a UTF-8 text file\n"
+  assert sorted(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_outputs_get_the_umask_mode(corpus, tmp_path, umask):
+  """.model / .vocab get 0o666 less the umask, as a plain open() gives (they were 0o600: mkstemp)."""
+  import os
+  old = os.umask(umask)
+  try:
+    stats = train_tokenizer(str(corpus[0]), str(tmp_path / "m"), 350, num_threads=1)
+  finally:
+    os.umask(old)
+  for path in (stats["model_path"], str(tmp_path / "m.vocab")):
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask, (path, oct(os.stat(path).st_mode))

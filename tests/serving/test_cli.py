@@ -316,6 +316,26 @@ def test_out_of_memory_is_one_error_line(checkpoints, tmp_path, capsys, monkeypa
     _ppl([ck, f"eval_data={ids}", "eval_format=ids"])
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_output_json_gets_the_umask_mode(tmp_path, umask):
+  """output_json (tools.generate / tools.perplexity write it with write_json_atomic) gets 0o666 less
+  the umask, as a plain open() gives (it was 0o600: mkstemp's mode); a failed write leaves nothing."""
+  import os
+  from tools.atomic_file import atomic_writer
+  from tools.serving_common import write_json_atomic
+  old = os.umask(umask)
+  try:
+    write_json_atomic(tmp_path / "out.json", {"a": 1})
+    with pytest.raises(RuntimeError, match="boom"):
+      with atomic_writer(tmp_path / "never.json") as f:
+        f.write("partial")
+        raise RuntimeError("boom")
+  finally:
+    os.umask(old)
+  assert os.stat(tmp_path / "out.json").st_mode & 0o777 == 0o666 & ~umask
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+
+
 def test_help(capsys):
   assert _gen(["--help"]) == 0 and "decode_sampling_strategy" in capsys.readouterr().out
   assert _ppl(["--help"]) == 0 and "compare_attention" in capsys.readouterr().out
