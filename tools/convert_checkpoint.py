@@ -29,10 +29,19 @@ Keys:
 HF config.json: to_orbax stores the source's config.json unchanged as DIR/hf_config.json. to_hf
 writes the keys the model defines (shapes, layer layout, special ids, ...) from DIR/config.json and
 keeps every other key of DIR/hf_config.json when there is one (informational keys such as
-model_max_length, linear_num_heads, head_dim, qk_head_dim, transformers_version), so a round trip
-gives back the source's config.json. Its `dtype` (and `torch_dtype`, when the source config has that
-key) is the dtype holding the most parameter bytes of the written tensors: "bfloat16" for bf16
-matrices with float32 vectors (A_log, dt_bias, router), which is how transformers labels such a file.
+model_max_length, linear_num_heads, head_dim, qk_head_dim, transformers_version). Its `dtype` (and
+`torch_dtype`, when the source config has that key) is the dtype holding the most parameter bytes of
+the written tensors: "bfloat16" for bf16 matrices with float32 vectors (A_log, dt_bias, router),
+which is how transformers labels such a file.
+
+What a round trip (to_orbax, then to_hf, weight_dtype=auto) preserves:
+  tensor values     bit-exact (same dtype, same bytes).
+  tensor names      transformers' Kimi-Linear spelling, which may differ from the source's: e.g. a
+                    dense FFN layer is written as `mlp.*` even when the source named it
+                    `block_sparse_moe.*` (an alias to_orbax accepts).
+  config.json       the source's keys and values, plus the keys the model needs that the source left
+                    to their defaults (mla_use_nope, moe_layer_freq, moe_router_activation_func,
+                    use_grouped_topk, num_nextn_predict_layers, ...); so it is not byte-identical.
 
 Memory: tensors are read one at a time from the memory-mapped safetensors (each file is opened only for
 the read, so its pages do not stay mapped) and written to Orbax in pieces of at most ~256 MB (one

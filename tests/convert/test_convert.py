@@ -218,6 +218,24 @@ def test_to_hf_config_agrees_with_transformers_config(converted, tmp_path):
     assert {k: v for k, v in back.items() if k not in skip} == {k: v for k, v in orig.items() if k not in skip}
 
 
+# The keys to_hf may add to the source's config.json (transformers' defaults the model needs).
+TO_HF_ADDED_KEYS = {"mla_use_nope", "moe_layer_freq", "moe_router_activation_func", "num_nextn_predict_layers",
+                    "use_grouped_topk"}
+
+
+def test_help_says_what_a_round_trip_preserves(capsys):
+  """--help states what test_round_trip_keeps_the_source_hf_config checks: values bit-exact, names in
+  transformers' spelling, config = source keys + the keys to_hf adds (it used to promise the source's
+  config.json back)."""
+  from tools import convert_checkpoint as cc
+  assert cc.main(["--help"]) == 0
+  text = " ".join(capsys.readouterr().out.split())
+  assert "gives back the source's config.json" not in text
+  assert "tensor values bit-exact" in text and "`mlp.*` even when the source named it `block_sparse_moe.*`" in text
+  for key in TO_HF_ADDED_KEYS:
+    assert key in text, key
+
+
 def test_round_trip_keeps_the_source_hf_config(converted, tmp_path):
   """to_orbax keeps the source config.json as hf_config.json; to_hf merges it back, so informational
   keys (model_max_length, linear_num_heads, head_dim, qk_head_dim, ...) survive the round trip."""
@@ -231,8 +249,7 @@ def test_round_trip_keeps_the_source_hf_config(converted, tmp_path):
                 "pretraining_tp", "transformers_version"):
       assert ours[key] == theirs[key], key
     assert {k: ours[k] for k in theirs} == theirs  # ours adds a few keys transformers defaults (mla_use_nope, ...)
-    assert set(ours) - set(theirs) <= {"mla_use_nope", "moe_layer_freq", "moe_router_activation_func",
-                                       "num_nextn_predict_layers", "use_grouped_topk"}
+    assert set(ours) - set(theirs) <= TO_HF_ADDED_KEYS
   # A checkpoint without hf_config.json (e.g. written by tools.train) gets the model's keys only.
   bare = tmp_path / "bare"
   shutil.copytree(converted["dense"], bare)
