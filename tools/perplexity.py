@@ -25,7 +25,8 @@ Keys:
   compare_attention     also score with this attention backend; report the max |log-prob difference|
                         and the perplexity difference; exit status 1 when the former exceeds
                         compare_tolerance.
-  dump_logprobs         add every document's token ids and per-token log-probs to output_json.
+  dump_logprobs         add every document's token ids and per-token log-probs to output_json
+                        (needs output_json).
   output_json           write the figures (and dumps) to this file, atomically (a temporary file
                         renamed over it). An existing file is refused before any work unless
                         overwrite=true.
@@ -152,6 +153,8 @@ def main(argv: list[str]) -> int:
     common.check_output_path(cfg.output_json, overwrite=cfg.overwrite)  # before any work, not after it
   if cfg.compare_attention:
     registry.get_backend(cfg.compare_attention)  # an unknown name fails now, not after the first pass
+  if cfg.dump_logprobs and not cfg.output_json:  # the dump goes into output_json only: never drop it silently
+    raise common.UsageError("dump_logprobs=true needs output_json=FILE (the per-token log-probs are written there)")
   if cfg.compare_tolerance < 0:
     raise common.UsageError(f"compare_tolerance must be >= 0, got {cfg.compare_tolerance}")
   check_windows(cfg)

@@ -336,6 +336,13 @@ def test_output_json_gets_the_umask_mode(tmp_path, umask):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
 
 
+def test_dump_logprobs_needs_output_json(checkpoints, capsys):
+  """dump_logprobs=true without output_json is refused up front (it used to be ignored silently)."""
+  assert _ppl([f"load_parameters_path={checkpoints['dense']}", "eval_data=x", "dump_logprobs=true"]) == 2
+  assert capsys.readouterr().err == ("error: dump_logprobs=true needs output_json=FILE (the per-token log-probs "
+                                     "are written there)\n")
+
+
 def test_help(capsys):
   assert _gen(["--help"]) == 0 and "decode_sampling_strategy" in capsys.readouterr().out
   assert _ppl(["--help"]) == 0 and "compare_attention" in capsys.readouterr().out
