@@ -206,8 +206,14 @@ def main(argv: list[str]) -> int:
         f"dtype={mcfg.dtype}; {len(prompts)} prompt(s), {sum(map(len, prompts))} tokens; "
         f"sampling {params.strategy}", file=sys.stderr)
   stream = _Streamer(tokenizer, eos, prompts[0]) if len(prompts) == 1 else None
-  results, timings = gen.generate(prompts, cfg.max_new_tokens, sampling_params=params, seed=cfg.seed,
-                                  stop_at_eos=cfg.decode_stop_at_eos, on_tokens=stream)
+  try:
+    results, timings = gen.generate(prompts, cfg.max_new_tokens, sampling_params=params, seed=cfg.seed,
+                                    stop_at_eos=cfg.decode_stop_at_eos, on_tokens=stream)
+  except KeyboardInterrupt:
+    if stream is not None and stream.printed:  # end the streamed line, so "interrupted" starts its own
+      sys.stdout.write("\n")
+      sys.stdout.flush()
+    raise
   if stream is not None:
     stream.finish()
     sys.stdout.write("\n")

@@ -343,6 +343,20 @@ def test_dump_logprobs_needs_output_json(checkpoints, capsys):
                                      "are written there)\n")
 
 
+def test_interrupt_ends_the_streamed_line(checkpoints, capsys, monkeypatch):
+  """Ctrl-C while a prompt streams: the streamed text's line is ended before run_tool's "interrupted"
+  (a terminal showed "ROMEO:interrupted"); exit status 130."""
+  from model.serving import Generator
+
+  def interrupted(self, prompts, *a, on_tokens=None, **k):
+    on_tokens(0, np.array([5]), np.array([True]))
+    raise KeyboardInterrupt
+  monkeypatch.setattr(Generator, "generate", interrupted)
+  assert _gen([f"load_parameters_path={checkpoints['dense']}", "prompt_ids=3,4", "max_new_tokens=4"]) == 130
+  out = capsys.readouterr()
+  assert out.out.endswith("3 4 5\n") and out.err.endswith("interrupted\n"), out
+
+
 def test_help(capsys):
   assert _gen(["--help"]) == 0 and "decode_sampling_strategy" in capsys.readouterr().out
   assert _ppl(["--help"]) == 0 and "compare_attention" in capsys.readouterr().out
