@@ -52,6 +52,8 @@ checkpoint piece by piece and streams each safetensors shard to disk the same wa
 Errors (a one-line message naming the tensor, file or key; exit status 2; nothing written): a missing or
 unexpected tensor, a wrong shape, a dtype that is not a float (or cannot be cast), a truncated or
 corrupt safetensors file, an unknown, unsupported or self-contradicting config.json.
+Running out of memory (XLA's RESOURCE_EXHAUSTED) is one line too, `error: out of memory (<XLA's first
+line>): ...`, exit status 2, nothing written.
 """
 
 from __future__ import annotations
@@ -560,6 +562,16 @@ def _summary_line(s: dict) -> str:
           f"({s['weight_dtype']}{extra}) in {s['seconds']:.1f} s ({rate:.2f} GB/s) -> {s['output']}")
 
 
+def out_of_memory_advice() -> str:
+  """What to do when XLA runs out of memory during a conversion (no key sizes it: tensors are read one
+  at a time): on an accelerator, convert on the host (JAX_PLATFORMS=cpu); always, nothing was written."""
+  import jax
+  where = ("run it with JAX_PLATFORMS=cpu (the conversion needs no accelerator; host memory is larger)"
+           if jax.default_backend() != "cpu" else "run it on a machine with more memory (the largest tensor, "
+           "e.g. one layer's stacked experts, must fit)")
+  return f"{where}; nothing was written to the output path"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if any(a in ("-h", "--help", "help") for a in argv):
@@ -574,6 +586,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: {e.strerror or e} ({e.filename or ''}); nothing was written to the output path",
           file=sys.stderr)
     return 1
+  except Exception as e:  # XLA's RESOURCE_EXHAUSTED (an Orbax read onto the device): one line; the output was rolled back
+    from tools.serving_common import out_of_memory_message
+    msg = out_of_memory_message(e, out_of_memory_advice())
+    if msg is None:
+      raise
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
   print(_summary_line(summary))
   return 0
 

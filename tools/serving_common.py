@@ -195,6 +195,17 @@ def out_of_memory(e: BaseException) -> str | None:
   return None
 
 
+def out_of_memory_message(e: BaseException, advice: str | None = None) -> str | None:
+  """`out of memory (<XLA's first line>): <advice>` when `e` is XLA's RESOURCE_EXHAUSTED
+  (`out_of_memory`), else None. The one wording every tool prints after `error: ` (run_tool for
+  generate/perplexity, tools.train, tools.convert_checkpoint); `advice` says what to change, e.g.
+  `lower batch_size or seq_len` (omitted when None or empty)."""
+  oom = out_of_memory(e)
+  if oom is None:
+    return None
+  return f"out of memory ({oom})" + (f": {advice}" if advice else "")
+
+
 def run_tool(main: Callable[[list[str]], int], doc: str, argv: Sequence[str] | None = None, *,
              memory_keys: str | None = None) -> int:
   """Runs `main(argv)` with `--help` and the one-line error contract; returns the exit status.
@@ -224,9 +235,8 @@ def run_tool(main: Callable[[list[str]], int], doc: str, argv: Sequence[str] | N
     print("interrupted", file=sys.stderr)
     return 130
   except Exception as e:
-    oom = out_of_memory(e)
-    if oom is None:
+    msg = out_of_memory_message(e, f"lower {memory_keys}" if memory_keys else None)
+    if msg is None:
       raise
-    hint = f": lower {memory_keys}" if memory_keys else ""
-    print(f"error: out of memory ({oom}){hint}", file=sys.stderr)
+    print(f"error: {msg}", file=sys.stderr)
     return 2

@@ -38,7 +38,10 @@ refused before anything is read or written, so a typo cannot scatter a run among
 checkpoints/, metrics.jsonl and params/ are created or replaced).
 
 Errors (missing or empty data, a tokenizer that does not fit the config, a resume whose config
-does not match the checkpoint) are printed as one line naming the key; the exit status is 2.
+does not match the checkpoint) are printed as one line naming the key; the exit status is 2. So is
+running out of memory (XLA's RESOURCE_EXHAUSTED): `error: out of memory (<XLA's first line>): lower
+batch_size or seq_len ...; nothing was lost beyond the last checkpoint ...` (the checkpoints already
+written are left as they are; a resume needs the same batch_size and seq_len, eval_batch_size may change).
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ from model.train_lib import TrainError
 CHECKPOINT_SUBDIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 PARAMS_SUBDIR = "params"
+# What sizes the step and the evaluation: named in the one-line error when XLA runs out of memory.
+MEMORY_KEYS = ("batch_size or seq_len (a step holds batch_size x seq_len tokens; evaluation eval_batch_size x "
+               "seq_len)")
 
 
 def training_keys_help() -> str:
@@ -251,9 +257,9 @@ def _raise_interrupt(signum, frame):
   raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _nothing_saved(out: pathlib.Path, created: bool, start: int | None) -> None:
-  """Says (one line on stderr) that an interrupted run completed no step, and removes what it made:
-  all of `out` when this run created it, else an empty checkpoints/ and an empty metrics file."""
+def _remove_unused_run(out: pathlib.Path, created: bool) -> None:
+  """Removes what a run that completed no step made: all of `out` when this run created it, else an
+  empty checkpoints/ and an empty metrics file."""
   if created:
     shutil.rmtree(out, ignore_errors=True)
   else:
@@ -262,6 +268,12 @@ def _nothing_saved(out: pathlib.Path, created: bool, start: int | None) -> None:
     metrics = out / METRICS_FILE
     if metrics.is_file() and metrics.stat().st_size == 0:
       metrics.unlink()
+
+
+def _nothing_saved(out: pathlib.Path, created: bool, start: int | None) -> None:
+  """Says (one line on stderr) that an interrupted run completed no step, and removes what it made
+  (`_remove_unused_run`)."""
+  _remove_unused_run(out, created)
   kept = f"; the checkpoint of step {start} is unchanged" if start else ""
   print(f"interrupted before the first training step finished: no step was completed and nothing was saved"
         f"{kept}", file=sys.stderr)
@@ -281,7 +293,9 @@ def train(cfg, *, progress: bool = True) -> dict:
     train state), "graphdef".
 
   Raises:
-    TrainError: missing/empty data, a tokenizer or resume config that does not match, bad keys.
+    TrainError: missing/empty data, a tokenizer or resume config that does not match, bad keys;
+      XLA's RESOURCE_EXHAUSTED as `out of memory (...): lower ...; <the last checkpoint, intact>`
+      (chained to the XLA error; checkpoints already written are not touched).
     model.tokenizer.TokenizerError, model.config.ConfigError, model.checkpointing.CheckpointError.
   """
   import jax
@@ -308,12 +322,13 @@ def train(cfg, *, progress: bool = True) -> dict:
   old_term = None
   if threading.current_thread() is threading.main_thread():
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
-  start = step = None
+  start = step = saved = None
   try:
     out.mkdir(parents=True, exist_ok=True)
     ckpt = train_lib.TrainCheckpointer(out / CHECKPOINT_SUBDIR, cfg.checkpoint_keep)
     meta = _meta(cfg, tok)
     latest = ckpt.latest_step()
+    saved = latest  # the newest checkpoint on disk (named if the run fails)
     if latest is not None:  # checked before building anything: a refused resume costs nothing
       if not cfg.resume:
         raise TrainError(f"output_dir={cfg.output_dir!r} holds train checkpoints up to step {latest}; pass "
@@ -349,7 +364,9 @@ def train(cfg, *, progress: bool = True) -> dict:
                dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
 
     def save():
+      nonlocal saved
       ckpt.save(step, state, it.state, meta)
+      saved = step
 
     def log_pending():
       """Writes one metrics record for the steps run since the last one; returns it."""
@@ -429,6 +446,19 @@ def train(cfg, *, progress: bool = True) -> dict:
     if step is None or step == start:  # interrupted before this run's first step finished
       _nothing_saved(out, created, start)
     raise
+  except Exception as e:
+    from tools.serving_common import out_of_memory_message
+    msg = out_of_memory_message(e, f"lower {MEMORY_KEYS}")
+    if msg is None:
+      raise
+    if step is None or step == start:
+      _remove_unused_run(out, created)
+    if saved is None:
+      kept = "no checkpoint had been written yet, so there is nothing to resume"
+    else:
+      kept = (f"nothing was lost beyond the last checkpoint, step {saved} in {out / CHECKPOINT_SUBDIR}, which is "
+              f"intact (resuming needs the same batch_size and seq_len; eval_batch_size may change)")
+    raise TrainError(f"{msg}; {kept}") from e
   finally:
     if old_term is not None:
       signal.signal(signal.SIGTERM, old_term)

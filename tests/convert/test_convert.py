@@ -492,3 +492,36 @@ def test_released_style_config_maps_to_48b():
   table = hl.parameter_table(cfg)
   assert len(table) == 603 and sum(len(e.hf_names) for e in table) == 20493
   assert sum(int(np.prod(e.shape)) for e in table) == 49_122_681_728
+
+
+def test_out_of_memory_is_one_error_line(tmp_path, capsys, monkeypatch):
+  """XLA's RESOURCE_EXHAUSTED during a conversion (simulated: the Orbax write raises it, nothing is
+  allocated) is one `error:` line in the shared wording (tools.serving_common), exit 2, nothing written;
+  on an accelerator it points to JAX_PLATFORMS=cpu. Any other runtime error is not hidden."""
+  xla = "RESOURCE_EXHAUSTED: Out of memory allocating 987654321 bytes."
+
+  def oom(self, piece):
+    raise jax.errors.JaxRuntimeError(xla + "\nmore detail")
+  monkeypatch.setattr(ck.ParameterWriter, "write", oom)
+
+  def fails():  # the progress bar may have drawn on stderr before: the error is the last line, alone
+    out = tmp_path / "out"
+    assert cc.main([f"hf_model_path={DENSE}", f"output_path={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert not any("Traceback" in line for line in err), err
+    assert not out.exists() and not list(tmp_path.glob(".out*")), sorted(os.listdir(tmp_path))
+    return err[-1]
+  err = fails()
+  assert err == (f"error: out of memory ({xla}): run it on a machine with more memory (the largest tensor, e.g. "
+                 f"one layer's stacked experts, must fit); nothing was written to the output path"), err
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  err = fails()
+  assert err == (f"error: out of memory ({xla}): run it with JAX_PLATFORMS=cpu (the conversion needs no "
+                 f"accelerator; host memory is larger); nothing was written to the output path"), err
+
+  def other(self, piece):
+    raise jax.errors.JaxRuntimeError("INTERNAL: not a memory error")
+  monkeypatch.setattr(ck.ParameterWriter, "write", other)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+    cc.main([f"hf_model_path={DENSE}", f"output_path={tmp_path / 'out'}"])
+  assert not (tmp_path / "out").exists()

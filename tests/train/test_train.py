@@ -241,3 +241,72 @@ def test_sigterm_before_the_first_step_says_nothing_was_saved(corpus, tmp_path, 
   # What the run created is gone; a directory that was there before keeps only what it held.
   assert (sorted(os.listdir(out)) == ["notes.txt"]) if existing else not out.exists()
   assert signal.getsignal(signal.SIGTERM) is not train_tool._raise_interrupt
+
+
+def _oom_at(real, at_step):
+  """A `train_step_fn` whose step raises XLA's RESOURCE_EXHAUSTED (nothing allocated) when the state
+  is at step `at_step`, and runs the real step otherwise."""
+  def step_fn(*args):
+    fn = real(*args)
+
+    def step(state, batch):
+      if int(state["step"]) == at_step:
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 123456789 bytes.\ndetail")
+      return fn(state, batch)
+    return step
+  return step_fn
+
+
+def _argv(corpus, out, *extra):
+  from tests.train.helpers import BATCH, SEQ_LEN, TWO_LAYERS
+  return ["tiny", *TWO_LAYERS, f"train_data={corpus}", "train_data_format=ids", f"output_dir={out}",
+          f"seq_len={SEQ_LEN}", f"batch_size={BATCH}", "warmup_steps=2", "log_every=1", "eval_every=0",
+          "checkpoint_every=2", "learning_rate=3e-3", *extra]
+
+
+def test_out_of_memory_is_one_error_line_and_keeps_the_last_checkpoint(corpus, tmp_path, monkeypatch, capsys):
+  """XLA's RESOURCE_EXHAUSTED in a step (simulated: the step raises it) is one `error:` line with exit 2
+  (the shared tools.serving_common wording, then the keys to lower and the last checkpoint); the
+  checkpoint written before it is untouched: resuming from it gives the uninterrupted run."""
+  import tools.train as train_tool
+
+  real = train_lib.train_step_fn
+  xla = "RESOURCE_EXHAUSTED: Out of memory allocating 123456789 bytes."
+  monkeypatch.setattr(train_tool.train_lib, "train_step_fn", _oom_at(real, 3))  # steps 1-3 done, 2 saved
+  out = tmp_path / "run"
+  assert train_tool.main(_argv(corpus, out, "steps=4")) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1] == (f"error: out of memory ({xla}): lower {train_tool.MEMORY_KEYS}; nothing was lost beyond the "
+                     f"last checkpoint, step 2 in {out / 'checkpoints'}, which is intact (resuming needs the same "
+                     f"batch_size and seq_len; eval_batch_size may change)"), err
+  assert not any("Traceback" in line for line in err)
+  assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [2]
+
+  monkeypatch.setattr(train_tool.train_lib, "train_step_fn", real)
+  rest = train(tiny_config(corpus, out, "steps=4"), progress=False)
+  assert rest["start_step"] == 2 and sorted(rest["losses"]) == [3, 4]
+  full = train(tiny_config(corpus, tmp_path / "full", "steps=4"), progress=False)
+  assert [rest["losses"][s] for s in (3, 4)] == [full["losses"][s] for s in (3, 4)]
+  for x, y in zip(_leaves(full["state"]), _leaves(rest["state"])):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_out_of_memory_in_the_first_step_says_there_is_no_checkpoint(corpus, tmp_path, monkeypatch, capsys):
+  import tools.train as train_tool
+
+  monkeypatch.setattr(train_tool.train_lib, "train_step_fn", _oom_at(train_lib.train_step_fn, 0))
+  out = tmp_path / "run"
+  assert train_tool.main(_argv(corpus, out, "steps=4")) == 2
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert err.startswith("error: out of memory (RESOURCE_EXHAUSTED: Out of memory allocating 123456789 bytes.): "
+                        "lower batch_size or seq_len"), err
+  assert err.endswith("; no checkpoint had been written yet, so there is nothing to resume"), err
+  assert not out.exists()  # the run created it and completed nothing
+
+  def other(*args):
+    def step(state, batch):
+      raise jax.errors.JaxRuntimeError("INTERNAL: not a memory error")
+    return step
+  monkeypatch.setattr(train_tool.train_lib, "train_step_fn", other)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # anything else is not hidden
+    train_tool.main(_argv(corpus, out, "steps=4"))
