@@ -136,6 +136,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.adam_eps = 1e-8  # AdamW epsilon
   c.grad_clip_norm = 1.0  # clip gradients to this global L2 norm (0 = no clipping)
   c.train_seed = 0  # seed of the training PRNG key (split every step; saved in checkpoints)
+  # Auxiliary-loss-free MoE load balancing (DeepSeek-V3 sec. 2.1.2): after each optimizer step every MoE
+  # layer's router e_score_correction_bias[i] += rate * sign(mean load - load[i]), load[i] = non-padding
+  # tokens the step routed to expert i (never a gradient update; saved in checkpoints). 0 = off (bias frozen).
+  c.router_bias_update_rate = 0.0  # bias step per optimizer step, in sigmoid-score units (DeepSeek-V3: 1e-3)
   # Run directory, checkpoints, evaluation, logs and the exported parameters.
   c.output_dir = ""  # run directory: checkpoints/, metrics.jsonl, params/ (required by tools.train)
   c.checkpoint_every = 100  # save the full train state every N steps and at the last step (Orbax)

@@ -15,6 +15,13 @@ variable, not an `nnx.Param`: it is adjusted by load balancing, never by gradien
 `experts.{e}.w1.weight [I, d]` -> `experts.w1 [E, d, I]` (row e = the HF weight transposed), same
 for `w3`; `experts.{e}.w2.weight [d, I]` -> `experts.w2 [E, I, d]`;
 `shared_experts.{gate,up,down}_proj.weight` -> `shared_experts.{gate,up,down}_proj.kernel`.
+
+Auxiliary-loss-free load balancing (DeepSeek-V3 report, arXiv:2412.19437, sec. 2.1.2; Kimi-Linear
+trains its router the same way): after each optimizer step the bias of expert i moves by
+`rate * sign(mean_j load_j - load_i)`, where `load_i` counts the (non-padding token, choice) pairs the
+step routed to expert i (top-k of the biased scores, as above). `expert_load` and `balanced_bias`
+compute it; a block records its choices (`record_routing`, an `nnx.Intermediate` named
+`routed_experts`) only when the training step asks for them (model/train_lib.py).
 """
 
 from __future__ import annotations
@@ -28,6 +35,30 @@ from model.layers import SwiGLU, as_dtype, param
 
 class RouterBias(nnx.Variable):
   """The router's e_score_correction_bias (float32, updated outside gradient descent)."""
+
+
+def expert_load(indices, token_mask, num_experts: int):
+  """Tokens routed to each expert.
+
+  Args:
+    indices: int32 `[N, k]` chosen experts per token (`route`'s second output).
+    token_mask: bool `[N]`, True for real tokens (padding, segment id 0, is not counted).
+    num_experts: E.
+
+  Returns:
+    float32 `[E]`: `load_i = #{(n, j): indices[n, j] == i and token_mask[n]}` (sums to k * #tokens).
+  """
+  w = jnp.broadcast_to(jnp.asarray(token_mask, jnp.float32)[:, None], indices.shape)
+  return jnp.zeros((num_experts,), jnp.float32).at[indices.reshape(-1)].add(w.reshape(-1))
+
+
+def balanced_bias(bias, load, rate: float):
+  """One step of auxiliary-loss-free balancing: `bias + rate * sign(mean(load) - load)` (float32 `[E]`).
+
+  An overloaded expert's bias falls by `rate`, an underloaded one's rises, one exactly at the mean
+  keeps its bias (sign 0). `rate` is in the units of the sigmoid scores (DeepSeek-V3 uses 1e-3)."""
+  load = jnp.asarray(load, jnp.float32)
+  return jnp.asarray(bias, jnp.float32) + jnp.float32(rate) * jnp.sign(jnp.mean(load) - load)
 
 
 def route(logits, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
@@ -147,12 +178,17 @@ class SparseMoeBlock(nnx.Module):
     self.dtype = as_dtype(args.dtype)
     self.shared_experts = (SwiGLU(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts,
                                   args, rngs) if args.num_shared_experts else None)
+    # True: each call also stores its expert choices `[B*T, k]` as the nnx.Intermediate
+    # `routed_experts` (set on a model merged inside the training step, for load balancing).
+    self.record_routing = False
 
   def __call__(self, x):
     """`[B, T, d]` -> `[B, T, d]`."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, idx = self.gate(flat)
+    if self.record_routing:
+      self.sow(nnx.Intermediate, "routed_experts", idx)
     y = self.experts(flat, weights, idx)
     if self.shared_experts is not None:
       y = y + self.shared_experts(flat).astype(jnp.float32)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import pathlib
 
@@ -37,6 +38,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from model import moe
 from model.kimi_linear import KimiLinearForCausalLM
 
 STATE_ITEM, DATA_ITEM, META_ITEM = "state", "data", "meta"
@@ -92,6 +94,8 @@ def check_train_config(cfg) -> None:
   need(0.0 <= cfg.adam_b2 < 1.0, "adam_b2", "a number in [0, 1)")
   need(cfg.adam_eps > 0, "adam_eps", "a number > 0")
   need(cfg.grad_clip_norm >= 0, "grad_clip_norm", "a number >= 0 (0 = no clipping)")
+  need(math.isfinite(cfg.router_bias_update_rate) and cfg.router_bias_update_rate >= 0, "router_bias_update_rate",
+       "a finite number >= 0 (0 = no load balancing)")
   need(0.0 < cfg.heldout_fraction < 1.0, "heldout_fraction", "a number in (0, 1)")
   need(cfg.train_data_format in ("text", "jsonl", "ids"), "train_data_format", "'text', 'jsonl' or 'ids'")
   need(cfg.split_long in ("long", "fill", "none"), "split_long", "'long', 'fill' or 'none'")
@@ -173,8 +177,39 @@ def masked_nll(logits, targets, loss_mask):
   return jnp.sum(nll * mask), jnp.sum(mask)
 
 
+def _moe_blocks(model) -> list:
+  """`(path, block)` of the model's `moe.SparseMoeBlock`s, in layer order."""
+  return [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, moe.SparseMoeBlock)]
+
+
+def _forward_with_load(model, inputs, segment_ids, num_slots: int):
+  """`(logits, load)`: the forward in mode "train" of `model` (merged inside the step, or eagerly),
+  with every MoE block recording its expert choices (`nnx.capture` of the `routed_experts`
+  intermediates); `load` float32 `[L_moe, E]` counts the (non-padding token, choice) pairs each block
+  routed to each expert (`moe.expert_load`)."""
+  blocks = _moe_blocks(model)
+  for _, b in blocks:
+    b.record_routing = True
+  logits, inter = nnx.capture(model, nnx.Intermediate)(inputs, segment_ids, mode="train",
+                                                        max_num_segments=num_slots)
+  flat = dict(nnx.to_flat_state(inter))
+  mask = jnp.reshape(segment_ids > 0, (-1,))
+  loads = [moe.expert_load(flat[tuple(path) + ("routed_experts",)].get_value()[0], mask,
+                           b.gate.e_score_correction_bias.shape[0]) for path, b in blocks]
+  return logits, jnp.stack(loads)
+
+
+def expert_load(graphdef, state, batch, num_slots: int):
+  """float32 `[L_moe, E]`: tokens the model of train state `state` routes to each expert of each MoE
+  layer on `batch` (a forward in mode "train", no update; padding, segment id 0, not counted).
+  Eager (not jitted): a diagnostic for tests and tools, e.g. the imbalance `max(load) / mean(load)`."""
+  get = batch.get if isinstance(batch, dict) else functools.partial(getattr, batch)
+  model = nnx.merge(graphdef, state["params"], state["rest"])
+  return _forward_with_load(model, jnp.asarray(get("inputs")), jnp.asarray(get("segment_ids")), num_slots)[1]
+
+
 @functools.lru_cache(maxsize=8)
-def train_step_fn(graphdef, hparams: tuple, num_slots: int):
+def train_step_fn(graphdef, hparams: tuple, num_slots: int, router_bias_update_rate: float = 0.0):
   """The jitted step `(state, batch) -> (new_state, metrics)`; cached so that runs of the same
   model and optimizer (a resumed run in the same process, tests) reuse one compilation.
 
@@ -182,27 +217,47 @@ def train_step_fn(graphdef, hparams: tuple, num_slots: int):
   or a dict). The forward runs in mode "train", i.e. through the backend's differentiable op
   (`kda_chunked` for kda_native). metrics: loss (mean nats per target token), tokens (targets in
   the batch), grad_norm (global L2 norm before clipping), lr (the rate used for this update).
+
+  `router_bias_update_rate` > 0 turns on auxiliary-loss-free load balancing (`model.moe`): with the
+  loads `[L_moe, E]` of this step's routing (top-k of the biased scores, non-padding tokens), every
+  MoE layer's `e_score_correction_bias` (in state["rest"], not seen by the optimizer) becomes
+  `moe.balanced_bias(bias, load, rate)`, and metrics gain "expert_load" (the loads). 0 (the default)
+  traces exactly the step without balancing: nothing is recorded and "rest" is passed through.
   """
+  rate = float(router_bias_update_rate)
   tx = make_optimizer(hparams)
   schedule = learning_rate_schedule(hparams)
 
   def step(state, inputs, targets, loss_mask, segment_ids):
     def loss_fn(params):
       model = nnx.merge(graphdef, params, state["rest"])
-      logits = model(inputs, segment_ids, mode="train", max_num_segments=num_slots)
+      load = None
+      if rate > 0:
+        logits, load = _forward_with_load(model, inputs, segment_ids, num_slots)
+      else:
+        logits = model(inputs, segment_ids, mode="train", max_num_segments=num_slots)
       total, count = masked_nll(logits, targets, loss_mask)
-      return total / jnp.maximum(count, 1.0), count
+      return total / jnp.maximum(count, 1.0), (count, load)
 
-    (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    (loss, (count, load)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     # The key advances every step (reserved for stochastic layers; the model has none today), so a
     # resumed run continues the same key sequence.
     rng, _ = jax.random.split(jax.random.wrap_key_data(state["rng"]))
-    new = {"params": params, "rest": state["rest"], "opt_state": opt_state, "step": state["step"] + 1,
+    rest = state["rest"]
+    if load is not None:  # load balancing: outside gradient descent, from this step's routing
+      model = nnx.merge(graphdef, state["params"], rest)
+      for (_, block), block_load in zip(_moe_blocks(model), load):
+        bias = block.gate.e_score_correction_bias
+        bias[...] = moe.balanced_bias(bias[...], block_load, rate)
+      rest = split_model(model)[2]
+    new = {"params": params, "rest": rest, "opt_state": opt_state, "step": state["step"] + 1,
            "rng": jax.random.key_data(rng)}
     metrics = {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads),
                "lr": schedule(state["step"])}
+    if load is not None:
+      metrics["expert_load"] = load
     return new, metrics
 
   jitted = jax.jit(step)

@@ -356,7 +356,7 @@ def train(cfg, *, progress: bool = True) -> dict:
       graphdef, state = train_lib.init_train_state(model, hparams, cfg.train_seed)
 
     metrics = MetricsLog(out / METRICS_FILE, start)
-    step_fn = train_lib.train_step_fn(graphdef, hparams, num_slots)
+    step_fn = train_lib.train_step_fn(graphdef, hparams, num_slots, float(cfg.router_bias_update_rate))
     losses, evals, pending = {}, {}, []
     step = start
     t_last = time.perf_counter()
