@@ -333,7 +333,7 @@ def _slot_spans(seg, n_slots):
 
 
 def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, diag_mode="auto",
-                   prep=None, chunk=CHUNK):
+                   prep=None, chunk=CHUNK, group=1):
   """The segment-native chunked KDA algorithm on validated, activated inputs.
 
   Shared by `kda_chunked` (training, differentiated by JAX) and `kda_inference_xla` (forward).
@@ -354,6 +354,12 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
       else (the in-kernel gate activation and q/k L2 norm of `kda_inference_xla`, fused this way
       into the chunk's elementwise work instead of extra passes over the whole sequence).
     chunk: rows per chunk, a multiple of 16.
+    group: chunks per scan step. The state-independent work of the `group` chunks (gates, scores,
+      inverses) is done together, then the state is carried through them one by one: fewer, larger
+      operations per step with the working set still in cache (the XLA forward uses 2). The sequence
+      is padded with padding chunks to a multiple of `group` chunks. A run-time choice inside
+      `_chunk_prep` (score path, documents starting inside a chunk) is then made for the group: the
+      general path whenever one of its chunks needs it (exact for all of them).
 
   Returns:
     `(o [B, T, H, V] in q's dtype, final [B, N, H, K, V] float32 or None)`.
@@ -365,7 +371,7 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   b, t, h, kd = q.shape
   vd = v.shape[-1]
   c = chunk
-  tp = -(-t // c) * c
+  tp = -(-t // (c * group)) * (c * group)
   nc = tp // c
   pad = tp - t
   seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, pad)))
@@ -409,10 +415,19 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
     corr = jnp.zeros((nc, b, h, 2 * c, vd), jnp.float32).at[c_s, bidx[:, None]].add(x)
 
   def step(carry, xs):
+    cp_all, aqk_all, akk_all = chunk_prep(*xs[:6])
+    aqk_all, linv_all = _mask_and_inverse(cp_all, aqk_all, akk_all)
+    outs = []
+    for j in range(group):  # the state recurrence, one chunk after the other
+      at = lambda x: x[j]
+      carry, o = chunk_step(carry, jax.tree.map(at, xs), jax.tree.map(at, cp_all), aqk_all[j],
+                            linv_all[j])
+      outs.append(o)
+    return carry, jnp.stack(outs)
+
+  def chunk_step(carry, xs, cp, aqk, linv):
     s, buf = carry
-    qx, kx, vx, gx, bx, sx, cl, lic, cc = xs[:9]
-    cp, aqk, akk = chunk_prep(qx, kx, vx, gx, bx, sx)
-    aqk, linv = _mask_and_inverse(cp, aqk, akk)
+    sx, cl, lic, cc = xs[5:9]
     cont = ((sx == cl[:, None]) & (cl[:, None] > 0))[:, None, :, None]
     last = ((sx == sx[:, -1:]) & (sx[:, -1:] > 0))[:, None, :, None]
     qk = jnp.concatenate([jnp.where(cont, cp.bh * cp.kh * cp.egl, 0.0),
@@ -462,8 +477,9 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
     xs = xs + (keep_idx.T,)
     buf0 = (jnp.zeros((b, n_slots, h, kd, vd), jnp.float32),
             jnp.zeros((b, n_slots + 1, h, c, vd), jnp.float32))
-  (_, buf), o = lax.scan(step, (s0, buf0), xs)
-  o = jnp.moveaxis(o, 0, 1).reshape(b, tp, h, vd)[:, :t]
+  grouped = jax.tree.map(lambda x: x.reshape((nc // group, group) + x.shape[1:]), xs)
+  (_, buf), o = lax.scan(step, (s0, buf0), grouped)
+  o = jnp.moveaxis(o.reshape((nc,) + o.shape[2:]), 0, 1).reshape(b, tp, h, vd)[:, :t]
   if not want_final:
     return o, None
 

@@ -181,6 +181,18 @@ def test_inference_xla_activated_gate(layout):
   _check_against_reference(kda_inference_xla, q, k, v, g, beta, _seg(layout), h0)
 
 
+@pytest.mark.parametrize("layout", ["many_docs_one_chunk", "edge_aligned"])
+def test_inference_xla_chunk_pair_with_different_paths(layout):
+  # kda_inference_xla builds two chunks per scan step: here the first chunk of each pair decays
+  # ~20 nats per token (sub-block score path) and the second mildly (one factorisation), and the
+  # layouts put a document start inside one chunk of a pair but not the other.
+  q, k, v, g, beta, h0 = _inputs(8)
+  steep = _inputs(8, steep=True)[3]
+  rows = (np.arange(T) // 64) % 2 == 0
+  g = np.where(rows[None, :, None, None], steep, g).astype(np.float32)
+  _check_against_reference(kda_inference_xla, q, k, v, g, beta, _seg(layout), h0)
+
+
 @pytest.mark.parametrize("family", ["softplus", "bounded"])
 def test_inference_xla_in_kernel_gate_and_l2norm(family):
   q, k, v, _, beta, h0 = _inputs(8, unit_qk=False)
