@@ -173,28 +173,27 @@ def main(argv: list[str]) -> int:
     print(f"import-only child peak RSS: {base_rss / 2**20:.0f} MiB (the fixed cost of jax/flax/orbax)")
     print(f"bound: 1 GiB + largest tensor = {bound / 2**20:.0f} MiB")
     results = {"to_orbax": [], "to_hf": []}
-    for r in range(runs):
-      out = work / f"orbax{r}"
-      s, rss, sampled, rc = run_child(["-m", "tools.convert_checkpoint", f"hf_model_path={work / 'hf'}",
-                                       f"output_path={out}"])
+
+    def convert(direction: str, r: int, args: list[str]) -> bool:
+      """One timed conversion in a child process; records and prints it; False if it failed."""
+      s, rss, sampled, rc = run_child(["-m", "tools.convert_checkpoint", *args])
       if rc:
-        print(f"conversion failed with exit status {rc}", file=sys.stderr)
-        return 1
-      results["to_orbax"].append((s, rss))
-      print(f"  to_orbax run {r}: {s:.1f} s, {gb / s:.2f} GB/s, peak RSS {rss / 2**20:.0f} MiB "
+        print(f"{direction} failed with exit status {rc}", file=sys.stderr)
+        return False
+      results[direction].append((s, rss))
+      print(f"  {direction:<8} run {r}: {s:.1f} s, {gb / s:.2f} GB/s, peak RSS {rss / 2**20:.0f} MiB "
             f"(psutil-sampled {sampled / 2**20:.0f} MiB) "
             f"({'within' if rss <= bound else 'ABOVE'} bound)")
+      return True
+
+    for r in range(runs):
+      out = work / f"orbax{r}"
+      if not convert("to_orbax", r, [f"hf_model_path={work / 'hf'}", f"output_path={out}"]):
+        return 1
       if opts["to_hf"] == "true":
-        s, rss, sampled, rc = run_child(["-m", "tools.convert_checkpoint", "direction=to_hf",
-                                         f"load_parameters_path={out}", f"output_path={work / f'hf_back{r}'}",
-                                         "max_shard_size=1GB"])
-        if rc:
-          print(f"to_hf failed with exit status {rc}", file=sys.stderr)
+        if not convert("to_hf", r, ["direction=to_hf", f"load_parameters_path={out}",
+                                    f"output_path={work / f'hf_back{r}'}", "max_shard_size=1GB"]):
           return 1
-        results["to_hf"].append((s, rss))
-        print(f"  to_hf    run {r}: {s:.1f} s, {gb / s:.2f} GB/s, peak RSS {rss / 2**20:.0f} MiB "
-              f"(psutil-sampled {sampled / 2**20:.0f} MiB) "
-              f"({'within' if rss <= bound else 'ABOVE'} bound)")
         shutil.rmtree(work / f"hf_back{r}")
       shutil.rmtree(out)
     for d, rows in results.items():
