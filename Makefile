@@ -2,31 +2,52 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The compile-check venvs: jax's real TPU compiler (libtpu) and CUDA compiler (plugin + ptxas) run
+# ahead of time on this CPU host. They live apart from .venv so that `make demo` never loads them.
+AOT_TPU_VENV ?= .venv-tpu-aot
+AOT_GPU_VENV ?= .venv-gpu-aot
 # pyenv shims pick 3.12 from .python-version; fall back to any python3.12 on PATH.
 PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || echo python3.12)
 PYTEST_WORKERS ?= 2
+# Tests find the compile venvs through these (tests/aot/conftest.py); under `make test` a missing or
+# broken compile venv fails the tests instead of skipping them.
+AOT_ENV := KDA_AOT_REQUIRED=1 KDA_AOT_TPU_PYTHON=$(CURDIR)/$(AOT_TPU_VENV)/bin/python \
+  KDA_AOT_GPU_PYTHON=$(CURDIR)/$(AOT_GPU_VENV)/bin/python
 
-.PHONY: demo test test-slow install bench clean
+.PHONY: demo test test-slow install install-aot bench clean
+
+# $(call venv_recipe,DIR,EXTRAS): create DIR with Python 3.12 and install the project with EXTRAS.
+define venv_recipe
+	@test -x $(1)/bin/python || $(PYTHON312) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet -e '.[$(2)]'
+	@touch $(1)/.installed
+endef
 
 $(VENV)/.installed: pyproject.toml
-	@test -x $(PY) || $(PYTHON312) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
-	@touch $@
+	$(call venv_recipe,$(VENV),test)
+
+$(AOT_TPU_VENV)/.installed: pyproject.toml
+	$(call venv_recipe,$(AOT_TPU_VENV),aot-tpu)
+
+$(AOT_GPU_VENV)/.installed: pyproject.toml
+	$(call venv_recipe,$(AOT_GPU_VENV),aot-gpu)
 
 install: $(VENV)/.installed
+
+install-aot: $(AOT_TPU_VENV)/.installed $(AOT_GPU_VENV)/.installed
 
 demo: install
 	$(PY) -m tools.demo
 
-test: install
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow" tests
+test: install install-aot
+	$(AOT_ENV) $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow" tests
 
-test-slow: install
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m slow tests
+test-slow: install install-aot
+	$(AOT_ENV) $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m slow tests
 
 bench: install
 	$(PY) tools/benchmark_kda.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(AOT_TPU_VENV) $(AOT_GPU_VENV) .pytest_cache .hypothesis

@@ -178,6 +178,11 @@ def kda_inference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, out
 def _forward(q, k, v, g, beta, seg, h0, gate, *, backend, num_segments, scale, lower_bound,
              use_l2norm, want_final, interpret):
   """Pads and lays out the operands, builds the schedule, runs the kernel, unpads."""
+  if backend == "pallas_gpu":  # the GPU kernel owns its layout (kda_plugin.ops.pallas_gpu)
+    from kda_plugin.ops.pallas_gpu import kda_inference_gpu
+    return kda_inference_gpu(q, k, v, g, beta, seg, h0, gate, num_segments=num_segments, scale=scale,
+                             lower_bound=lower_bound, use_l2norm=use_l2norm, want_final=want_final,
+                             interpret=interpret)
   b, t, h, kd = q.shape
   vd = v.shape[3]
   kp, vp = lane_padding(backend, kd, vd)
@@ -207,11 +212,8 @@ def _forward(q, k, v, g, beta, seg, h0, gate, *, backend, num_segments, scale, l
   kwargs = dict(num_heads=h, key_dim=kd, num_segments=num_segments, n_steps=n_steps, scale=scale,
                 use_l2norm=use_l2norm, a_exp=a_exp, dt_bias=dt_row, lower_bound=lower_bound,
                 initial_state=h0, want_final=want_final, interpret=interpret)
-  if backend == "pallas_tpu":
-    from kda_plugin.ops.pallas_tpu import kda_pallas_tpu as run
-    sched = sched.reshape(-1)
-  else:
-    from kda_plugin.ops.pallas_gpu import kda_pallas_gpu as run
+  from kda_plugin.ops.pallas_tpu import kda_pallas_tpu as run
+  sched = sched.reshape(-1)
   o2, final = run(q2, k2, v2, g2, beta4, segc, segr, sched, **kwargs)
   o = o2.reshape(b, tp, h, vp)[:, :t, :, :vd]
   if final is not None:

@@ -163,3 +163,60 @@ def kda_pallas_gpu(q2, k2, v2, g2, beta4, segc, segr, sched, *, num_heads, key_d
       input_output_aliases=aliases, interpret=bool(interpret), name="kda_inference_gpu",
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))(*operands)
   return outs[0], (outs[1] if want_final else None)
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
+
+
+def kda_inference_gpu(q, k, v, g, beta, seg, h0, gate, *, num_segments, scale, lower_bound, use_l2norm,
+                      want_final, interpret):
+  """The `pallas_gpu` implementation of `kda_inference` on validated operands (called under its jit).
+
+  This is the seam between `kda_plugin.ops.inference` (validation, dispatch) and the GPU kernel: the
+  layout, padding and schedule of the GPU kernel are this module's business.
+
+  Args:
+    q, k, g: `[B, T, H, K]`; v: `[B, T, H, V]`; beta: `[B, T, H]` (public layouts).
+    seg: int32 `[B, T]` segment ids, or None (one document per row).
+    h0: float32 `[B, N, H, K, V]` initial states or None.
+    gate: `(a_log [H], dt_bias [H, K])` float32 for the in-kernel gate, or None.
+    num_segments: N (static); scale: float; lower_bound: float or None (bounded gate family).
+
+  Returns:
+    (o `[B, T, H, V]` in q's dtype, final float32 `[B, N, H, K, V]` or None).
+  """
+  b, t, h, kd = q.shape
+  vd = v.shape[3]
+  kp, vp = max(16, _next_pow2(kd)), max(16, _next_pow2(vd))
+  tp = -(-t // C) * C
+  nc = tp // C
+  if seg is None:
+    seg = jnp.ones((b, t), jnp.int32)
+  seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, tp - t)))
+  pad4 = lambda x, last: jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, last - x.shape[3])))
+  q2 = pad4(q, kp).reshape(b, tp, h * kp)
+  k2 = pad4(k, kp).reshape(b, tp, h * kp)
+  g2 = pad4(g, kp).reshape(b, tp, h * kp)
+  v2 = pad4(v, vp).reshape(b, tp, h * vp)
+  beta4 = jnp.pad(jnp.swapaxes(beta, 1, 2).astype(jnp.float32), ((0, 0), (0, 0), (0, tp - t)))[..., None]
+  segc = seg[:, :, None]
+  segr = seg.reshape(b, nc, 1, C)
+  n_steps = ss.num_steps(tp, num_segments)
+  sched = ss.build_schedule(seg, n_steps, has_initial_state=h0 is not None)
+  if h0 is not None:
+    h0 = jnp.pad(h0.astype(jnp.float32), ((0, 0),) * 3 + ((0, kp - kd), (0, vp - vd)))
+  a_exp = dt_row = None
+  if gate is not None:
+    a_log, dt_bias = gate
+    a_exp = jnp.broadcast_to(jnp.exp(a_log)[:, None, None], (h, 1, kp))
+    dt_row = jnp.pad(dt_bias, ((0, 0), (0, kp - kd)))[:, None, :]
+  o2, final = kda_pallas_gpu(q2, k2, v2, g2, beta4, segc, segr, sched, num_heads=h, key_dim=kd,
+                             num_segments=num_segments, n_steps=n_steps, scale=scale,
+                             use_l2norm=use_l2norm, a_exp=a_exp, dt_bias=dt_row,
+                             lower_bound=lower_bound, initial_state=h0, want_final=want_final,
+                             interpret=interpret)
+  o = o2.reshape(b, tp, h, vp)[:, :t, :, :vd]
+  if final is not None:
+    final = final[..., :kd, :vd]
+  return o, final

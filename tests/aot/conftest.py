@@ -1,0 +1,52 @@
+"""Fixtures for the ahead-of-time compile checks.
+
+jax's real TPU compiler (libtpu) and CUDA compiler (the jax CUDA plugin, LLVM and ptxas) run on this
+CPU-only host, but each lives in its own venv (`make test` creates `.venv-tpu-aot` and
+`.venv-gpu-aot` when missing): libtpu prints TPU-init warnings at every jax start on a host without
+a TPU, so it must stay out of `.venv`, which `make demo` gives users. The tests run in `.venv` and
+drive the compile venvs as subprocesses, one compile per process (a Mosaic CHECK failure aborts the
+process, and libtpu holds a lock file).
+
+Under `make test` (KDA_AOT_REQUIRED=1, or CI=true) a missing compile venv is a failure; a bare
+`pytest` run without them skips these tests with a line saying how to get them.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+from tests.aot.runner import AotRunner
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _python(kind: str) -> pathlib.Path | None:
+  env = os.environ.get(f"KDA_AOT_{kind.upper()}_PYTHON")
+  path = pathlib.Path(env) if env else ROOT / f".venv-{kind}-aot" / "bin" / "python"
+  return path if path.exists() else None
+
+
+def _runner(kind: str) -> AotRunner:
+  python = _python(kind)
+  if python is None:
+    message = (f"the {kind.upper()} compile venv .venv-{kind}-aot is missing; `make test` creates it "
+               f"(or `make install-aot`)")
+    if os.environ.get("KDA_AOT_REQUIRED") == "1" or os.environ.get("CI") == "true":
+      pytest.fail(message)
+    pytest.skip(message)
+  return AotRunner(kind=kind, python=python, root=ROOT)
+
+
+@pytest.fixture(scope="session")
+def tpu_aot() -> AotRunner:
+  """Runs scripts under the libtpu venv (`.venv-tpu-aot`)."""
+  return _runner("tpu")
+
+
+@pytest.fixture(scope="session")
+def gpu_aot() -> AotRunner:
+  """Runs scripts under the CUDA-plugin venv (`.venv-gpu-aot`)."""
+  return _runner("gpu")
