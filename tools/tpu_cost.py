@@ -303,7 +303,10 @@ def _compile_child(chip: Chip, shape: Shape, impl: str) -> dict:
   if seg is not None and shape.traced_segments:
     args.append(sds(seg.shape, jnp.int32))
   elif seg is not None and impl == "ours":
-    fn = (lambda f0: (lambda *a: f0(*a, jnp.asarray(seg))))(fn)
+    inner = fn
+
+    def fn(*a):  # the segment ids a compile-time constant, as in tokamax's arg spec
+      return inner(*a, jnp.asarray(seg))
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     compiled = jax.jit(fn).lower(*args).compile()
   m = compiled.memory_analysis()
@@ -327,8 +330,9 @@ def compile_and_dump(chip: Chip, shape: Shape, impl: str, workdir: pathlib.Path,
                         env=env, capture_output=True, text=True, timeout=timeout)
   lines = proc.stdout.strip().splitlines()
   if proc.returncode != 0 or not lines:
-    raise RuntimeError(f"compile of {impl} at {shape.name} for {chip.name} failed (exit {proc.returncode}):\n"
-                       f"{proc.stderr[-3000:]}")
+    tail = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+    raise RuntimeError(f"compile of {impl} at {shape.name} for {chip.name} failed (exit {proc.returncode}): "
+                       f"{tail[-1] if tail else 'no output'}")
   return {"memory": json.loads(lines[-1]), "mosaic_dir": mdir, "xla_dir": xdir}
 
 
@@ -484,9 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         keep = os.path.join(args["keep_dumps"], f"{chip}_{shape}_{impl}") if args["keep_dumps"] else None
         try:
           records.append(estimate(CHIPS[chip], SHAPES[shape], impl, params, keep))
-        except RuntimeError as e:
-          print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-          print(str(e), file=sys.stderr)
+        except (RuntimeError, FileNotFoundError, ValueError) as e:
+          print(f"error: {e}", file=sys.stderr)  # nothing was written to output_json
           return 1
         r = records[-1]
         print(f"ESTIMATE {chip:6s} {shape:15s} {impl:15s} {r['estimated_ms']:8.3f} ms  (kernels "

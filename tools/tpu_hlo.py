@@ -43,7 +43,9 @@ def _shape_bytes(text: str) -> int:
 
 
 def find_hlo_dump(dump_dir: str | pathlib.Path) -> pathlib.Path:
-  """The one `*after_codegen.txt` of the compile (the largest, if several modules were dumped).
+  """The compiled module of the program: among the `*after_codegen.txt` files (XLA also dumps
+  small helper modules, e.g. constants folded by a separate jit), the largest that launches a
+  Mosaic kernel, else the largest.
 
   Raises:
     FileNotFoundError: none there (XLA_FLAGS=--xla_dump_to was not set for the compile).
@@ -51,7 +53,8 @@ def find_hlo_dump(dump_dir: str | pathlib.Path) -> pathlib.Path:
   paths = sorted(pathlib.Path(dump_dir).glob("*after_codegen.txt"), key=lambda p: p.stat().st_size)
   if not paths:
     raise FileNotFoundError(f"no *after_codegen.txt under {dump_dir}: set XLA_FLAGS=--xla_dump_to for the compile")
-  return paths[-1]
+  with_kernel = [p for p in paths if 'custom_call_target="tpu_custom_call"' in p.read_text()]
+  return (with_kernel or paths)[-1]
 
 
 def parse_entry(path: str | pathlib.Path, kernel_names: list[str]) -> list[HloOp]:

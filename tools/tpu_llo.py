@@ -185,13 +185,32 @@ def _parse_signature(sig: str) -> tuple[tuple[int, ...], tuple[str, ...], list[t
   grid_m = re.search(r"iteration_bounds\s*=\s*array<i64(?::\s*([\d,\s]*))?>", sig)
   grid = tuple(int(x) for x in grid_m.group(1).split(",")) if grid_m and grid_m.group(1) else ()
   sem = tuple(re.findall(r"dimension_semantics<(\w+)>", sig))
-  args = re.findall(r"(%[\w.$-]+):\s*[\w<>]+\s*\{llo\.type\s*=\s*((?:memref<[^{}]*?>>)|[\w]+)\}", sig)
+  args = _signature_args(sig)
   sp = re.search(r"scalar_prefetch\s*=\s*(\d+)", sig)
   sc = re.search(r"scratch_operands\s*=\s*(\d+)", sig)
   nwin = len(re.findall(r"transform_indices\s*=", sig))
   if nwin == 0:
     nwin = len(re.findall(r"window_bounds\s*=", sig))
   return (grid, sem, args, int(sp.group(1)) if sp else 0, nwin, int(sc.group(1)) if sc else 0)
+
+
+def _signature_args(sig: str) -> list[tuple[str, str]]:
+  """[(arg name, llo.type)] of the main function, in order; a pass-through operand (left in HBM or
+  ANY memory, copied by the kernel itself) gets its type prefixed with `passthrough:`."""
+  params = sig[sig.index("(") + 1:]
+  out = []
+  for m in re.finditer(r"(%[\w.$-]+):\s*[\w]+\s*\{", params):
+    depth, j = 1, m.end()
+    while j < len(params) and depth:
+      depth += {"{": 1, "}": -1}.get(params[j], 0)
+      j += 1
+    attrs = params[m.end():j - 1]
+    t = re.search(r"llo\.type\s*=\s*(memref<.*?>>|[\w]+)(?:,|$)", attrs)
+    typ = t.group(1) if t else "?"
+    out.append((m.group(1), ("passthrough:" + typ) if "passthrough_operand" in attrs else typ))
+    if params[j:j + 1] == ")" or params[j:].lstrip().startswith(")"):
+      break
+  return out
 
 
 def _window_bounds(sig: str) -> list[tuple[str | None, tuple[int, ...] | None]]:
@@ -235,6 +254,8 @@ class _Walk:
   lhs: dict[int, float]
   weight: dict[int, float]
   unknown_loops: int = 0
+  vmem_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # VMEM memref arg -> bytes
+  dma_bytes: float = 0.0  # bytes of the kernel's own DMAs (llo.enqueue_dma)
 
 
 def _count(lines: list[str], consts: dict[str, int], mult: float, w: _Walk) -> None:
@@ -276,6 +297,10 @@ def _count(lines: list[str], consts: dict[str, int], mult: float, w: _Walk) -> N
         unit = "scalar" if op.startswith(("arith.", "index.")) else "other"
       w.ops[unit] = w.ops.get(unit, 0) + mult
       w.names[op] = w.names.get(op, 0) + mult
+      if op == "llo.enqueue_dma":
+        # Its VMEM side (a scratch or window buffer) sizes the copy: an upper bound for sub-slices.
+        side = next((w.vmem_bytes[v] for v in _VALUE_RE.findall(rhs) if v in w.vmem_bytes), 0)
+        w.dma_bytes += side * mult
       if unit == "mxu_lhs" and "x2xbf16" in rhs:
         w.ops["mxu_lhs_packed"] = w.ops.get("mxu_lhs_packed", 0) + mult
       if unit in ("mxu_lhs", "mxu_weight"):
@@ -392,10 +417,10 @@ def parse_kernel(path: str | pathlib.Path, *, latency: dict[str, float] | None =
       break
     aname, atype = args[first + k]
     if not atype.startswith("memref<"):
-      continue
+      continue  # left in HBM/ANY (pass-through): the kernel copies it itself (llo.enqueue_dma)
     shape, dtype, nbytes = _memref_bytes(atype)
     if "memory_space<vmem" not in atype:
-      continue  # left in HBM/ANY: the kernel copies it itself (counted as dma ops, not bytes here)
+      continue
     varies = True
     if tname and tname in funcs and grid:
       tsig, tbody = funcs[tname]
@@ -403,7 +428,10 @@ def parse_kernel(path: str | pathlib.Path, *, latency: dict[str, float] | None =
     windows.append(Window(aname.lstrip("%"), tuple(bounds or shape), dtype, nbytes, varies))
     dma += nbytes if (varies or inner <= 1) else nbytes / inner
   w = _Walk({}, {}, {}, {})
+  w.vmem_bytes = {a: _memref_bytes(t)[2] for a, t in args[first:]
+                  if t.startswith("memref<") and "memory_space<vmem" in t}
   _count(body, {}, 1.0, w)
+  dma += w.dma_bytes
   cp = critical_path(body, latency or {}, mxu_push_cycles, mxu_latency, mxu_weight_cycles=mxu_weight_cycles)
   as_int = lambda d: {k: int(round(v)) for k, v in d.items()}
   return KernelCounts(name=main, path=str(path), grid=grid, dimension_semantics=sem, ops=as_int(w.ops),

@@ -83,6 +83,36 @@ def test_parser_loops_and_chain(tmp_path):
   assert k.chain_cycles(mxu_push_cycles=8.0, mxu_weight_cycles=1.0, mxu_latency=10.0) == 1 + 1 + 8 + 10 + 8 + 1
 
 
+_DMA_LLO = """module @kern attributes {stable_mosaic.version = 18 : i64} {
+  func.func @kern(%arg0: i32 {llo.type = i32}, %x_hbm: i32 {llo.passthrough_operand, llo.type = memref<256x128xf32, #xir.tiled<(8,128),[1,1]>, #xir.memory_space<vmem, tc>>, llo.unspecified_memory_space}, %o_ref: i32 {llo.type = memref<64x128xf32, #xir.tiled<(8,128),[1,1]>, #xir.memory_space<vmem, tc>>}, %buf: i32 {llo.type = memref<64x128xf32, #xir.tiled<(8,128),[1,1]>, #xir.memory_space<vmem, tc>>}, %sem: i32 {llo.type = i32}) attributes {dimension_semantics = [#xir.dimension_semantics<arbitrary>], iteration_bounds = array<i64: 4>, scalar_prefetch = 0 : i64, scratch_operands = 2 : i64, window_params = [{}, {transform_indices = @transform_1, window_bounds = array<i64: 64, 128>}], xir.main} {
+    %0 = llo.constant {value = 0 : i32} : i32
+    %c2 = llo.constant {value = 2 : i32} : i32
+    %c1 = llo.constant {value = 1 : i32} : i32
+    scf.for %i = %0 to %c2 step %c1 {
+      "llo.enqueue_dma"(%x_hbm, %0, %buf, %sem, %0) <{done_count = false, priority = 0 : i32}> : (i32, i32, i32, i32, i32) -> ()
+      "llo.dma_done"(%0, %sem) <{emit_sfence = false}> : (i32, i32) -> ()
+    }
+    return
+  }
+  func.func @transform_1(%arg0: i32 {llo.type = i32}) -> (i32, i32) attributes {xir.core_type = #xir.core_type<tc>} {
+    %c0_i32 = llo.constant {value = 0 : i32} : i32
+    return %arg0, %c0_i32 : i32, i32
+  }
+}
+"""
+
+
+def test_parser_counts_the_kernels_own_dmas(tmp_path):
+  # The shape of a pl.ANY input copied by pltpu.make_async_copy into a VMEM scratch buffer (as
+  # libtpu 0.0.52 dumps it), here twice per step: 2 x 32 KiB, plus the 32 KiB output window.
+  path = tmp_path / "1-0022-mosaic-dump-kern-post-finalize-llo.txt"
+  path.write_text(_DMA_LLO)
+  k = tpu_llo.parse_kernel(path)
+  assert [(w.name, w.block_bytes, w.varies_with_inner) for w in k.windows] == [("o_ref", 64 * 128 * 4, True)]
+  assert k.ops["dma"] == 4  # 2 trips x (enqueue + done)
+  assert k.dma_bytes_per_step == 2 * 64 * 128 * 4 + 64 * 128 * 4
+
+
 def test_calibration_reproduces_its_fit():
   cal = tpu_cost.load_calibration()
   assert cal["chip"] == "tpu7x" and cal["impl"] == "tokamax_mosaic"
