@@ -186,6 +186,12 @@ def load_dumps(mosaic_dir: str | pathlib.Path, xla_dir: str | pathlib.Path) -> D
     else:
       xla_bytes += 2 * op.result_bytes
       n += 1
+  unmatched = [k.name for ks in by_name.values() for k in ks]
+  if unmatched:
+    # A kernel launched from inside a loop or another computation runs an unknown number of times:
+    # refuse rather than leave it out of the estimate.
+    raise ValueError(f"Mosaic kernel(s) {unmatched} are not launched from the entry computation "
+                     "(inside a loop or a called computation?); tools.tpu_cost cannot count them")
   return Dumps(called, xla_cycles, xla_bytes, n)
 
 
@@ -391,17 +397,29 @@ def fit(profiles: dict[str, dict], published_ms: dict[str, float], held_out: str
 
 
 def calibrate(held_out: str = HELD_OUT, keep_dir: str | None = None) -> dict:
-  """Compiles tokamax mosaic at the four published points on TPU7x, fits, returns the calibration."""
+  """Compiles tokamax mosaic at the four published points on TPU7x, fits, returns the calibration.
+
+  With `keep_dir`, dumps are kept in keep_dir/<shape>/ and reused when already there (a refit
+  without recompiling). Also reports how the fit moves with the assumed MXU latency L.
+  """
   chip = CHIPS["tpu7x"]
-  profiles, published = {}, {}
+  dumps, published = {}, {}
   for name, ms, _ in CALIBRATION_POINTS:
     with tempfile.TemporaryDirectory(prefix="tpu_cost_cal_") as tmp:
       work = pathlib.Path(keep_dir) / name if keep_dir else pathlib.Path(tmp)
-      work.mkdir(parents=True, exist_ok=True)
-      c = compile_and_dump(chip, SHAPES[name], "tokamax_mosaic", work)
-      profiles[name] = profile(load_dumps(c["mosaic_dir"], c["xla_dir"]), chip, ASSUMED)
+      if not (work / "mosaic").is_dir() or not (work / "xla").is_dir():
+        work.mkdir(parents=True, exist_ok=True)
+        compile_and_dump(chip, SHAPES[name], "tokamax_mosaic", work)
+      dumps[name] = load_dumps(work / "mosaic", work / "xla")
     published[name] = ms
+  profiles = {n: profile(d, chip, ASSUMED) for n, d in dumps.items()}
   result = fit(profiles, published, held_out)
+  sensitivity = []
+  for per_column in (0.5, 1.0, 2.0, 4.0):
+    alt = {**ASSUMED, "mxu_latency_per_column": per_column}
+    r = fit({n: profile(d, chip, alt) for n, d in dumps.items()}, published, held_out)
+    sensitivity.append({"mxu_latency_beats": per_column * chip.mxu_columns, "fitted": r["fitted"],
+                        "fit_rms_error_pct": r["fit_rms_error_pct"], "held_out_error_pct": r["held_out_error_pct"]})
   return {"label": "ESTIMATE model calibration (no TPU ran; published timings vs compiled-kernel estimates)",
           "chip": "tpu7x", "impl": "tokamax_mosaic", "tokamax": "0.0.17", "held_out": held_out,
           "assumed": ASSUMED, "fitted": result["fitted"], "fit_grid": "step_s 0..3 us, op_s 0..10 us, 0.01 us steps",
@@ -410,7 +428,8 @@ def calibrate(held_out: str = HELD_OUT, keep_dir: str | None = None) -> dict:
                       "profile": profiles[n]} for n, _, src in CALIBRATION_POINTS],
           "fit_rms_error_pct": result["fit_rms_error_pct"],
           "fit_max_abs_error_pct": result["fit_max_abs_error_pct"],
-          "held_out_error_pct": result["held_out_error_pct"]}
+          "held_out_error_pct": result["held_out_error_pct"],
+          "mxu_latency_sensitivity": sensitivity}
 
 
 def refit_from_json(cal: dict) -> dict:
