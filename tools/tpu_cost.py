@@ -40,7 +40,8 @@ step) and `s_op` (per launched op). Google publishes no per-unit latencies.
 Ignored: overlap between XLA ops and kernels and between kernels; DMA issue latency and HBM
 contention; the LLO scheduler's real VLIW packing, spills and MXU assignment after this pass (every
 push has mxu_id 0 here, so pushes are taken as spread evenly over the MXUs); both `scf.if` branches
-are counted; loops with non-constant trip counts count once (reported); while loops inside XLA ops
+are counted; an `scf.for`'s iterations are taken as serial in `C_chain` (trips x body chain) and
+it starts when everything it reads is ready; loops with non-constant trip counts count once (reported); while loops inside XLA ops
 count their bytes once; the second TensorCore; clock throttling; v5e and v6e are not calibrated
 (their estimates use TPU7x's fitted overheads).
 

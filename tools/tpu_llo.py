@@ -350,7 +350,10 @@ def critical_path(lines: list[str], latency: dict[str, float], mxu_push_cycles: 
         lb, ub, st = (consts.get(fm.group(k)) for k in (2, 3, 4))
         if None not in (lb, ub, st) and st:
           trips = max(0, -(-(ub - lb) // st))
-      start = max([ready.get(v, 0.0) for v in _VALUE_RE.findall(rhs)] + [0.0])
+      # The region starts when every value it reads from outside is ready (operands of the op
+      # line and values captured by the body), and its iterations are taken as serial.
+      outside = set(_VALUE_RE.findall(rhs)).union(*(_VALUE_RE.findall(r) for r in region))
+      start = max([ready.get(v, 0.0) for v in outside] + [0.0])
       inner = critical_path([r for r in region if r.strip() != "} else {"], latency, mxu_push_cycles,
                             mxu_latency, dict(consts), mxu_weight_cycles=mxu_weight_cycles)
       t = start + trips * inner
