@@ -479,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
   except UsageError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  import importlib.util
+  if importlib.util.find_spec("libtpu") is None or importlib.util.find_spec("jax") is None:
+    print(f"error: {sys.executable} has no jax + libtpu: run this tool with .venv-tpu-aot/bin/python "
+          "(`make install-aot` creates it)", file=sys.stderr)
+    return 2
   if args["_child"]:
     chip, shape, impl = args["_child"].split(":")
     print(json.dumps(_compile_child(CHIPS[chip], SHAPES[shape], impl)))

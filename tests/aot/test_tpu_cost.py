@@ -135,6 +135,8 @@ def test_calibration_reproduces_its_fit():
 @pytest.mark.parametrize("argv, needle", [
     (["chip=v4"], "chip must be"), (["shape=huge"], "shape must be"), (["impl=fla"], "impl must be"),
     (["colour=red"], "unknown argument 'colour'"), (["seed"], "key=value"), (["calibrate=yes"], "calibrate"),
+    # Valid keys, wrong interpreter: the main venv never holds libtpu (tests run there).
+    (["chip=tpu7x", "shape=seed"], "run this tool with .venv-tpu-aot/bin/python"),
 ])
 def test_bad_input_exits_2(argv, needle):
   proc = subprocess.run([sys.executable, "-m", "tools.tpu_cost", *argv], cwd=ROOT, capture_output=True,
