@@ -102,11 +102,12 @@ def _chunk_prep_work(kp, vp, item, passes) -> Work:
   below = 3 * 2 * C * C * kp  # three below-diagonal block matmuls, Akk and again Aqk
   inverse = 5 * 2 * 2 * C ** 3 if passes == 1 else 0  # doubling; float32 uses row substitution
   tensor = passes * (2 * below + inverse + 2 * C * C * vp + 2 * C * C * kp)
-  diag_ops = 2 * 16 * C * kp * 8  # Akk and Aqk diagonal blocks: 16 masked iterations, ~8 ops each
+  diag_ops = 16 * C * kp * 10  # diagonal blocks: 16 masked iterations, ~10 ops per element (Akk+Aqk)
   inverse_ops = 0 if passes == 1 else 63 * C * C * 4
-  gates_ops = 3 * C * kp * 30  # gate activation, cumsum, masks, recomputed in the three passes
-  exps = 2 * (16 * C * kp + 3 * 2 * C * kp) + 3 * C * kp * 2 + 6 * C * kp
-  read = C * (3 * kp * item + 4 * kp + vp * item + item + 12)  # q, k (+ re-reads), g, v, beta, ids
+  gates_ops = 2 * C * kp * 30  # gate activation, cumsum, masks, boundary picks; recomputed in 2 passes
+  # diagonal blocks, below-diagonal row/column factors, the gate (x2 passes), dec/qg/kg/w decays
+  exps = 16 * C * kp + 3 * 2 * C * kp + 2 * 2 * C * kp + 4 * C * kp
+  read = C * (3 * kp * item + 4 * kp + vp * item + item + 12)  # q, k (+ the re-read of k), g, v, beta, ids
   write = C * (3 * kp * item + vp * item + C * item + 4 * kp)
   return Work(tensor, diag_ops + inverse_ops + gates_ops, exps, read + write)
 

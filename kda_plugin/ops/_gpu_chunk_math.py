@@ -149,16 +149,15 @@ def _own_block_row(x, j):
   return jnp.broadcast_to(jnp.sum(jnp.where(pick, x3, 0.0), axis=1, keepdims=True), x3.shape).reshape(c, d)
 
 
-def chunk_scores(x, k, G, dots: Dots):
-  """`[C, C]` scores sum_d x_r[d] k_i[d] exp(G_r[d] - G_i[d]) for i <= r, before masking
-  (x = k gives Akk, x = q~ gives Aqk).
+def chunk_scores(q, k, G, dots: Dots):
+  """`(Akk, Aqk)` `[C, C]`: sum_d {k, q}_r[d] k_i[d] exp(G_r[d] - G_i[d]) for i <= r, before masking.
 
   Entries inside the diagonal 16x16 blocks: elementwise, one exponent per (row, channel) in 16
-  iterations that fill column `16 * (r // 16) + j` of every row at once. Entries below them: for row
-  block R, the exponent is split around the block's first row n = 16 R (i < n <= r), so that both
-  factors exp(G_r - G_n) and exp(G_n - G_i) are <= 1, and the product is one tensor-core matmul per
-  block (3 for C = 64). Entries above the diagonal come out 0 or garbage-free finite values and are
-  masked by the caller.
+  iterations that fill column `16 * (r // 16) + j` of every row at once (the exponent is shared by
+  Akk and Aqk). Entries below them: for row block R, the exponent is split around the block's first
+  row n = 16 R (i < n <= r), so that both factors exp(G_r - G_n) and exp(G_n - G_i) are <= 1, and
+  each product is one tensor-core matmul per block (3 for C = 64). Entries above the diagonal are
+  finite and masked by the caller.
   """
   c, d = G.shape
   rows = iota((c, d), 0)
@@ -167,22 +166,27 @@ def chunk_scores(x, k, G, dots: Dots):
   col_block_first = jnp.left_shift(jnp.right_shift(iota((c, c), 0), _SUB_SHIFT), _SUB_SHIFT)
 
   def diag_body(j, acc):
+    akk, aqk = acc
     f = jnp.exp(jnp.where(rows >= block_first + j, G - _own_block_row(G, j), NEG_INF))
     f = f * _own_block_row(k, j)
-    return jnp.where(cols == col_block_first + j, jnp.sum(f * x, axis=1, keepdims=True), acc)
+    hit = cols == col_block_first + j
+    return (jnp.where(hit, jnp.sum(f * k, axis=1, keepdims=True), akk),
+            jnp.where(hit, jnp.sum(f * q, axis=1, keepdims=True), aqk))
 
-  acc = lax.fori_loop(0, SUB, diag_body, jnp.zeros((c, c), jnp.float32))
+  zero = jnp.zeros((c, c), jnp.float32)
+  acc = lax.fori_loop(0, SUB, diag_body, (zero, zero))
   row_block = jnp.right_shift(rows, _SUB_SHIFT)
 
   def below_body(blk, acc):
+    akk, aqk = acc
     n = blk * SUB
     gn = row_at(G, n)
     row_f = jnp.exp(jnp.where(row_block == blk, G - gn, NEG_INF))
     k_col = k * jnp.exp(jnp.where(rows < n, gn - G, NEG_INF))
-    return acc + dots.nt(x * row_f, k_col)
+    return akk + dots.nt(k * row_f, k_col), aqk + dots.nt(q * row_f, k_col)
 
-  # A loop, not unrolled: one block's operands live at a time (unrolled, the three independent
-  # matmuls are scheduled together and spill).
+  # A loop, not unrolled: one block's operands live at a time (unrolled, the independent matmuls are
+  # scheduled together and spill).
   return lax.fori_loop(1, c // SUB, below_body, acc)
 
 

@@ -96,17 +96,25 @@ def _chunk_kernel(count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, segr
     G = jnp.cumsum(jnp.where(valid, g, 0.0), axis=0)
     return ch, G, k_ref[:, ch].astype(jnp.float32) * k_scale
 
-  # Three passes over the key channels, in blocks of KEY_BLOCK, each recomputing the (cheap,
-  # elementwise) gates: Akk; then the inverse, W and U; then Aqk and the per-row operands. Scores are
+  # Two passes over the key channels, in blocks of KEY_BLOCK, each recomputing the (cheap,
+  # elementwise) gates: the scores with the per-row operands; then, after the inverse, W. Scores are
   # sums over channels and everything else is per channel, so, with loops (not unrolled), few tiles
   # are live at once: that is what keeps the kernel within 255 registers without spills.
   nb = kp // kb
 
-  def akk_body(jb, akk):
-    _, G, k = channel_block(jb)
-    return akk + gm.chunk_scores(k, k, G, dots)
+  def scores_body(jb, acc):
+    ch, G, k = channel_block(jb)
+    q = q_ref[:, ch].astype(jnp.float32) * q_scale
+    ga, ge = gm.run_boundary_gates(G, starts, ends, n_starts, n_ends)
+    dec_ref[:, ch] = jnp.exp(jnp.where(valid, ge - ga, gm.NEG_INF))
+    qg_ref[:, ch] = (q * jnp.exp(jnp.where(valid, G - ga, gm.NEG_INF))).astype(store)
+    kg_ref[:, ch] = (k * jnp.exp(jnp.where(valid, ge - G, gm.NEG_INF))).astype(store)
+    a_kk, a_qk = gm.chunk_scores(q, k, G, dots)
+    return acc[0] + a_kk, acc[1] + a_qk
 
-  akk = lax.fori_loop(0, nb, akk_body, jnp.zeros((C, C), jnp.float32))
+  zero = jnp.zeros((C, C), jnp.float32)
+  akk, aqk = lax.fori_loop(0, nb, scores_body, (zero, zero))
+  aqk_ref[...] = jnp.where(same & (r >= col), aqk, 0.0).astype(store)
   akk = beta * jnp.where(same & (r > col), akk, 0.0)
   m_inv = gm.unit_lower_inverse(akk, dots) if dots.passes == 1 else gm.unit_lower_inverse_rows(akk)
   vp = v_ref.shape[-1]
@@ -121,18 +129,6 @@ def _chunk_kernel(count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, segr
     ch, G, k = channel_block(jb)
     ga, _ = gm.run_boundary_gates(G, starts, None, n_starts)
     w_ref[:, ch] = dots(m_inv, beta * k * jnp.exp(jnp.where(valid, G - ga, gm.NEG_INF))).astype(store)
-
-  def aqk_body(jb, aqk):
-    ch, G, k = channel_block(jb)
-    q = q_ref[:, ch].astype(jnp.float32) * q_scale
-    ga, ge = gm.run_boundary_gates(G, starts, ends, n_starts, n_ends)
-    dec_ref[:, ch] = jnp.exp(jnp.where(valid, ge - ga, gm.NEG_INF))
-    qg_ref[:, ch] = (q * jnp.exp(jnp.where(valid, G - ga, gm.NEG_INF))).astype(store)
-    kg_ref[:, ch] = (k * jnp.exp(jnp.where(valid, ge - G, gm.NEG_INF))).astype(store)
-    return aqk + gm.chunk_scores(q, k, G, dots)
-
-  aqk = lax.fori_loop(0, nb, aqk_body, jnp.zeros((C, C), jnp.float32))
-  aqk_ref[...] = jnp.where(same & (r >= col), aqk, 0.0).astype(store)
 
 
 def _state_kernel(range_ref, seg_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dec_ref, *refs, has_h0,
