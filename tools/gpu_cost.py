@@ -22,8 +22,8 @@ Formula, per kernel:
   state pass       = steps of the longest document chain x (step compute + step bytes / (HBM
                      bandwidth / active programs) + a fixed 0.6 us per step for the dependent
                      global-load round trip and matmul chain, which nothing hides: num_stages=1)
-  estimated_ms     = chunk prep + state pass (+ the XLA glue: padding, boundary flags, the zero-filled
-                     output; its bytes at HBM bandwidth)
+  estimated_ms     = chunk prep + state pass + XLA glue (padded copies when T, K or V need padding,
+                     the zero-filled output buffer; bytes at HBM bandwidth)
 Per-program counts (tensor FLOPs, vector ops, exps, bytes) are the kernels' own matmul and tile
 shapes, written out in `_chunk_prep_work` / `_state_step_work`; the PTX counts confirm that the
 matmuls are on the tensor cores (a kernel without `mma`/`wgmma` is charged at the FP32 vector rate).
@@ -171,7 +171,11 @@ def estimate(args, kernels) -> dict:
                            tensor_cores=tc2, registers=state_k["registers"],
                            ptx=dict(mma=state_k["mma"], wgmma=state_k["wgmma"],
                                     fma_f32=state_k["fma_f32"]))
-  glue_bytes = b * t * h * (3 * kp * item + 4 * kp + vp * item) * 2 + b * nc * C * h * vp * item
+  # XLA glue: padded copies of q, k, g, v only when T, K or V need padding (a zero pad is elided), the
+  # zero-filled output buffer the state pass writes into, and the small per-row tables (ignored).
+  padded = t % C != 0 or kp != args["key_dim"] or vp != args["value_dim"]
+  glue_bytes = (b * t * h * (2 * kp * item + 4 * kp + vp * item) * 2 if padded else 0)
+  glue_bytes += b * nc * C * h * vp * item
   out["glue_ms"] = glue_bytes / rates["hbm"] * 1e3
   out["estimated_ms"] = out["chunk_prep"]["estimated_ms"] + out["state_pass"]["estimated_ms"] + out["glue_ms"]
   out["label"] = ("ESTIMATE from a deviceless compile and published rates (tools/gpu_cost.py docstring); "
