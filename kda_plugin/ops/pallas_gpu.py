@@ -53,6 +53,20 @@ def check_limits(key_dim: int, value_dim: int, num_segments: int) -> None:
                      f"axis of the state pass); got max_num_segments={num_segments}")
 
 
+def workspace_bytes(batch: int, seq_len: int, heads: int, key_dim: int, value_dim: int, dtype) -> int:
+  """HBM bytes the GPU path allocates besides its inputs and outputs: the chunk kernel's outputs
+  (w, qg, kg `[B*H, Tp, Kp]`, u `[B*H, Tp, Vp]`, aqk `[B*H, Tp, 64]` in the input dtype, dec float32
+  `[B*H, Tp, Kp]`), the zero-filled padded output buffer, and the per-row tables (boundary flags,
+  per-chunk counts, document chunk ranges: int32, small). Padded copies of the inputs are not included.
+  """
+  kp, vp = padded_dims(key_dim, value_dim)
+  tp = -(-seq_len // C) * C
+  item = jnp.dtype(dtype).itemsize
+  bh = batch * heads
+  prep = bh * tp * ((3 * kp + vp + C) * item + 4 * kp)
+  return int(prep + batch * tp * heads * vp * item + batch * tp * 4 * 4)
+
+
 def _next_pow2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
 
