@@ -5,8 +5,8 @@ ptxas to a cubin, the pipeline a device runs. The target is one of the `GpuTarge
 protos that the jax CUDA plugin embeds in `xla_cuda_plugin.so` (e.g. "NVIDIA H200 141GB HBM3e").
 `compile_kda` must be the only compile of its process (the environment below is read once by XLA).
 
-Reported per KDA kernel (PTX `.entry`): the PTX text, its tensor-core (`mma.sync`, `wgmma`) and
-`fma.rn.f32` instruction counts, and ptxas' registers, stack frame and spill bytes.
+Reported per KDA kernel (PTX `.entry`): the PTX text, its tensor-core (`mma.sync`, `wgmma`),
+`fma.rn.f32` and `cp.async` (software-pipelined loads) instruction counts, and ptxas' registers, stack frame and spill bytes.
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ class KernelReport:
   mma: int
   wgmma: int
   fma_f32: int
+  cp_async: int
   registers: int | None = None
   stack_bytes: int | None = None
   spill_store_bytes: int | None = None
@@ -120,7 +121,8 @@ def split_entries(ptx: str) -> dict[str, str]:
 def count_instructions(ptx: str) -> dict[str, int]:
   return {"mma": len(re.findall(r"\bmma\.sync\.", ptx)),
           "wgmma": len(re.findall(r"\bwgmma\.mma_async\.", ptx)),
-          "fma_f32": len(re.findall(r"\bfma\.rn\.f32\b", ptx))}
+          "fma_f32": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+          "cp_async": len(re.findall(r"\bcp\.async\.", ptx))}
 
 
 _PTXAS_FN = re.compile(r"Function properties for ([\w$]+)\s*\n?.*?(\d+) bytes stack frame, (\d+) bytes "

@@ -19,9 +19,12 @@ Formula, per kernel:
   program time     = tensor_flops / (TF32 rate / 132) + vector_ops / (FP32 lanes rate / 132)
                      + exps / (SFU rate / 132)   (the phases of one program are serial: summed)
   chunk prep       = max(waves x program time, bytes / HBM bandwidth)
-  state pass       = steps of the longest document chain x (step compute + step bytes / (HBM
-                     bandwidth / active programs) + a fixed 0.6 us per step for the dependent
-                     global-load round trip and matmul chain, which nothing hides: num_stages=1)
+  state pass       = steps of the longest document chain x step time, with step memory = step bytes
+                     / (HBM bandwidth / active programs); when the PTX shows software-pipelined loads
+                     (`cp.async`, num_stages=2) the next chunk's loads overlap this chunk's matmuls:
+                     step = max(compute, memory) + 0.3 us for the dependent matmul chain
+                     (w S -> vnew -> aqk vnew, kg^T vnew -> S); otherwise step = compute + memory +
+                     0.6 us (that chain plus a global-load round trip). Both latencies are assumptions.
   estimated_ms     = chunk prep + state pass + XLA glue (padded copies when T, K or V need padding,
                      the zero-filled output buffer; bytes at HBM bandwidth)
 Per-program counts (tensor FLOPs, vector ops, exps, bytes) are the kernels' own matmul and tile
@@ -47,7 +50,8 @@ USAGE = __doc__.split("\n\n")[1]
 RATES = {"h200": dict(tf32=494.7e12, fp32=66.9e12, sfu_per_clk_sm=16, clock=1.98e9, hbm=4.8e12, sms=132),
          "h100": dict(tf32=494.7e12, fp32=66.9e12, sfu_per_clk_sm=16, clock=1.98e9, hbm=3.35e12,
                       sms=132)}
-STEP_LATENCY_S = 0.6e-6
+CHAIN_LATENCY_S = 0.3e-6  # dependent matmul chain of one step (assumed)
+LOAD_LATENCY_S = 0.3e-6  # a global-load round trip not hidden by pipelining (assumed)
 DEFAULTS = dict(seq_len=8192, batch=1, heads=8, key_dim=128, value_dim=128, dtype="bfloat16",
                 num_segments=2, device="h200", output_json=None)
 INTS = ("seq_len", "batch", "heads", "key_dim", "value_dim", "num_segments")
@@ -162,15 +166,22 @@ def estimate(args, kernels) -> dict:
   active = (vp // bv) * b * h * n
   step = _state_step_work(kp, bv, item, passes)
   tc2 = state_k["mma"] + state_k["wgmma"] > 0
-  step_s = (_program_seconds(step, rates, tc2) + step.bytes / (rates["hbm"] / min(active, rates["sms"]))
-            + STEP_LATENCY_S)
+  step_compute = _program_seconds(step, rates, tc2)
+  step_memory = step.bytes / (rates["hbm"] / min(active, rates["sms"]))
+  pipelined = state_k.get("cp_async", 0) > 0
+  if pipelined:
+    step_s = max(step_compute, step_memory) + CHAIN_LATENCY_S
+  else:
+    step_s = step_compute + step_memory + CHAIN_LATENCY_S + LOAD_LATENCY_S
   waves2 = math.ceil(active / rates["sms"])
   out["state_pass"] = dict(programs_with_work=active, steps_per_chain=steps, waves=waves2,
                            step_tensor_flops=step.tensor_flops, step_bytes=step.bytes,
-                           step_us=step_s * 1e6, estimated_ms=waves2 * steps * step_s * 1e3,
+                           step_compute_us=step_compute * 1e6, step_memory_us=step_memory * 1e6,
+                           pipelined_loads=pipelined, step_us=step_s * 1e6,
+                           estimated_ms=waves2 * steps * step_s * 1e3,
                            tensor_cores=tc2, registers=state_k["registers"],
                            ptx=dict(mma=state_k["mma"], wgmma=state_k["wgmma"],
-                                    fma_f32=state_k["fma_f32"]))
+                                    fma_f32=state_k["fma_f32"], cp_async=state_k.get("cp_async", 0)))
   # XLA glue: padded copies of q, k, g, v only when T, K or V need padding (a zero pad is elided), the
   # zero-filled output buffer the state pass writes into, and the small per-row tables (ignored).
   padded = t % C != 0 or kp != args["key_dim"] or vp != args["value_dim"]
@@ -180,7 +191,7 @@ def estimate(args, kernels) -> dict:
   out["estimated_ms"] = out["chunk_prep"]["estimated_ms"] + out["state_pass"]["estimated_ms"] + out["glue_ms"]
   out["label"] = ("ESTIMATE from a deviceless compile and published rates (tools/gpu_cost.py docstring); "
                   "not a measurement")
-  out["rates"] = dict(rates, step_latency_s=STEP_LATENCY_S)
+  out["rates"] = dict(rates, chain_latency_s=CHAIN_LATENCY_S, load_latency_s=LOAD_LATENCY_S)
   return out
 
 

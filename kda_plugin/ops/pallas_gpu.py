@@ -220,8 +220,8 @@ def _chunk_ranges(seg, num_segments):
                     jnp.where(absent, 0, last_pos % C), zero], axis=-1)
 
 
-def _compiler(num_warps):
-  return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+def _compiler(num_warps, num_stages=1):
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def chunk_prep(q2, k2, v2, g2, beta2, seg, a_exp, dt_bias, *, num_heads, key_dim, scale, lower_bound,
@@ -295,7 +295,7 @@ def state_pass(prep, seg, h0, *, num_heads, num_segments, value_dim_padded, want
   outs = pl.pallas_call(kernel, out_shape=out_shape, grid=(nv, bh, n), in_specs=in_specs,
                         out_specs=out_specs, input_output_aliases={len(operands) - 1: 0},
                         interpret=bool(interpret), name="kda_gpu_state_pass",
-                        compiler_params=_compiler(num_warps))(*operands)
+                        compiler_params=_compiler(num_warps, 2))(*operands)
   return outs[0], (outs[1] if want_final else None)
 
 
