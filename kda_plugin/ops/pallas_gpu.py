@@ -1,18 +1,21 @@
-"""Pallas GPU (Triton lowering) kernel for packed-sequence KDA inference with native segment IDs.
+"""Pallas GPU (Triton) kernels of packed-sequence KDA inference: chunk-parallel prep, then the state pass.
 
-Triton programs of one grid run independently, so the sequential walk over chunks lives inside the
-kernel: grid `(B, H)`, an outer loop over the chunks of the row (the state of the document open at the
-chunk's end is the loop carry) and an inner loop over the pieces of each chunk, read from the same
-step schedule as the TPU kernel (`_segment_schedule`) plus `chunk_start [B, NC + 1]` (the first
-step of each chunk). Final states are stored at the ending document's slot of the final-state array,
-which is aliased to the initial states (zeros when none), so absent labels keep their initial state.
-The chunk math is shared with the TPU kernel (`_chunk_math`): scores below the diagonal 16x16 blocks
-by matmuls as on TPU, the diagonal blocks by the unblocked builder (all four blocks together in 16
-masked iterations, since Triton has no value slicing). Matmuls run in IEEE float32
-(`Precision.HIGHEST`, no TF32).
-
-Layouts are those of `pallas_tpu` (prepared by `kda_plugin.ops.inference`), with K and V padded to
-powers of two (>= 16) as Triton requires.
+Two kernels, the structure of fla's chunk_kda with the segment masks of
+../shared/docs/segment_native_chunk.md:
+1. `_chunk_kernel`, grid (chunks, B*H), all independent: gate activation, q/k L2 norm, the cumulative
+   gate, the segment-masked Akk/Aqk (any number of documents per chunk), the UT inverse
+   M = (I + Diag(beta) Akk)^-1 and, per row r of document s with reference row a(r) (the row before
+   s's first row in the chunk), the state-independent operands of the recurrence:
+   `w = M (beta k exp(G - G_a))`, `u = M (beta v)`, `qg = q~ exp(G - G_a)`, `kg = k exp(G_e - G)`,
+   `dec = exp(G_e - G_a)` (e = s's last row in the chunk) and `aqk`.
+2. `_state_kernel`, grid (V blocks, B*H, documents): documents never share state, so each document is
+   its own chain. A program walks the chunks its document touches, carrying that document's float32
+   state `S [K, BV]` in registers: `vnew = u - w S` on its rows, `o = qg S + aqk vnew` (stored on its rows
+   only), `S <- Diag(dec_e) S + kg^T vnew`. No per-chunk state goes to HBM; the final state is written
+   once. Rows of padding stay at the zeros the output buffer starts from.
+Matmuls use the tensor cores (`_gpu_chunk_math.Dots`): TF32 for bfloat16 inputs, TF32x3 for float32.
+The intermediates are stored in the input dtype (bf16 halves the traffic between the kernels), `dec`
+in float32.
 """
 
 from __future__ import annotations
@@ -25,172 +28,313 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kda_plugin.ops import _chunk_math as cm
-from kda_plugin.ops import _segment_schedule as ss
+from kda_plugin.ops import _gpu_chunk_math as gm
 
-C = ss.CHUNK
-
-
-def _kernel(sched_ref, cstart_ref, *refs, num_chunks, scale, use_l2norm, gate, lower_bound, has_h0,
-            want_final, key_dim, out_dtype):
-  r = cm.unpack_refs(refs, gate=gate, has_h0=has_h0, want_final=want_final)
-  q_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref = r[:7]
-  aexp_ref, dtb_ref, h0_ref, o_ref, fs_ref = r.a_exp, r.dt_bias, r.h0, r.o, r.final
-  kp, vp = q_ref.shape[-1], v_ref.shape[-1]
-
-  def chunk_body(c, state):
-    rows = pl.ds(pl.multiple_of(c * C, C), C)
-    seg_col = segc_ref[rows, :]
-    valid_row = seg_col != 0
-    q = q_ref[rows, :].astype(jnp.float32)
-    k = k_ref[rows, :].astype(jnp.float32)
-    if use_l2norm:
-      q, k = cm.l2norm_rows(q), cm.l2norm_rows(k)
-    q = q * scale
-    g = g_ref[rows, :].astype(jnp.float32)
-    if gate:
-      g = cm.activate_gate(g, aexp_ref[...], dtb_ref[...], lower_bound)
-      g = jnp.where(cm.iota(g.shape, 1) < key_dim, g, 0.0)
-    g = jnp.where(valid_row, g, 0.0)
-    beta = jnp.where(valid_row, beta_ref[rows, :].astype(jnp.float32), 0.0)
-    G, tinv, aqk = cm.chunk_prep(q, k, g, beta, seg_col, segr_ref[c], blocked=False)
-    u = cm.dot(tinv, beta * v_ref[rows, :].astype(jnp.float32))
-    zero_s = jnp.zeros((kp, vp), jnp.float32)
-    zero_v = jnp.zeros((C, vp), jnp.float32)
-
-    def piece(step, carry):
-      state, vacc, oacc = carry
-      fld = lambda f: sched_ref[step, f]
-      label, first, last = fld(ss.F_LABEL), fld(ss.F_FIRST), fld(ss.F_LAST)
-      live = label != 0
-      slot = jnp.maximum(label - 1, 0)
-      mask = seg_col == label
-
-      def with_state():
-        s_in = state
-        if has_h0:
-          s_in = jnp.where(fld(ss.F_CONT) == 1, state, h0_ref[slot])
-        return cm.piece_with_state(G, q, k, beta, tinv, u, mask, first, last, s_in)
-
-      def without_state():
-        return jnp.where(mask, u, 0.0), zero_v, zero_s
-
-      vnew, o_add, s_base = lax.cond(live & (fld(ss.F_HAS_STATE) == 1), with_state, without_state)
-      s_end = s_base + cm.piece_state_update(G, k, mask, last, vnew)
-      if want_final:
-        @pl.when(live & (fld(ss.F_ENDS) == 1))
-        def _():
-          fs_ref[slot] = s_end
-
-      state = jnp.where(live & (fld(ss.F_OPEN_END) == 1), s_end, state)
-      return state, vacc + vnew, oacc + o_add
-
-    state, vacc, oacc = lax.fori_loop(cstart_ref[c], cstart_ref[c + 1], piece,
-                                      (state, zero_v, zero_v))
-    o = oacc + cm.dot(aqk, vacc)
-    o_ref[rows, :] = jnp.where(valid_row, o, 0.0).astype(out_dtype)
-    return state
-
-  lax.fori_loop(0, num_chunks, chunk_body, jnp.zeros((kp, vp), jnp.float32))
+C = gm.CHUNK
+MAX_KV = 128  # K and V at most this: a [K, BV] float32 state and the [C, K] tiles stay in registers
+MAX_SEGMENTS = 65535  # grid dimension limit of CUDA (y and z axes)
+# Tile sizes by matmul passes (1: bf16 inputs, TF32; 3: float32 inputs, TF32x3), the largest that
+# compile without register spills for K = V = 128 on sm_90a (tests/aot/test_gpu_kernel_compile.py).
+BLOCK_V = {1: 32, 3: 16}  # V columns of the state per program of the state pass
+KEY_BLOCK = {1: 64, 3: 16}  # key channels per block of the chunk kernel
+STATE_KEY_BLOCK = {1: 128, 3: 64}  # key channels per row block of the state in the state pass
 
 
-def chunk_starts(sched, num_chunks):
-  """int32 `[B, NC + 1]`: index of each chunk's first step (steps are ordered by chunk)."""
-  valid = sched[..., ss.F_VALID] == 1
-  chunk = sched[..., ss.F_CHUNK]
-  counts = jnp.sum((chunk[..., None] == jnp.arange(num_chunks)) & valid[..., None], axis=1)
-  return jnp.concatenate([jnp.zeros_like(counts[:, :1]), jnp.cumsum(counts, axis=1)],
-                         axis=1).astype(jnp.int32)
+def check_limits(key_dim: int, value_dim: int, num_segments: int) -> None:
+  """Raises ValueError naming the limit when the GPU kernels cannot run a shape (before any lowering).
 
-
-def kda_pallas_gpu(q2, k2, v2, g2, beta4, segc, segr, sched, *, num_heads, key_dim, num_segments,
-                   n_steps, scale, use_l2norm, a_exp=None, dt_bias=None, lower_bound=None,
-                   initial_state=None, want_final=False, interpret=False, num_warps=8):
-  """Runs the Triton kernel on prepared operands (layouts: module docstring and `pallas_tpu`).
-
-  Args:
-    q2, k2, g2: `[B, Tp, H*Kp]`; v2: `[B, Tp, H*Vp]`; beta4: `[B, H, Tp, 1]`.
-    segc: int32 `[B, Tp, 1]`; segr: int32 `[B, NC, 1, C]`; sched: int32 `[B, S, NUM_FIELDS]`.
-    a_exp, dt_bias: float32 `[H, 1, Kp]` (in-kernel gate) or None.
-    initial_state: float32 `[B, N, H, Kp, Vp]` or None.
-    interpret: run with Pallas' interpreter (any platform).
-
-  Returns:
-    (o `[B, Tp, H*Vp]` in q's dtype, final `[B, N, H, Kp, Vp]` float32 or None).
+  Limits: K and V at most `MAX_KV` (128), num_segments at most `MAX_SEGMENTS` (a CUDA grid axis).
   """
-  bsz, tp, hk = q2.shape
-  kp = hk // num_heads
-  vp = v2.shape[2] // num_heads
-  nc = tp // C
-  nsl = num_segments
-  gate = a_exp is not None
-  has_h0 = initial_state is not None
-  cstart = chunk_starts(sched, nc)
-  nf = ss.NUM_FIELDS
-  in_specs = [pl.BlockSpec((None, n_steps, nf), lambda b, h: (b, 0, 0)),
-              pl.BlockSpec((None, nc + 1), lambda b, h: (b, 0)),
-              pl.BlockSpec((None, tp, kp), lambda b, h: (b, 0, h)),
-              pl.BlockSpec((None, tp, kp), lambda b, h: (b, 0, h)),
-              pl.BlockSpec((None, tp, vp), lambda b, h: (b, 0, h)),
-              pl.BlockSpec((None, tp, kp), lambda b, h: (b, 0, h)),
-              pl.BlockSpec((None, None, tp, 1), lambda b, h: (b, h, 0, 0)),
-              pl.BlockSpec((None, tp, 1), lambda b, h: (b, 0, 0)),
-              pl.BlockSpec((None, nc, 1, C), lambda b, h: (b, 0, 0, 0))]
-  operands = [sched, cstart, q2, k2, v2, g2, beta4, segc, segr]
-  if gate:
-    gspec = pl.BlockSpec((None, 1, kp), lambda b, h: (h, 0, 0))
-    in_specs += [gspec, gspec]
-    operands += [a_exp, dt_bias]
-  state_spec = pl.BlockSpec((None, nsl, None, kp, vp), lambda b, h: (b, 0, h, 0, 0))
-  if has_h0:
-    in_specs.append(state_spec)
-    operands.append(initial_state)
-  elif want_final:
-    in_specs.append(state_spec)
-    operands.append(jnp.zeros((bsz, nsl, num_heads, kp, vp), jnp.float32))
-  aliases = {len(operands) - 1: 1} if want_final else {}
-  out_shape = [jax.ShapeDtypeStruct((bsz, tp, num_heads * vp), q2.dtype)]
-  out_specs = [pl.BlockSpec((None, tp, vp), lambda b, h: (b, 0, h))]
-  if want_final:
-    out_shape.append(jax.ShapeDtypeStruct((bsz, nsl, num_heads, kp, vp), jnp.float32))
-    out_specs.append(state_spec)
-  kernel = functools.partial(
-      _kernel, num_chunks=nc, scale=float(scale), use_l2norm=use_l2norm, gate=gate,
-      lower_bound=lower_bound, has_h0=has_h0, want_final=want_final, key_dim=key_dim,
-      out_dtype=q2.dtype)
-  outs = pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(bsz, num_heads), in_specs=in_specs, out_specs=out_specs,
-      input_output_aliases=aliases, interpret=bool(interpret), name="kda_inference_gpu",
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))(*operands)
-  return outs[0], (outs[1] if want_final else None)
+  if max(key_dim, value_dim) > MAX_KV:
+    raise ValueError(f"backend 'pallas_gpu' supports K and V up to {MAX_KV} (the state tile lives in "
+                     f"registers); got K={key_dim}, V={value_dim}")
+  if num_segments > MAX_SEGMENTS:
+    raise ValueError(f"backend 'pallas_gpu' supports at most {MAX_SEGMENTS} segments per row (one grid "
+                     f"axis of the state pass); got max_num_segments={num_segments}")
+
+
+def workspace_bytes(batch: int, seq_len: int, heads: int, key_dim: int, value_dim: int, dtype) -> int:
+  """HBM bytes the GPU path allocates besides its inputs and outputs: the chunk kernel's outputs
+  (w, qg, kg `[B*H, Tp, Kp]`, u `[B*H, Tp, Vp]`, aqk `[B*H, Tp, 64]` in the input dtype, dec float32
+  `[B*H, Tp, Kp]`), the zero-filled padded output buffer, and the per-row tables (boundary flags,
+  per-chunk counts, document chunk ranges: int32, small). Padded copies of the inputs are not included.
+  """
+  kp, vp = padded_dims(key_dim, value_dim)
+  tp = -(-seq_len // C) * C
+  item = jnp.dtype(dtype).itemsize
+  bh = batch * heads
+  prep = bh * tp * ((3 * kp + vp + C) * item + 4 * kp)
+  return int(prep + batch * tp * heads * vp * item + batch * tp * 4 * 4)
 
 
 def _next_pow2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
 
 
+def padded_dims(key_dim: int, value_dim: int) -> tuple[int, int]:
+  """(Kp, Vp): powers of two >= 16, as Triton's tiles and tensor-core dots need."""
+  return max(16, _next_pow2(key_dim)), max(16, _next_pow2(value_dim))
+
+
+def _chunk_kernel(count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, segr_ref, flag_ref, *refs, gate,
+                  lower_bound, use_l2norm, scale, key_dim, key_block, dots):
+  if gate:
+    aexp_ref, dtb_ref, *refs = refs
+  w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dec_ref = refs
+  store = w_ref.dtype
+  seg = seg_ref[...]
+  valid = seg != 0
+  flags = flag_ref[...]
+  starts, ends = flags & 1, jnp.right_shift(flags, 1)
+  n_starts, n_ends = count_ref[0], count_ref[1]
+  kp = q_ref.shape[-1]
+  kb = min(key_block, kp)
+  q_scale = k_scale = 1.0
+  if use_l2norm:  # the row norms need every channel; everything else is per channel
+    q_scale = gm.l2norm_scale(q_ref[...].astype(jnp.float32))
+    k_scale = gm.l2norm_scale(k_ref[...].astype(jnp.float32))
+  q_scale = jnp.where(valid, q_scale * scale, 0.0)
+  k_scale = jnp.where(valid, k_scale, 0.0)
+  r, col = gm.iota((C, C), 0), gm.iota((C, C), 1)
+  same = (seg == segr_ref[...]) & valid
+  beta = jnp.where(valid, beta_ref[...].astype(jnp.float32), 0.0)
+
+  def channel_block(jb):
+    """Gate, cumulative gate and normalised keys of key channels jb * KB .. (jb + 1) * KB."""
+    j0 = pl.multiple_of(jb * kb, kb)
+    ch = pl.ds(j0, kb)
+    g = g_ref[:, ch].astype(jnp.float32)
+    if gate:
+      g = gm.activate_gate(g, aexp_ref[:, ch], dtb_ref[:, ch], lower_bound)
+      g = jnp.where(gm.iota(g.shape, 1) + j0 < key_dim, g, 0.0)
+    G = jnp.cumsum(jnp.where(valid, g, 0.0), axis=0)
+    return ch, G, k_ref[:, ch].astype(jnp.float32) * k_scale
+
+  # Two passes over the key channels, in blocks of KEY_BLOCK, each recomputing the (cheap,
+  # elementwise) gates: the scores with the per-row operands; then, after the inverse, W. Scores are
+  # sums over channels and everything else is per channel, so, with loops (not unrolled), few tiles
+  # are live at once: that is what keeps the kernel within 255 registers without spills.
+  nb = kp // kb
+
+  def scores_body(jb, acc):
+    ch, G, k = channel_block(jb)
+    q = q_ref[:, ch].astype(jnp.float32) * q_scale
+    ga, ge = gm.run_boundary_gates(G, starts, ends, n_starts, n_ends)
+    dec_ref[:, ch] = jnp.exp(jnp.where(valid, ge - ga, gm.NEG_INF))
+    qg_ref[:, ch] = (q * jnp.exp(jnp.where(valid, G - ga, gm.NEG_INF))).astype(store)
+    kg_ref[:, ch] = (k * jnp.exp(jnp.where(valid, ge - G, gm.NEG_INF))).astype(store)
+    a_kk, a_qk = gm.chunk_scores(q, k, G, dots)
+    return acc[0] + a_kk, acc[1] + a_qk
+
+  zero = jnp.zeros((C, C), jnp.float32)
+  akk, aqk = lax.fori_loop(0, nb, scores_body, (zero, zero))
+  aqk_ref[...] = jnp.where(same & (r >= col), aqk, 0.0).astype(store)
+  akk = beta * jnp.where(same & (r > col), akk, 0.0)
+  m_inv = gm.unit_lower_inverse(akk, dots) if dots.passes == 1 else gm.unit_lower_inverse_rows(akk)
+  vp = v_ref.shape[-1]
+
+  @pl.loop(0, vp // min(kb, vp))
+  def _(jb):
+    ch = pl.ds(pl.multiple_of(jb * min(kb, vp), min(kb, vp)), min(kb, vp))
+    u_ref[:, ch] = dots(m_inv, beta * v_ref[:, ch].astype(jnp.float32)).astype(store)
+
+  @pl.loop(0, nb)
+  def _(jb):
+    ch, G, k = channel_block(jb)
+    ga, _ = gm.run_boundary_gates(G, starts, None, n_starts)
+    w_ref[:, ch] = dots(m_inv, beta * k * jnp.exp(jnp.where(valid, G - ga, gm.NEG_INF))).astype(store)
+
+
+def _state_kernel(range_ref, seg_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dec_ref, *refs, has_h0,
+                  want_final, key_block, dots):
+  if has_h0:
+    h0_ref, *refs = refs
+  _, o_ref, *refs = refs  # the zero-filled output buffer aliased to o
+  fs_ref = refs[0] if want_final else None
+  label = pl.program_id(2) + 1
+  kp, bv = w_ref.shape[-1], u_ref.shape[-1]
+  kb = min(key_block, kp)
+  # The state as row blocks of KB key channels (a tuple carried by the loop): every matmul with it
+  # splits the same way, so each one's operands are [C, KB] tiles.
+  blocks = [slice(j, j + kb) for j in range(0, kp, kb)]
+  if has_h0:
+    state = tuple(h0_ref[blk, :] for blk in blocks)
+  else:
+    state = tuple(jnp.zeros((kb, bv), jnp.float32) for _ in blocks)
+
+  def step(c, state):
+    rows = pl.ds(pl.multiple_of(c * C, C), C)
+    mine = seg_ref[rows, :] == label
+    last = jnp.where(c == range_ref[1], range_ref[2], C - 1)  # the document's last row in chunk c
+    pred = out = jnp.zeros((C, bv), jnp.float32)
+    for blk, s in zip(blocks, state):
+      pred = pred + dots(w_ref[rows, blk], s)
+      out = out + dots(qg_ref[rows, blk], s)
+    vnew = jnp.where(mine, u_ref[rows, :].astype(jnp.float32) - pred, 0.0)
+    out = out + dots(aqk_ref[rows, :], vnew)
+    plgpu.store(o_ref.at[rows, :], out.astype(o_ref.dtype), mask=jnp.broadcast_to(mine, out.shape))
+    end_row = pl.ds(c * C + last, 1)
+    return tuple(dec_ref[end_row, blk].reshape(kb, 1) * s + dots.tn(kg_ref[rows, blk], vnew)
+                 for blk, s in zip(blocks, state))
+
+  state = lax.fori_loop(range_ref[0], range_ref[1] + 1, step, state)
+  if want_final:
+    for blk, s in zip(blocks, state):
+      fs_ref[blk, :] = s
+
+
+def _boundary_flags(seg):
+  """int32 `[B, Tp]`: bit 0 = a document's first row at a chunk row > 0, bit 1 = a document's last
+  row inside its chunk (last row of the chunk included)."""
+  b, tp = seg.shape
+  pos = jnp.arange(tp) % C
+  prev = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)))
+  nxt = jnp.pad(seg[:, 1:], ((0, 0), (0, 1)))
+  live = seg != 0
+  start = live & (pos != 0) & (seg != prev)
+  end = live & ((pos == C - 1) | (seg != nxt))
+  return (start.astype(jnp.int32) | (end.astype(jnp.int32) << 1))
+
+
+def _boundary_counts(flags):
+  """int32 `[B, NC, 2]`: per chunk, how many documents start inside it and how many end in it."""
+  b, tp = flags.shape
+  f = flags.reshape(b, tp // C, C)
+  return jnp.stack([jnp.sum(f & 1, axis=-1), jnp.sum(jnp.right_shift(f, 1), axis=-1)], axis=-1)
+
+
+def _chunk_ranges(seg, num_segments):
+  """int32 `[B, N, 4]`: first chunk, last chunk, and last row inside the last chunk of label n + 1 of
+  each row ((0, -1, 0) when absent), then a 0 (Triton blocks are powers of two)."""
+  b, tp = seg.shape
+  n1 = num_segments + 1
+  ids = (seg + jnp.arange(b, dtype=jnp.int32)[:, None] * n1).reshape(-1)
+  chunk = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32) // C, (b, tp)).reshape(-1)
+  pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp)).reshape(-1)
+  first = jax.ops.segment_min(chunk, ids, num_segments=b * n1).reshape(b, n1)[:, 1:]
+  last_pos = jax.ops.segment_max(pos, ids, num_segments=b * n1).reshape(b, n1)[:, 1:]
+  last = last_pos // C
+  absent = last_pos < 0
+  zero = jnp.zeros_like(first)
+  return jnp.stack([jnp.where(absent, 0, first), jnp.where(absent, -1, last),
+                    jnp.where(absent, 0, last_pos % C), zero], axis=-1)
+
+
+def _compiler(num_warps, num_stages=1):
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def chunk_prep(q2, k2, v2, g2, beta2, seg, a_exp, dt_bias, *, num_heads, key_dim, scale, lower_bound,
+               use_l2norm, dots, interpret, key_block, num_warps=8):
+  """Kernel 1 on padded operands. q2, k2, g2 `[B, Tp, H*Kp]`; v2 `[B, Tp, H*Vp]`; beta2 `[B, Tp, H]`;
+  seg int32 `[B, Tp]`; a_exp, dt_bias float32 `[H, 1, Kp]` or None.
+
+  Returns (w, u, qg, kg, aqk, dec): `[B*H, Tp, Kp | Vp | C]` in q's dtype, dec float32 `[B*H, Tp, Kp]`.
+  """
+  b, tp, hk = q2.shape
+  h = num_heads
+  kp, vp = hk // h, v2.shape[2] // h
+  nc = tp // C
+  gate = a_exp is not None
+  flags = _boundary_flags(seg)
+  tile = lambda d: pl.BlockSpec((None, C, d), lambda c, bh: (bh // h, c, bh % h))
+  col = pl.BlockSpec((None, C, 1), lambda c, bh: (bh // h, c, 0))
+  in_specs = [pl.BlockSpec((None, None, 2), lambda c, bh: (bh // h, c, 0)), tile(kp), tile(kp), tile(vp), tile(kp), pl.BlockSpec((None, C, 1), lambda c, bh: (bh // h, c, bh % h)),
+              col, pl.BlockSpec((None, 1, C), lambda c, bh: (bh // h, 0, c)), col]
+  operands = [_boundary_counts(flags), q2, k2, v2, g2, beta2, seg[:, :, None], seg[:, None, :],
+              flags[:, :, None]]
+  if gate:
+    spec = pl.BlockSpec((None, 1, kp), lambda c, bh: (bh % h, 0, 0))
+    in_specs += [spec, spec]
+    operands += [a_exp, dt_bias]
+  out_tile = lambda d: pl.BlockSpec((None, C, d), lambda c, bh: (bh, c, 0))
+  st = q2.dtype
+  out_shape = [jax.ShapeDtypeStruct((b * h, tp, d), dt) for d, dt in
+               ((kp, st), (vp, st), (kp, st), (kp, st), (C, st), (kp, jnp.float32))]
+  out_specs = [out_tile(s.shape[2]) for s in out_shape]
+  kernel = functools.partial(_chunk_kernel, gate=gate, lower_bound=lower_bound, use_l2norm=use_l2norm,
+                             scale=float(scale), key_dim=key_dim, key_block=key_block, dots=dots)
+  return pl.pallas_call(kernel, out_shape=out_shape, grid=(nc, b * h), in_specs=in_specs,
+                        out_specs=out_specs, interpret=bool(interpret), name="kda_gpu_chunk_prep",
+                        compiler_params=_compiler(num_warps))(*operands)
+
+
+def state_pass(prep, seg, h0, *, num_heads, num_segments, value_dim_padded, want_final, dots,
+               out_dtype, interpret, block_v, key_block, num_warps=4):
+  """Kernel 2: the per-document recurrence over chunks. prep = `chunk_prep`'s outputs; seg int32
+  `[B, Tp]`; h0 float32 `[B, N, H, Kp, Vp]` or None.
+
+  Returns (o `[B, Tp, H*Vp]` in out_dtype, final `[B, N, H, Kp, Vp]` float32 or None).
+  """
+  w, u, qg, kg, aqk, dec = prep
+  bh, tp, kp = w.shape
+  h, n, vp = num_heads, num_segments, value_dim_padded
+  b = bh // h
+  bv = min(block_v, vp)
+  nv = vp // bv
+  full = lambda d: pl.BlockSpec((None, tp, d), lambda vb, i, s: (i, 0, 0))
+  in_specs = [pl.BlockSpec((None, None, 4), lambda vb, i, s: (i // h, s, 0)),
+              pl.BlockSpec((None, tp, 1), lambda vb, i, s: (i // h, 0, 0)),
+              full(kp), pl.BlockSpec((None, tp, bv), lambda vb, i, s: (i, 0, vb)), full(kp), full(kp),
+              full(C), full(kp)]
+  operands = [_chunk_ranges(seg, n), seg[:, :, None], w, u, qg, kg, aqk, dec]
+  state_spec = pl.BlockSpec((None, None, None, kp, bv), lambda vb, i, s: (i // h, s, i % h, 0, vb))
+  if h0 is not None:
+    in_specs.append(state_spec)
+    operands.append(h0)
+  o_spec = pl.BlockSpec((None, tp, bv), lambda vb, i, s: (i // h, 0, (i % h) * nv + vb))
+  in_specs.append(o_spec)
+  operands.append(jnp.zeros((b, tp, h * vp), out_dtype))
+  out_shape = [jax.ShapeDtypeStruct((b, tp, h * vp), out_dtype)]
+  out_specs = [o_spec]
+  if want_final:
+    out_shape.append(jax.ShapeDtypeStruct((b, n, h, kp, vp), jnp.float32))
+    out_specs.append(state_spec)
+  kernel = functools.partial(_state_kernel, has_h0=h0 is not None, want_final=want_final,
+                             key_block=key_block, dots=dots)
+  outs = pl.pallas_call(kernel, out_shape=out_shape, grid=(nv, bh, n), in_specs=in_specs,
+                        out_specs=out_specs, input_output_aliases={len(operands) - 1: 0},
+                        interpret=bool(interpret), name="kda_gpu_state_pass",
+                        compiler_params=_compiler(num_warps, 2))(*operands)
+  return outs[0], (outs[1] if want_final else None)
+
+
+def dots_for(dtype, interpret) -> gm.Dots:
+  """TF32 for bfloat16 inputs, TF32x3 for float32 (see `_gpu_chunk_math.Dots`)."""
+  return gm.Dots(passes=1 if jnp.dtype(dtype) == jnp.bfloat16 else 3, emulate=bool(interpret))
+
+
 def kda_inference_gpu(q, k, v, g, beta, seg, h0, gate, *, num_segments, scale, lower_bound, use_l2norm,
-                      want_final, interpret):
+                      want_final, interpret, dots=None):
   """The `pallas_gpu` implementation of `kda_inference` on validated operands (called under its jit).
 
-  This is the seam between `kda_plugin.ops.inference` (validation, dispatch) and the GPU kernel: the
-  layout, padding and schedule of the GPU kernel are this module's business.
+  The seam between `kda_plugin.ops.inference` (validation, dispatch) and the GPU kernels: layout,
+  padding and the per-document chunk ranges are this module's business.
 
   Args:
-    q, k, g: `[B, T, H, K]`; v: `[B, T, H, V]`; beta: `[B, T, H]` (public layouts).
+    q, k, g: `[B, T, H, K]`; v: `[B, T, H, V]`; beta: `[B, T, H]` (public layouts; q, k, v, beta
+      float32 or bfloat16, g float32).
     seg: int32 `[B, T]` segment ids, or None (one document per row).
-    h0: float32 `[B, N, H, K, V]` initial states or None.
-    gate: `(a_log [H], dt_bias [H, K])` float32 for the in-kernel gate, or None.
+    h0: float32 `[B, N, H, K, V]` per-slot initial states, or None (zeros).
+    gate: `(a_log [H], dt_bias [H, K])` float32 for the in-kernel gate, or None (g is the log decay).
     num_segments: N (static); scale: float; lower_bound: float or None (bounded gate family).
+    want_final: also return the final states. interpret: run both kernels in Pallas' interpreter.
+    dots: override of the matmul precision (`_gpu_chunk_math.Dots`), for the precision tests.
 
   Returns:
-    (o `[B, T, H, V]` in q's dtype, final float32 `[B, N, H, K, V]` or None).
+    (o `[B, T, H, V]` in q's dtype (0 on padding), final float32 `[B, N, H, K, V]` or None; an absent
+    label keeps its initial state).
+
+  Raises:
+    ValueError: a shape beyond `check_limits`.
   """
   b, t, h, kd = q.shape
   vd = v.shape[3]
-  kp, vp = max(16, _next_pow2(kd)), max(16, _next_pow2(vd))
+  check_limits(kd, vd, num_segments)
+  kp, vp = padded_dims(kd, vd)
   tp = -(-t // C) * C
-  nc = tp // C
+  if dots is None:
+    dots = dots_for(q.dtype, interpret)
   if seg is None:
     seg = jnp.ones((b, t), jnp.int32)
   seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, tp - t)))
@@ -199,23 +343,20 @@ def kda_inference_gpu(q, k, v, g, beta, seg, h0, gate, *, num_segments, scale, l
   k2 = pad4(k, kp).reshape(b, tp, h * kp)
   g2 = pad4(g, kp).reshape(b, tp, h * kp)
   v2 = pad4(v, vp).reshape(b, tp, h * vp)
-  beta4 = jnp.pad(jnp.swapaxes(beta, 1, 2).astype(jnp.float32), ((0, 0), (0, 0), (0, tp - t)))[..., None]
-  segc = seg[:, :, None]
-  segr = seg.reshape(b, nc, 1, C)
-  n_steps = ss.num_steps(tp, num_segments)
-  sched = ss.build_schedule(seg, n_steps, has_initial_state=h0 is not None)
-  if h0 is not None:
-    h0 = jnp.pad(h0.astype(jnp.float32), ((0, 0),) * 3 + ((0, kp - kd), (0, vp - vd)))
+  beta2 = jnp.pad(beta, ((0, 0), (0, tp - t), (0, 0)))
   a_exp = dt_row = None
   if gate is not None:
     a_log, dt_bias = gate
     a_exp = jnp.broadcast_to(jnp.exp(a_log)[:, None, None], (h, 1, kp))
     dt_row = jnp.pad(dt_bias, ((0, 0), (0, kp - kd)))[:, None, :]
-  o2, final = kda_pallas_gpu(q2, k2, v2, g2, beta4, segc, segr, sched, num_heads=h, key_dim=kd,
-                             num_segments=num_segments, n_steps=n_steps, scale=scale,
-                             use_l2norm=use_l2norm, a_exp=a_exp, dt_bias=dt_row,
-                             lower_bound=lower_bound, initial_state=h0, want_final=want_final,
-                             interpret=interpret)
+  prep = chunk_prep(q2, k2, v2, g2, beta2, seg, a_exp, dt_row, num_heads=h, key_dim=kd, scale=scale,
+                    lower_bound=lower_bound, use_l2norm=use_l2norm, dots=dots, interpret=interpret,
+                    key_block=KEY_BLOCK[dots.passes])
+  if h0 is not None:
+    h0 = jnp.pad(h0.astype(jnp.float32), ((0, 0),) * 3 + ((0, kp - kd), (0, vp - vd)))
+  o2, final = state_pass(prep, seg, h0, num_heads=h, num_segments=num_segments, value_dim_padded=vp,
+                         want_final=want_final, dots=dots, out_dtype=q.dtype, interpret=interpret,
+                         block_v=BLOCK_V[dots.passes], key_block=STATE_KEY_BLOCK[dots.passes])
   o = o2.reshape(b, tp, h, vp)[:, :t, :, :vd]
   if final is not None:
     final = final[..., :kd, :vd]

@@ -63,3 +63,22 @@ def test_peak_memory_formula_within_ten_percent_of_io():
     est = estimate_peak_memory(*x, segment_ids=seg, max_num_segments=2, backend="pallas_tpu")
     io = 5 * t * 8 * 128 * 2 + t * 8 * 2 + t * 4
     assert io <= est <= 1.10 * io, (t, est, io)
+
+
+# pallas_gpu's own limits (kda_plugin.ops.pallas_gpu.check_limits), checked before any kernel is built.
+@pytest.mark.parametrize("k,v,segments,limit", [(16, 192, 1, "K and V up to 128"),
+                                                 (16, 16, 70_000, "at most 65535 segments")])
+def test_pallas_gpu_limits_raise_before_lowering(monkeypatch, k, v, segments, limit):
+  from kda_plugin.ops import pallas_gpu
+
+  def no_kernel(*a, **kw):
+    raise AssertionError("pallas_call reached: the limit must be checked before lowering")
+
+  monkeypatch.setattr(pallas_gpu.pl, "pallas_call", no_kernel)
+  with pytest.raises(ValueError, match=f"'pallas_gpu' supports {limit}"):
+    pallas_gpu.check_limits(k, v, segments)
+  q, kk, vv, g, beta = _inputs(k=k, v=v)
+  seg = jnp.ones((1, 8), jnp.int32)
+  with pytest.raises(ValueError, match=limit):
+    kda_inference(q, kk, vv, g, beta, segment_ids=seg, max_num_segments=segments,
+                  backend="pallas_gpu", interpret=True)

@@ -1,0 +1,232 @@
+"""In-kernel math of the GPU (Pallas Triton) KDA kernels: one 64-row chunk as whole-tile operations.
+
+Written for the Triton lowering: every value is a full `[C, D]` tile (no value slicing), predicates come
+from `broadcasted_iota`, rows are picked by masked reductions (exact: one non-zero term), and every
+exponent is masked to -inf *before* `exp`, so no factor can overflow whatever the decay. Matmuls run on
+the tensor cores in TF32 (one pass) or TF32x3 (three passes, close to float32) through `Dots`.
+
+Math: ../shared/docs/kda.md section 2 and ../shared/docs/segment_native_chunk.md (the masked chunk
+equations; documents are contiguous runs, so `G_r - G_i` of two rows of one document is that
+document's decay from i to r even though `G` runs over the whole chunk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+CHUNK = 64  # rows per chunk (the UT transform's block)
+SUB = 16  # rows per diagonal sub-block built elementwise (the smallest tensor-core tile)
+_SUB_SHIFT = 4
+NEG_INF = float("-inf")
+L2NORM_EPS = 1e-6
+_HI = lax.Precision.HIGHEST
+_NN = ((1,), (0,))  # a @ b
+_NT = ((1,), (1,))  # a @ b.T
+_TN = ((0,), (0,))  # a.T @ b
+
+
+def _tf32(x, *, rounded: bool):
+  """x with its mantissa cut to TF32's 10 bits: round-to-nearest (cvt.rna) or truncation (what an
+  mma.tf32 reading raw float32 registers sees)."""
+  bits = lax.bitcast_convert_type(x, jnp.uint32)
+  if rounded:
+    bits = bits + jnp.uint32(0x1000)
+  return lax.bitcast_convert_type(bits & jnp.uint32(0xFFFFE000), jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dots:
+  """Tensor-core matmuls with float32 accumulation.
+
+  passes=1: TF32 (inputs cut to 10 mantissa bits, relative error ~5e-4 per operand), used for
+  bfloat16 inputs. passes=3: TF32x3 (`hi*hi + hi*lo + lo*hi` with hi, lo TF32 parts, relative error
+  ~1e-6), used for float32 inputs, whose 1e-4 tolerance one TF32 pass misses
+  (tests/kernels/test_gpu_kernel_precision.py shows both). `emulate` (interpret mode on a CPU, whose
+  XLA has no TF32 algorithms) rounds the operands the way the GPU does and multiplies in float32, so
+  interpret-mode numerics carry the device's TF32 rounding.
+  """
+
+  passes: int
+  emulate: bool
+
+  def __call__(self, a, b, dims=_NN):
+    a = a.astype(jnp.float32)
+    b = b.astype(jnp.float32)
+    dn = (dims, ((), ()))
+    if not self.emulate:
+      preset = (lax.DotAlgorithmPreset.TF32_TF32_F32 if self.passes == 1
+                else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+      return lax.dot_general(a, b, dn, precision=preset, preferred_element_type=jnp.float32)
+    mm = lambda x, y: lax.dot_general(x, y, dn, precision=(_HI, _HI),
+                                      preferred_element_type=jnp.float32)
+    if self.passes == 1:
+      return mm(_tf32(a, rounded=False), _tf32(b, rounded=False))
+    a_hi, b_hi = _tf32(a, rounded=True), _tf32(b, rounded=True)
+    a_lo, b_lo = _tf32(a - a_hi, rounded=True), _tf32(b - b_hi, rounded=True)
+    return mm(a_hi, b_lo) + mm(a_lo, b_hi) + mm(a_hi, b_hi)
+
+  def nt(self, a, b):
+    return self(a, b, _NT)
+
+  def tn(self, a, b):
+    return self(a, b, _TN)
+
+
+def iota(shape, dim):
+  return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def row_at(x, idx):
+  """Row `idx` (a traced scalar or `[1, 1]`) of `x [R, D]` as `[1, D]`; zeros when no row matches."""
+  return jnp.sum(jnp.where(iota(x.shape, 0) == idx, x, 0.0), axis=0, keepdims=True)
+
+
+def activate_gate(raw, a_exp, dt_bias, lower_bound):
+  """`gates.kda_gate_softplus` / `kda_gate_bounded` on a tile, float32.
+
+  raw `[C, K]`; a_exp = exp(A_log[h]) and dt_bias as `[1, K]` rows. softplus in the overflow-free
+  form max(x, 0) + log1p(exp(-|x|)).
+  """
+  x = raw + dt_bias
+  if lower_bound is None:
+    return -a_exp * (jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x))))
+  return lower_bound / (1.0 + jnp.exp(-(a_exp * x)))
+
+
+def l2norm_scale(x):
+  """`[R, 1]` factors 1 / sqrt(sum x^2 + 1e-6) of the rows of x (epsilon inside the root, as
+  `gates.l2norm`)."""
+  return lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2NORM_EPS)
+
+
+def run_boundary_gates(G, starts, ends, n_starts, n_ends=None):
+  """Per-row reference gates of the row's document inside the chunk, `(Ga, Ge)` `[C, K]`.
+
+  `Ga[r] = G[a(r)]`, the cumulative gate just before the first row of r's document in this chunk
+  (0 when the document entered the chunk at row 0); `Ge[r] = G[e(r)]` at the last row of r's document
+  in this chunk (None when ends is None). starts/ends: int32 `[C, 1]` flags, n_starts/n_ends their
+  counts (scalars) (a document's first row at row > 0 / its last row
+  in the chunk). One masked row pick per boundary: the loops run once per document boundary in the
+  chunk (usually zero or one start, one end), not once per row.
+  """
+  c = G.shape[0]
+  rows = iota((c, 1), 0)
+  is_start = starts != 0
+  is_end = None if ends is None else ends != 0
+
+  # Row indices stay [1, 1] tiles (keepdims reductions): a reduction to a scalar trips jax's sharding
+  # check under an explicit abstract mesh (ahead-of-time export); the trip counts come in as scalars.
+  def next_flagged(flag, after):
+    return jnp.min(jnp.where(flag & (rows > after), rows, c), axis=0, keepdims=True)
+
+  def start_body(_, carry):
+    prev, ga = carry
+    s = next_flagged(is_start, prev)
+    return s, jnp.where(rows >= s, row_at(G, s - 1), ga)
+
+  def end_body(_, carry):
+    prev, ge = carry
+    e = next_flagged(is_end, prev)
+    return e, jnp.where((rows > prev) & (rows <= e), row_at(G, e), ge)
+
+  zero = jnp.zeros_like(G)
+  _, ga = lax.fori_loop(0, n_starts, start_body, (jnp.full((1, 1), -1, jnp.int32), zero))
+  if ends is None:
+    return ga, None
+  _, ge = lax.fori_loop(0, n_ends, end_body, (jnp.full((1, 1), -1, jnp.int32), zero))
+  return ga, ge
+
+
+def _own_block_row(x, j):
+  """`[C, D]` whose row r is row `SUB * (r // SUB) + j` of x: row j of r's own 16-row block (a masked
+  reduction over the `[C / SUB, SUB, D]` view, broadcast back; exact)."""
+  c, d = x.shape
+  x3 = x.reshape(c // SUB, SUB, d)
+  pick = lax.broadcasted_iota(jnp.int32, x3.shape, 1) == j
+  return jnp.broadcast_to(jnp.sum(jnp.where(pick, x3, 0.0), axis=1, keepdims=True), x3.shape).reshape(c, d)
+
+
+def chunk_scores(q, k, G, dots: Dots):
+  """`(Akk, Aqk)` `[C, C]`: sum_d {k, q}_r[d] k_i[d] exp(G_r[d] - G_i[d]) for i <= r, before masking.
+
+  Entries inside the diagonal 16x16 blocks: elementwise, one exponent per (row, channel) in 16
+  iterations that fill column `16 * (r // 16) + j` of every row at once (the exponent is shared by
+  Akk and Aqk). Entries below them: for row block R, the exponent is split around the block's first
+  row n = 16 R (i < n <= r), so that both factors exp(G_r - G_n) and exp(G_n - G_i) are <= 1, and
+  each product is one tensor-core matmul per block (3 for C = 64). Entries above the diagonal are
+  finite and masked by the caller.
+  """
+  c, d = G.shape
+  rows = iota((c, d), 0)
+  block_first = jnp.left_shift(jnp.right_shift(rows, _SUB_SHIFT), _SUB_SHIFT)
+  cols = iota((c, c), 1)
+  col_block_first = jnp.left_shift(jnp.right_shift(iota((c, c), 0), _SUB_SHIFT), _SUB_SHIFT)
+
+  def diag_body(j, acc):
+    akk, aqk = acc
+    f = jnp.exp(jnp.where(rows >= block_first + j, G - _own_block_row(G, j), NEG_INF))
+    f = f * _own_block_row(k, j)
+    hit = cols == col_block_first + j
+    return (jnp.where(hit, jnp.sum(f * k, axis=1, keepdims=True), akk),
+            jnp.where(hit, jnp.sum(f * q, axis=1, keepdims=True), aqk))
+
+  zero = jnp.zeros((c, c), jnp.float32)
+  acc = lax.fori_loop(0, SUB, diag_body, (zero, zero))
+  row_block = jnp.right_shift(rows, _SUB_SHIFT)
+
+  def below_body(blk, acc):
+    akk, aqk = acc
+    n = blk * SUB
+    gn = row_at(G, n)
+    row_f = jnp.exp(jnp.where(row_block == blk, G - gn, NEG_INF))
+    k_col = k * jnp.exp(jnp.where(rows < n, gn - G, NEG_INF))
+    return akk + dots.nt(k * row_f, k_col), aqk + dots.nt(q * row_f, k_col)
+
+  # A loop, not unrolled: one block's operands live at a time (unrolled, the independent matmuls are
+  # scheduled together and spill).
+  return lax.fori_loop(1, c // SUB, below_body, acc)
+
+
+def unit_lower_inverse(a, dots: Dots):
+  """(I + a)^-1 for strictly lower-triangular `a [C, C]` (C a power of two), by block doubling.
+
+  With X the inverse of the diagonal b x b blocks, each 2b x 2b diagonal block [[T1, 0], [L, T2]]
+  has inverse [[X1, 0], [-X2 L X1, X2]]: X <- X - X (L X) with L = `a` restricted to the lower-left
+  quadrants. Starting from the exact 2 x 2 blocks (X = I - L), log2(C) - 1 doublings of two matmuls
+  each (10 for C = 64). A block-diagonal `a` (documents) gives a block-diagonal inverse.
+  """
+  c = a.shape[0]
+  r, col = iota((c, c), 0), iota((c, c), 1)
+  x = (r == col).astype(jnp.float32) - jnp.where(
+      (jnp.right_shift(r, 1) == jnp.right_shift(col, 1)) & (r > col), a, 0.0)
+
+  def double(shift, x):
+    quad = ((jnp.right_shift(r, shift + 1) == jnp.right_shift(col, shift + 1))
+            & (jnp.right_shift(r, shift) != jnp.right_shift(col, shift)))
+    return x - dots(x, dots(jnp.where(quad, a, 0.0), x))
+
+  return lax.fori_loop(1, c.bit_length() - 1, double, x)
+
+
+def unit_lower_inverse_rows(a):
+  """(I + a)^-1 for strictly lower-triangular `a [C, C]` by forward substitution in float32, one row
+  per iteration: X[i] = e_i - sum_{j < i} a[i, j] X[j] (a masked multiply-reduce, no matmul).
+
+  The float32 path's inverse: on the tensor cores it would need TF32x3 for its 1e-4 tolerance, and
+  TF32x3 doubling does not fit the registers without spills (tests/aot/test_gpu_kernel_compile.py);
+  C iterations of [C, C] vector work cost a few microseconds per chunk-wave instead.
+  """
+  c = a.shape[0]
+  r, col = iota((c, c), 0), iota((c, c), 1)
+  lane = iota((1, c), 1)
+  a_t = a.T  # column i of a_t holds row i of a down the rows, ready to scale the rows of X
+
+  def row(i, x):
+    coef = jnp.sum(jnp.where(col == i, a_t, 0.0), axis=1, keepdims=True)  # [C, 1]: a[i, j] at row j
+    new = jnp.where(lane == i, 1.0, 0.0) - jnp.sum(coef * x, axis=0, keepdims=True)  # [1, C]
+    return jnp.where(r == i, new, x)
+
+  return lax.fori_loop(1, c, row, (r == col).astype(jnp.float32))
