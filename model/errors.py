@@ -9,7 +9,7 @@ code that caught `ValueError` before keeps working.
 
 from __future__ import annotations
 
-import jax
+import sys
 
 
 class UserError(ValueError):
@@ -28,7 +28,8 @@ def out_of_memory(e: BaseException) -> str | None:
   """The first line of `e` when it is XLA's RESOURCE_EXHAUSTED (an allocation the device, or the host
   on CPU, cannot make: e.g. "RESOURCE_EXHAUSTED: Out of memory allocating 2662825103120 bytes."),
   else None."""
-  if isinstance(e, jax.errors.JaxRuntimeError) and str(e).lstrip().startswith("RESOURCE_EXHAUSTED"):
+  jax = sys.modules.get("jax")  # not imported here: without jax loaded, `e` cannot be an XLA error
+  if jax is not None and isinstance(e, jax.errors.JaxRuntimeError) and str(e).lstrip().startswith("RESOURCE_EXHAUSTED"):
     return str(e).strip().splitlines()[0]
   return None
 
