@@ -1,6 +1,7 @@
 """Every configuration key of the `model` host, with its default and a one-line meaning.
 
-The defaults are the dimensions of Kimi-Linear-48B-A3B (../shared/docs/kda.md section 5; the
+The defaults are the dimensions of Kimi-Linear-48B-A3B (docs/checkpoints.md section 'HF config.json to
+project keys'; the
 Hugging Face `config.json` of moonshotai/Kimi-Linear-48B-A3B-Instruct) so that each comment can name
 the real value. Per-model modules in this package start from `get_config()` and override values.
 
@@ -16,6 +17,36 @@ from ml_collections import config_dict
 
 # Keys whose value may be None (typed placeholders: their type is given below).
 NULLABLE = {"q_lora_rank": int, "kda_gate_lower_bound": float}
+
+# Keys renamed since checkpoints were first written: old name -> new name. Stored config.json files
+# are read with the new name; a command-line override with the old name works with a DeprecationWarning.
+RENAMED = {"kda_impl": "kda_implementation"}
+
+# Sections of the keys (`model.config.section`). A checkpoint's config.json stores the model section
+# only (every key not listed below): the others steer one job of one tool, not the model.
+# tools.generate / tools.perplexity (and output_json/overwrite, shared with the others).
+SERVING_KEYS = (
+    "prompt", "prompts_file", "prompt_ids", "max_new_tokens", "decode_sampling_strategy",
+    "decode_sampling_temperature", "decode_sampling_top_k", "decode_sampling_nucleus_p", "seed",
+    "decode_stop_at_eos", "generate_add_bos", "generate_batch_size", "prefill_length_multiple",
+    "eval_data", "eval_format", "max_target_length", "eval_add_bos", "eval_add_eos",
+    "compare_attention", "compare_tolerance", "dump_logprobs", "output_json", "overwrite",
+)
+# tools.train.
+TRAIN_KEYS = (
+    "train_data", "train_data_format", "heldout_fraction", "seq_len", "batch_size", "data_seed",
+    "split_long", "steps", "learning_rate", "warmup_steps", "lr_final_fraction", "weight_decay",
+    "adam_b1", "adam_b2", "adam_eps", "grad_clip_norm", "train_seed", "router_bias_update_rate",
+    "output_dir", "checkpoint_every", "checkpoint_keep", "resume", "stop_at_step", "eval_every",
+    "eval_batch_size", "eval_max_windows", "log_every", "export_every", "export_dtype",
+)
+# The job's mesh and multi-host start-up (a loaded checkpoint takes them from the command line).
+MESH_KEYS = (
+    "ici_data_parallelism", "ici_fsdp_parallelism", "ici_expert_parallelism",
+    "ici_tensor_parallelism", "logical_axis_rules", "distributed_init", "coordinator_address",
+    "num_processes", "process_id",
+)
+TOOL_KEYS = SERVING_KEYS + TRAIN_KEYS + MESH_KEYS
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -42,7 +73,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.kda_head_dim = 128  # K = V per KDA head
   c.kda_conv_kernel_size = 4  # W, width of the depthwise causal q/k/v short convolutions
   c.kda_gate_lower_bound = config_dict.placeholder(float)  # None: softplus gate (Kimi); else bounded gate in [-5, 0)
-  c.kda_impl = "auto"  # implementation hint passed as `backend=` to kda_inference (kda_native only)
+  c.kda_implementation = "auto"  # kernel of kda_inference: auto, xla, pallas_tpu, pallas_gpu (kda_native only; was kda_impl)
 
   # ---- MLA mixer (multi-head latent attention, no positional encoding) ----------------------------
   c.num_attention_heads = 32  # MLA heads
@@ -89,13 +120,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.load_parameters_path = ""  # parameters to load instead of random init ("" = random)
   c.tokenizer_path = ""  # tokenizer model file or directory ("" = none)
 
-  # ---- Serving: generation and perplexity (tools.generate, tools.perplexity; model/serving.py,
-  # model/scoring.py). The model config comes from the checkpoint; these keys only steer the tools.
+  # ---- Serving: generation and perplexity (tools.generate, tools.perplexity; model/engine/serving.py,
+  # model/engine/scoring.py). The model config comes from the checkpoint; these keys only steer the tools.
   c.prompt = ""  # tools.generate: one text prompt (needs a tokenizer); exactly one of prompt/prompts_file/prompt_ids
   c.prompts_file = ""  # tools.generate: UTF-8 file, one prompt per non-blank line (text, or ids without a tokenizer)
   c.prompt_ids = ""  # tools.generate: one prompt as token ids "1,2,3" (no tokenizer needed, used verbatim)
   c.max_new_tokens = 32  # tools.generate: tokens to generate per prompt (fewer when EOS comes first)
-  c.decode_sampling_strategy = "greedy"  # "greedy", "weighted" (softmax draw), "topk" or "nucleus" (model/sampling.py)
+  c.decode_sampling_strategy = "greedy"  # "greedy", "weighted" (softmax draw), "topk" or "nucleus" (model/engine/sampling.py)
   c.decode_sampling_temperature = 1.0  # > 0; logits are divided by it before a draw (ignored by greedy)
   c.decode_sampling_top_k = 40  # candidates kept by the "topk" strategy (>= 1)
   c.decode_sampling_nucleus_p = 0.9  # probability mass kept by the "nucleus" strategy, in (0, 1]
@@ -115,7 +146,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.output_json = ""  # tools.generate / tools.perplexity: write the results here as JSON ("" = no file)
   c.overwrite = False  # replace an existing output_json (generate/perplexity); tools.train: use an output_dir holding other files
 
-  # ---- Training (tools.train; model/train_lib.py) ------------------------------------------------
+  # ---- Training (tools.train; model/training/steps.py) ------------------------------------------------
   # Data: the train side of the held-out split of `train_data`, tokenised with `tokenizer_path`
   # (format "ids" may leave it empty), packed into [batch_size, seq_len] rows with segment ids.
   c.train_data = ""  # corpus file to train on (required by tools.train)
@@ -153,7 +184,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.export_every = 0  # also export parameters to output_dir/params-STEP every N steps (0 = only at the end)
   c.export_dtype = "float32"  # dtype of exported matrices/embeddings ("bfloat16" halves the size); vectors stay float32
 
-  # ---- Device mesh and sharding (model/sharding.py) -----------------------------------------------
+  # ---- Device mesh and sharding (model/partitioning.py) -----------------------------------------------
   # Mesh axes, outermost first: data, fsdp, expert, tensor. Each size >= 1, or -1 for "every device
   # left" (at most one -1); the product must equal the device count (all processes together).
   c.ici_data_parallelism = -1  # "data": batch split, parameters replicated (pure data parallel)
@@ -161,7 +192,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.ici_expert_parallelism = 1  # "expert": MoE experts split; must divide num_experts
   c.ici_tensor_parallelism = 1  # "tensor": KDA/MLA heads, FFN width and vocab split; must divide both head counts
   # Logical axis -> mesh axes, one "logical:axis+axis" string per rule ("logical:" = replicated).
-  # Logical axes left out are replicated; parameters use embed/heads/kv/mlp/expert/vocab (model/layers.py).
+  # Logical axes left out are replicated; parameters use embed/heads/kv/mlp/expert/vocab (model/nn/layers.py).
   c.logical_axis_rules = [
       "activation_batch:data+fsdp",  # batch rows of activations and decode sequences of caches
       "activation_length:",  # the token axis (no sequence parallelism)

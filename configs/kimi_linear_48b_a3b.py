@@ -1,4 +1,4 @@
-"""Kimi-Linear-48B-A3B: the real dimensions (../shared/docs/kda.md section 5), bfloat16.
+"""Kimi-Linear-48B-A3B: the real dimensions (the released config.json; docs/checkpoints.md), bfloat16.
 
 49,122,681,728 parameters (checked by tests/model/test_config.py without allocating them).
 """

@@ -1,10 +1,10 @@
 """kda_plugin's attention backends for the `model` host: `kda_native`, `kda_chunked`, `kda_reference`.
 
-Each backend wraps `kda_plugin.ops` into the object interface of `model.backend.AttentionBackend`
-(the host imports nothing from kda_plugin). They are published through the entry-point group
+Each backend adapts `kda_plugin.ops` to the host's protocol `model.backend.AttentionBackend` (the
+host imports nothing from kda_plugin). They are published through the entry-point group
 `model.attention_backends` (pyproject.toml) and by `kda_plugin.register()`.
 
-Routing rule (which op serves which mode):
+Routing rule (which op serves which mode; the modes are `model.backend.MODES`):
 
 =============  ===================================  ==============================  ================
 backend        train (gradients)                    eval, prefill                   decode
@@ -17,111 +17,125 @@ kda_reference  kda_reference                        kda_reference               
 
 Anything that needs gradients goes through `kda_chunked` (or the reference): `kda_inference` is a
 forward-only op. Where the op does not fuse them, the gate (`activate_gate`: softplus, or bounded
-when `lower_bound` is set) and the q/k `l2norm` are applied here first. Ops are imported lazily, at
-the first call, so a backend can be looked up before every op exists.
+when `lower_bound` is set) and the q/k `l2norm` are applied here first. `implementation` (the
+config's `kda_implementation`) is the kernel choice of `kda_inference` ("auto" picks `pallas_tpu`,
+`pallas_gpu` or `xla` by platform); the other ops have one implementation and ignore it.
+The math of every op: docs/kda.md; the packing contract: docs/packing.md.
 """
 
 from __future__ import annotations
 
-import importlib
+import contextlib
+from collections.abc import Callable, Iterator
 
-import jax
 import jax.numpy as jnp
 
-_SEQ_MODES = ("train", "eval", "prefill")
+from kda_plugin._install import check_not_shadowed
 
+check_not_shadowed()  # before the host import below: a foreign `model` package gets one clear line
 
-# Where an op lives when kda_plugin.ops does not (yet) re-export it.
-_SUBMODULES = {"kda_inference": "kda_plugin.ops.inference", "kda_chunked": "kda_plugin.ops.chunked"}
+from kda_plugin.ops import (activate_gate, kda_chunked as _kda_chunked, kda_decode_step, kda_inference,  # noqa: E402
+                            kda_reference as _kda_reference, l2norm, short_conv, short_conv_step)
+from kda_plugin.ops.inference import resolve_backend  # noqa: E402
+from model.backend import MODES, SEQUENCE_MODES  # noqa: E402
 
-
-def _op(name):
-  fn = getattr(importlib.import_module("kda_plugin.ops"), name, None)
-  if fn is None and name in _SUBMODULES:
-    try:
-      fn = getattr(importlib.import_module(_SUBMODULES[name]), name, None)
-    except ModuleNotFoundError:
-      fn = None
-  if fn is None:
-    raise ImportError(f"kda_plugin.ops.{name} is not available in this installation")
-  return fn
+# Route name -> op. The names are what `describe` reports.
+_OPS = {"kda_inference": kda_inference, "kda_chunked": _kda_chunked, "kda_reference": _kda_reference,
+        "kda_decode_step": kda_decode_step}
 
 
 class KDABackend:
   """One kda_plugin backend (see the module docstring for the routing rule).
 
-  Attributes:
-    name: registry name.
-    routes: mode -> op name ("kda_inference", "kda_chunked", "kda_reference", "kda_decode_step").
-    last_calls: mode -> description of the op last called (set when a model traces the op).
+  Args:
+    name: registry name. routes: mode (each of `MODES`) -> op name (a key of the routing table).
+
+  Tracing records nothing on the backend; `traced_ops()` is the explicit hook that shows which op a
+  model traced (for tests and tools).
   """
 
   def __init__(self, name: str, routes: dict[str, str]):
+    if set(routes) != set(MODES) or not set(routes.values()) <= set(_OPS):
+      raise ValueError(f"routes must map each of {MODES} to one of {sorted(_OPS)}, got {routes}")
     self.name = name
     self.routes = dict(routes)
-    self.last_calls: dict[str, str] = {}
+    self._observers: list[Callable[[str, str], None]] = []
 
   def __repr__(self):
     return f"KDABackend({self.name!r})"
 
-  def _op_label(self, op: str, impl: str) -> str:
-    if op != "kda_inference":
-      return op
-    if impl == "auto":
-      resolve = None
-      try:
-        mod = importlib.import_module(_op("kda_inference").__module__)
-        resolve = getattr(mod, "resolve_backend", None)
-      except ImportError:
-        pass
-      impl = resolve("auto") if resolve is not None else f"auto@{jax.default_backend()}"
-    return f"kda_inference[{impl}]"
+  def describe(self, mode: str, implementation: str = "auto") -> str:
+    """`"<backend> -> <op>"` for `mode` (one of `model.backend.MODES`), with the kernel that
+    `implementation` resolves to on this platform for `kda_inference` (e.g. `kda_inference[xla]`).
 
-  def describe(self, mode: str, impl: str = "auto") -> str:
-    """`"<backend> -> <op>"` for `mode` (train, eval, prefill or decode)."""
+    Raises:
+      ValueError: an unknown mode or implementation.
+    """
     if mode not in self.routes:
-      raise ValueError(f"mode must be one of {sorted(self.routes)}, got {mode!r}")
-    return f"{self.name} -> {self._op_label(self.routes[mode], impl)}"
+      raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    op = self.routes[mode]
+    label = f"{op}[{resolve_backend(implementation)}]" if op == "kda_inference" else op
+    return f"{self.name} -> {label}"
+
+  @contextlib.contextmanager
+  def traced_ops(self) -> Iterator[list[tuple[str, str]]]:
+    """Collects `(mode, describe(mode, implementation))` for every op this backend traces inside
+    the block (jit traces once per shape: a cached program adds nothing). A test hook; outside such
+    a block tracing records nothing."""
+    seen: list[tuple[str, str]] = []
+    observer = lambda mode, label: seen.append((mode, label))
+    self._observers.append(observer)
+    try:
+      yield seen
+    finally:
+      self._observers.remove(observer)
+
+  def _traced(self, mode: str, implementation: str) -> None:
+    if self._observers:
+      label = self.describe(mode, implementation)
+      for observer in list(self._observers):
+        observer(mode, label)
 
   # --- generic KDA pieces ------------------------------------------------------------------------
   def short_conv(self, x, weight, *, segment_ids, cache, max_num_segments):
-    return _op("short_conv")(x, weight, segment_ids=segment_ids, cache=cache, output_final_cache=True,
-                             max_num_segments=max_num_segments, activation="silu")
+    return short_conv(x, weight, segment_ids=segment_ids, cache=cache, output_final_cache=True,
+                      max_num_segments=max_num_segments, activation="silu")
 
   def short_conv_step(self, x, weight, cache):
-    return _op("short_conv_step")(x, weight, cache, activation="silu")
+    return short_conv_step(x, weight, cache, activation="silu")
 
   def gate(self, g_raw, a_log, dt_bias, lower_bound):
-    return _op("activate_gate")(g_raw, a_log, dt_bias, lower_bound)
+    return activate_gate(g_raw, a_log, dt_bias, lower_bound)
 
   def l2norm(self, x):
     # float32 out, as the fused kernel keeps its normalised q/k: rounding them back to bf16 here
     # would make the unfused routes differ from kda_native by that rounding alone.
-    return _op("l2norm")(x.astype(jnp.float32))
+    return l2norm(x.astype(jnp.float32))
 
   # --- the KDA core ------------------------------------------------------------------------------
   def kda(self, q, k, v, g_raw, beta, *, a_log, dt_bias, lower_bound, mode, segment_ids,
-          initial_state, output_final_state, max_num_segments, impl="auto"):
-    if mode not in _SEQ_MODES:
-      raise ValueError(f"kda() serves modes {_SEQ_MODES}; use kda_decode() for decode, got {mode!r}")
+          initial_state, output_final_state, max_num_segments, implementation="auto"):
+    if mode not in SEQUENCE_MODES:
+      raise ValueError(f"kda() serves modes {SEQUENCE_MODES}; use kda_decode() for decode, got {mode!r}")
     op = self.routes[mode]
-    self.last_calls[mode] = self.describe(mode, impl)
+    self._traced(mode, implementation)
     if op == "kda_inference":
-      return _op("kda_inference")(
+      # TODO(merge): the TPU kernel issue renames this keyword to implementation=.
+      return kda_inference(
           q, k, v, g_raw, beta, segment_ids=segment_ids, initial_state=initial_state,
           output_final_state=output_final_state, a_log=a_log, dt_bias=dt_bias,
           lower_bound=lower_bound, use_qk_l2norm=True, max_num_segments=max_num_segments,
-          backend=impl)
+          backend=implementation)
     g = self.gate(g_raw, a_log, dt_bias, lower_bound)
-    o, state = _op(op)(self.l2norm(q), self.l2norm(k), v, g, beta, initial_state=initial_state,
-                       output_final_state=output_final_state, segment_ids=segment_ids,
-                       max_num_segments=max_num_segments)
+    o, state = _OPS[op](self.l2norm(q), self.l2norm(k), v, g, beta, initial_state=initial_state,
+                        output_final_state=output_final_state, segment_ids=segment_ids,
+                        max_num_segments=max_num_segments)
     return o.astype(q.dtype), state
 
-  def kda_decode(self, q, k, v, g_raw, beta, state, *, a_log, dt_bias, lower_bound, impl="auto"):
-    self.last_calls["decode"] = self.describe("decode", impl)
+  def kda_decode(self, q, k, v, g_raw, beta, state, *, a_log, dt_bias, lower_bound, implementation="auto"):
+    self._traced("decode", implementation)
     g = self.gate(g_raw, a_log, dt_bias, lower_bound)
-    o, state = _op(self.routes["decode"])(self.l2norm(q), self.l2norm(k), v, g, beta, state)
+    o, state = _OPS[self.routes["decode"]](self.l2norm(q), self.l2norm(k), v, g, beta, state)
     return o.astype(q.dtype), state
 
 
@@ -133,12 +147,12 @@ def kda_native() -> KDABackend:
 
 def kda_chunked() -> KDABackend:
   """Chunked (differentiable) op in every sequence mode, decode step for decode."""
-  return KDABackend("kda_chunked", {m: "kda_chunked" for m in _SEQ_MODES} | {"decode": "kda_decode_step"})
+  return KDABackend("kda_chunked", {m: "kda_chunked" for m in SEQUENCE_MODES} | {"decode": "kda_decode_step"})
 
 
 def kda_reference() -> KDABackend:
   """The token recurrence in every sequence mode (the oracle), decode step for decode."""
-  return KDABackend("kda_reference", {m: "kda_reference" for m in _SEQ_MODES} | {"decode": "kda_decode_step"})
+  return KDABackend("kda_reference", {m: "kda_reference" for m in SEQUENCE_MODES} | {"decode": "kda_decode_step"})
 
 
 BACKENDS = {"kda_native": kda_native, "kda_chunked": kda_chunked, "kda_reference": kda_reference}

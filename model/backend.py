@@ -1,35 +1,45 @@
-"""The interface between the host's KDA mixer and an attention backend.
+"""The contract between the host's KDA mixer and an attention backend: `AttentionBackend`.
 
-The host (`model/`) never imports KDA code: the KDA mixer (`model/kda.py`) receives every
-KDA-specific op from a backend object looked up by name in `model.registry`. A backend is any
-object with the attributes below (duck-typed; subclassing `AttentionBackend` is optional but gives
-the docstrings). Shapes follow the kda_plugin contract (../shared/docs/kda.md sections 3-4):
-batch-first, `segment_ids` int32 `[B, T]` (0 = padding, label n uses slot n-1), float32 states.
+The host (`model/`) never imports KDA code: the KDA mixer (`model/nn/kda.py`) receives every
+KDA-specific op from a backend object looked up by name (`config.attention`) in `model.registry`,
+which checks it against this protocol (`check_backend`) before handing it out. Shapes follow the
+packing contract (docs/packing.md): batch-first, `segment_ids` int32 `[B, T]` (0 = padding, label n
+uses slot n-1), float32 states. The math of each op: docs/kda.md.
 
-Modes: "train" (needs gradients), "eval" (forward only), "prefill" (forward that also returns
-states), "decode" (one token per sequence). The backend decides which op serves each mode and
-reports it through `describe(mode)`.
+Words: a *backend* is a registry entry (`kda_native`, ...); its *implementation* is the kernel
+choice inside one op (`config.kda_implementation`, e.g. "auto", "xla", "pallas_tpu"), passed
+through to the backend and ignored by backends that have only one.
 """
 
 from __future__ import annotations
 
+import inspect
+from typing import Any, Protocol, runtime_checkable
+
+# The modes a model runs in; defined here only. "train" needs gradients, "eval" is a forward only,
+# "prefill" a forward that also returns states, "decode" one token per sequence.
 MODES = ("train", "eval", "prefill", "decode")
+SEQUENCE_MODES = ("train", "eval", "prefill")  # the modes `kda` serves (decode is `kda_decode`)
 
 
-class AttentionBackend:
-  """Documentation base class for attention backends (see the module docstring).
+@runtime_checkable
+class AttentionBackend(Protocol):
+  """What the KDA mixer calls. Any object with these members is a backend (no subclassing needed).
 
   Attributes:
     name: the registry name, e.g. "kda_reference".
   """
 
-  name: str = "abstract"
+  name: str
 
-  def describe(self, mode: str) -> str:
-    """Human-readable route for `mode`, e.g. "kda_native -> kda_inference[xla]"."""
-    raise NotImplementedError
+  def describe(self, mode: str, implementation: str = "auto") -> str:
+    """The op that serves `mode` (one of `MODES`), e.g. "kda_native -> kda_inference[xla]".
 
-  def short_conv(self, x, weight, *, segment_ids, cache, max_num_segments):
+    Pure: it reports the routing rule and records nothing. Raises ValueError for an unknown mode.
+    """
+    ...
+
+  def short_conv(self, x, weight, *, segment_ids, cache, max_num_segments) -> tuple[Any, Any]:
     """Depthwise causal conv with SiLU, restarting at segment starts.
 
     Args:
@@ -39,15 +49,15 @@ class AttentionBackend:
     Returns:
       `(y [B, T, D] in x's dtype, final cache float32 [B, N, W-1, D])`.
     """
-    raise NotImplementedError
+    ...
 
-  def short_conv_step(self, x, weight, cache):
+  def short_conv_step(self, x, weight, cache) -> tuple[Any, Any]:
     """One decode step: x `[S, D]`, weight `[W, D]`, cache `[S, W-1, D]` -> (y `[S, D]`, new cache)."""
-    raise NotImplementedError
+    ...
 
-  def kda(self, q, k, v, g_raw, beta, *, a_log, dt_bias, lower_bound, mode, segment_ids,
-          initial_state, output_final_state, max_num_segments):
-    """Gate activation, q/k L2 norm and the KDA core over a packed sequence.
+  def kda(self, q, k, v, g_raw, beta, *, a_log, dt_bias, lower_bound, mode, segment_ids, initial_state,
+          output_final_state, max_num_segments, implementation="auto") -> tuple[Any, Any]:
+    """Gate activation, q/k L2 norm and the KDA core over a packed sequence (docs/kda.md).
 
     Args:
       q, k: `[B, T, H, K]` after the short conv, NOT yet L2-normalised.
@@ -55,16 +65,52 @@ class AttentionBackend:
       g_raw: `[B, T, H, K]` raw gate input `f_b_proj(f_a_proj(x))` (not yet activated).
       beta: float32 `[B, T, H]` in [0, 1].
       a_log: float32 `[H]`; dt_bias: float32 `[H*K]`; lower_bound: None (softplus gate) or float.
-      mode: "train", "eval" or "prefill".
+      mode: one of `SEQUENCE_MODES`.
       segment_ids: int32 `[B, T]`; initial_state: float32 `[B, N, H, K, V]` or None.
       output_final_state: return the per-slot final states.
       max_num_segments: N (static).
+      implementation: the kernel choice of the op serving `mode` (`config.kda_implementation`).
     Returns:
       `(o [B, T, H, V] in q's dtype, final_state float32 [B, N, H, K, V] or None)`.
     """
-    raise NotImplementedError
+    ...
 
-  def kda_decode(self, q, k, v, g_raw, beta, state, *, a_log, dt_bias, lower_bound):
+  def kda_decode(self, q, k, v, g_raw, beta, state, *, a_log, dt_bias, lower_bound,
+                 implementation="auto") -> tuple[Any, Any]:
     """One token per sequence: q, k, g_raw `[S, H, K]`, v `[S, H, V]`, beta `[S, H]`, state float32
     `[S, H, K, V]` -> `(o [S, H, V], new_state)`; gate and L2 norm applied inside as in `kda`."""
-    raise NotImplementedError
+    ...
+
+
+_METHODS = ("describe", "short_conv", "short_conv_step", "kda", "kda_decode")
+
+
+def _parameters(fn) -> set[str]:
+  return {p.name for p in inspect.signature(fn).parameters.values()
+          if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self"}
+
+
+def _takes_any_keyword(fn) -> bool:
+  return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+
+
+def check_backend(obj, name: str) -> None:
+  """Checks that `obj` has every member of `AttentionBackend` and that each method accepts the
+  protocol's parameters (by name; a `**kwargs` method accepts any keyword).
+
+  Raises:
+    TypeError: naming the backend, the missing members or the method and its missing parameters.
+  """
+  missing = [m for m in ("name",) + _METHODS if not hasattr(obj, m)]
+  if missing:
+    raise TypeError(f"attention backend {name!r} ({obj!r}) is not a model.backend.AttentionBackend: it lacks "
+                    f"{', '.join(missing)}")
+  for method in _METHODS:
+    want = _parameters(getattr(AttentionBackend, method))
+    fn = getattr(obj, method)
+    if _takes_any_keyword(fn):
+      continue
+    lacking = sorted(want - _parameters(fn))
+    if lacking:
+      raise TypeError(f"attention backend {name!r}: {method}() does not take {', '.join(lacking)} (the "
+                      f"signature of model.backend.AttentionBackend.{method})")

@@ -9,25 +9,25 @@ against the type of the key's default: ints, floats, `true/false`, strings, list
 
 from __future__ import annotations
 
+
 import dataclasses
 import difflib
 import importlib
 import importlib.util
 import json
 import pathlib
+import warnings
 from collections.abc import Sequence
 
 import ml_collections
 
 from configs import base
+from model import partitioning
+from model.errors import ConfigError  # re-exported: `from model.config import ConfigError`
 
 _CONFIGS_DIR = pathlib.Path(base.__file__).parent
 _DTYPES = ("float32", "bfloat16")
 _BOOL = {"true": True, "false": False}
-
-
-class ConfigError(ValueError):
-  """A configuration that cannot be loaded or does not describe a valid model."""
 
 
 def available_configs() -> list[str]:
@@ -118,6 +118,10 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[str]) ->
       raise ConfigError(f"override {item!r} must be written key=value")
     key, text = item.split("=", 1)
     key = key.strip().lstrip("-")
+    if key in base.RENAMED:
+      warnings.warn(f"config key {key!r} is deprecated; write {base.RENAMED[key]}={text} (the old name will be "
+                    f"removed)", DeprecationWarning, stacklevel=2)
+      key = base.RENAMED[key]
     if key not in cfg:
       raise _unknown_key(cfg, key)
     default = cfg[key]
@@ -222,17 +226,45 @@ def validate_config(cfg) -> None:
     raise ConfigError(f"kda_gate_lower_bound must be None or in [-5, 0), got {lb}")
   if cfg.q_lora_rank is not None and cfg.q_lora_rank < 1:
     raise ConfigError(f"q_lora_rank must be None or >= 1, got {cfg.q_lora_rank}")
-  from model import sharding  # local: sharding imports this module
-  sharding.validate_mesh_config(cfg)  # mesh sizes, axis rules, heads/experts vs. their mesh axes
+  partitioning.validate_mesh_config(cfg)  # mesh sizes, axis rules, heads/experts vs. their mesh axes
 
 
-def config_to_json(cfg) -> str:
-  """Serialises a config (every key) to a JSON string, stored beside checkpoints."""
-  return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)
+SECTIONS = ("model", "mesh", "train", "serving")
 
 
-def config_from_json(text: str) -> ml_collections.ConfigDict:
-  """Rebuilds a locked, validated config from `config_to_json` output.
+def section_of(key: str) -> str:
+  """The section of a config key: "serving", "train", "mesh" (configs/base.py lists them) or "model"."""
+  if key in base.SERVING_KEYS:
+    return "serving"
+  if key in base.TRAIN_KEYS:
+    return "train"
+  if key in base.MESH_KEYS:
+    return "mesh"
+  return "model"
+
+
+def section(cfg, name: str) -> dict:
+  """`{key: value}` of one section of `cfg` (one of `SECTIONS`; the model's typed view is `ModelArgs`)."""
+  if name not in SECTIONS:
+    raise ValueError(f"section must be one of {SECTIONS}, got {name!r}")
+  return {k: cfg[k] for k in cfg.keys() if section_of(k) == name}
+
+
+def config_to_json(cfg, *, sections: Sequence[str] = SECTIONS) -> str:
+  """Serialises the keys of `sections` of a config (default: every key) to a JSON string."""
+  data = {k: v for k, v in cfg.to_dict().items() if section_of(k) in sections}
+  return json.dumps(data, indent=2, sort_keys=True)
+
+
+def checkpoint_json(cfg) -> str:
+  """The config.json of a checkpoint: the model section only (tool, training and mesh keys belong to
+  a job, not to the parameters; a load fills them from the command line or the base defaults)."""
+  return config_to_json(cfg, sections=("model",))
+
+
+def config_from_json(text: str, *, validate: bool = True) -> ml_collections.ConfigDict:
+  """Rebuilds a locked, validated config from `config_to_json` output (`validate=False`: the caller
+  validates once after applying its own overrides, as `model.checkpoint.format.read_config` does).
 
   Keys missing from the JSON (added to base after the checkpoint was written) keep base defaults;
   unknown keys raise ConfigError with the closest valid names; values are type-checked.
@@ -242,8 +274,9 @@ def config_from_json(text: str) -> ml_collections.ConfigDict:
     raise ConfigError("a JSON config must be an object of key: value")
   cfg = base.get_config()
   for key, value in data.items():
-    set_value(cfg, key, value)
-  validate_config(cfg)
+    set_value(cfg, base.RENAMED.get(key, key), value)  # files written before a rename keep loading
+  if validate:
+    validate_config(cfg)
   cfg.lock()
   return cfg
 
@@ -265,7 +298,7 @@ class ModelArgs:
   kda_head_dim: int
   kda_conv_kernel_size: int
   kda_gate_lower_bound: float | None
-  kda_impl: str
+  kda_implementation: str
   num_attention_heads: int
   q_lora_rank: int | None
   kv_lora_rank: int
@@ -291,9 +324,10 @@ class ModelArgs:
   max_cache_length: int
 
   @classmethod
-  def from_config(cls, cfg) -> "ModelArgs":
-    """Validates `cfg` and extracts the model fields."""
-    validate_config(cfg)
+  def from_config(cls, cfg, *, validate: bool = True) -> "ModelArgs":
+    """Validates `cfg` (unless the caller just did: `validate=False`) and extracts the model fields."""
+    if validate:
+      validate_config(cfg)
     kda = set(cfg.kda_layers)
     types = tuple("kda" if i + 1 in kda else "mla" for i in range(cfg.num_hidden_layers))
     names = [f.name for f in dataclasses.fields(cls) if f.name != "layer_types"]

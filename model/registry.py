@@ -15,6 +15,9 @@ from __future__ import annotations
 import importlib.metadata
 import threading
 
+from model.backend import AttentionBackend, check_backend
+from model.errors import UserError
+
 ENTRY_POINT_GROUP = "model.attention_backends"
 
 _lock = threading.RLock()
@@ -23,7 +26,7 @@ _instances: dict[str, object] = {}
 _entry_points_loaded = False
 
 
-class UnknownBackendError(KeyError):
+class UnknownBackendError(UserError, KeyError):
   """An `attention=` name that no registered backend or entry point provides."""
 
   def __str__(self):  # KeyError would quote the message
@@ -31,8 +34,8 @@ class UnknownBackendError(KeyError):
 
 
 def register_backend(name: str, backend, *, overwrite: bool = False) -> None:
-  """Registers `backend` (an object with the `model.backend.AttentionBackend` methods, or a
-  zero-argument callable returning one) under `name`.
+  """Registers `backend` (an object with the `model.backend.AttentionBackend` members, or a
+  zero-argument callable returning one; checked at the first `get_backend`) under `name`.
 
   Raises:
     ValueError: `name` already registered with a different object and `overwrite` is False.
@@ -87,10 +90,11 @@ def registered_backends() -> list[str]:
 
 
 def get_backend(name: str):
-  """Returns the backend object registered as `name`.
+  """Returns the backend object registered as `name`, checked against `model.backend.AttentionBackend`.
 
   Raises:
     UnknownBackendError: no backend has that name; the message lists the registered ones.
+    TypeError: the registered object (or what its factory returned) is not an `AttentionBackend`.
   """
   _load_entry_points()
   with _lock:
@@ -98,9 +102,13 @@ def get_backend(name: str):
       return _instances[name]
     if name not in _factories:
       raise UnknownBackendError(
-          f"unknown attention backend {name!r}; registered: {sorted(_factories)} (entry-point group "
+          f"unknown attention backend {name!r} (attention={name}); registered: {sorted(_factories)} (entry-point group "
           f"{ENTRY_POINT_GROUP!r}; is the plugin installed?)")
     obj = _factories[name]
-    backend = obj() if callable(obj) and not hasattr(obj, "kda") else obj
+    # A class or a plain function is a factory; an object that already has the protocol's
+    # members is the backend itself (a backend object may be callable for reasons of its own).
+    is_factory = isinstance(obj, type) or (callable(obj) and not isinstance(obj, AttentionBackend))
+    backend = obj() if is_factory else obj
+    check_backend(backend, name)
     _instances[name] = backend
     return backend

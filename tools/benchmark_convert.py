@@ -52,11 +52,13 @@ def hf_config(layers: int) -> dict:
 def hf_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
   """(name, shape, dtype) of every HF tensor, from the converter's own table (independent shapes
   would only duplicate it; the converter checks each shape against the config anyway)."""
-  from tools import hf_layout as hl
-  pcfg, _ = hl.config_from_hf(cfg, weight_dtype="bfloat16")
+  # Imported here, not at the top: the converter pulls in jax, flax and orbax, which the measuring
+  # parent needs only for this table (its children are what is measured).
   import numpy as np
+  from model.checkpoint import convert as conversion, hf_names as hl
+  pcfg, _ = hl.config_from_hf(cfg, weight_dtype="bfloat16")
   out = []
-  for e in hl.parameter_table(pcfg):
+  for e in conversion.parameter_table(pcfg):
     dt = "F32" if e.dtype == np.float32 else "BF16"
     out += [(n, e.hf_shape, dt) for n in e.hf_names]
   return out
@@ -64,6 +66,7 @@ def hf_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
 
 def write_checkpoint(root: pathlib.Path, layers: int, seed: int = 0) -> dict:
   """Writes the synthetic checkpoint shard by shard; returns sizes."""
+  # Here, not at the top: the parent stays small (see run_child: a child's ru_maxrss starts at it).
   import ml_dtypes
   import numpy as np
   from safetensors.numpy import save_file
@@ -100,9 +103,9 @@ def write_checkpoint(root: pathlib.Path, layers: int, seed: int = 0) -> dict:
 
 
 def _largest_parameter(cfg: dict) -> int:
-  from tools import hf_layout as hl
+  from model.checkpoint import convert as conversion, hf_names as hl  # as in hf_tensors: parent-side only
   pcfg, _ = hl.config_from_hf(cfg, weight_dtype="bfloat16")
-  return max(e.nbytes for e in hl.parameter_table(pcfg))
+  return max(e.nbytes for e in conversion.parameter_table(pcfg))
 
 
 def run_child(argv: list[str], echo: bool = True) -> tuple[float, int, int, int]:
@@ -113,7 +116,7 @@ def run_child(argv: list[str], echo: bool = True) -> tuple[float, int, int, int]
   process stays small (no jax, no arrays), because on Linux a child's ru_maxrss starts from its
   parent's RSS at fork.
   """
-  import psutil
+  import psutil  # optional: only this cross-check needs it
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   t = time.perf_counter()
   proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,

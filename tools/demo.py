@@ -20,6 +20,10 @@ import sys
 import tempfile
 
 import kda_plugin
+from model import loading
+from model.checkpoint import format as checkpointing
+from model.config import load_config
+from tools import cli, generate
 
 ASSETS = pathlib.Path(kda_plugin.__file__).resolve().parent / "assets" / "demo"
 DEFAULTS = {
@@ -35,26 +39,15 @@ BANNER = "!" * 78
 
 def _random_checkpoint(directory: pathlib.Path) -> pathlib.Path:
   """Saves a randomly initialised demo-config model (with the shipped tokenizer, if present)."""
-  from model import checkpointing
-  from model.config import load_config
-  from model.kimi_linear import KimiLinearForCausalLM
-
   tok = ASSETS / "tokenizer.model"
   cfg = load_config(["demo", f"tokenizer_path={tok if tok.is_file() else ''}"])
   path = directory / "random-demo"
-  checkpointing.save_parameters(path, KimiLinearForCausalLM(cfg), cfg)
+  checkpointing.save_parameters(path, loading.create(cfg), cfg)
   return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str]) -> int:
   """Runs the demo; returns the exit status of tools.generate."""
-  argv = list(sys.argv[1:] if argv is None else argv)
-  if any(a in ("-h", "--help", "help") for a in argv):
-    print(__doc__)
-    return 0
-  from model import checkpointing
-  from tools import generate, serving_common
-
   given = {a.split("=", 1)[0] for a in argv if "=" in a}
   args = [f"{k}={v}" for k, v in DEFAULTS.items() if k not in given] + argv
   with tempfile.TemporaryDirectory(prefix="kda-demo-") as tmp:
@@ -70,8 +63,11 @@ def main(argv: list[str] | None = None) -> int:
             [] if "prompt_ids" in given else ["prompt_ids=2,100,200,300"])
     print(f"demo checkpoint: {ckpt}", file=sys.stderr)
     # tools.generate prints the prompt and streams the continuation after it.
-    return serving_common.run_tool(generate.main, generate.__doc__, [f"load_parameters_path={ckpt}", *args])
+    return generate.run([f"load_parameters_path={ckpt}", *args])
 
+
+main = cli.tool_main(run, __doc__, memory_keys=generate.MEMORY_KEYS)
+command = cli.command(main)
 
 if __name__ == "__main__":
-  sys.exit(main())
+  command()

@@ -24,15 +24,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import sharding
-from model.config import ConfigError, load_config
-from model.kimi_linear import KimiLinearForCausalLM, last_token_logits
-from tools.serving_common import out_of_memory
+from model import loading, partitioning
+from model.config import load_config
+from model.errors import UsageError, out_of_memory
+from model.nn.kimi_linear import last_token_logits
+from tools import cli
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse whose errors are `UsageError`s (one `error:` line through tools.cli, not usage + exit)."""
+
+  def error(self, message):
+    raise UsageError(message)
 
 
 def _parser():
-  p = argparse.ArgumentParser(
-      prog="python -m tools.forward_check", description=__doc__,
+  p = _Parser(add_help=False,
+      prog="python -m tools.forward_check",
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="Example: python -m tools.forward_check tiny attention=kda_reference dtype=bfloat16")
   p.add_argument("config", nargs="*", help="[model config name or .py/.json path] then key=value overrides")
@@ -84,29 +92,23 @@ def _checksum(x):
   return f"sum={x.sum():+.6e} mean|x|={np.abs(x).mean():.6e}"
 
 
-def main(argv=None) -> int:
+def run(argv: list[str]) -> int:
+  """Builds the model, runs each mode and prints who served it; raises on bad input."""
   args = _parser().parse_args(argv)
   # Every bad argument is one `error:` line and exit status 2, before the model is built.
   for flag, value, low in (("--batch", args.batch, 1), ("--seq", args.seq, 1), ("--docs", args.docs, 1),
                            ("--decode-steps", args.decode_steps, 0), ("--repeats", args.repeats, 1)):
     if value < low:
-      print(f"error: {flag} must be >= {low}, got {value}", file=sys.stderr)
-      return 2
+      raise UsageError(f"{flag} must be >= {low}, got {value}")
   modes = [m.strip() for m in args.modes.split(",") if m.strip()]
   unknown = sorted(set(modes) - {"train", "eval", "prefill"})
   if unknown or not modes:
-    print(f"error: --modes: unknown {unknown}; choose from train, eval, prefill", file=sys.stderr)
-    return 2
-  try:
-    cfg = load_config(args.config)
-    sharding.mesh_shape(cfg, jax.device_count())  # the ici_* keys must fit the devices, even one
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+    raise UsageError(f"--modes: unknown {unknown}; choose from train, eval, prefill")
+  cfg = load_config(args.config)
+  partitioning.mesh_shape(cfg, jax.device_count())  # the ici_* keys must fit the devices, even one
   if args.docs > cfg.max_num_segments:
-    print(f"error: --docs={args.docs} exceeds max_num_segments={cfg.max_num_segments}", file=sys.stderr)
-    return 2
-  model = KimiLinearForCausalLM(cfg)
+    raise UsageError(f"--docs={args.docs} exceeds max_num_segments={cfg.max_num_segments}")
+  model = loading.create(cfg)  # random weights of seed init_seed
   backend = model.backend
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(nnx.state(model)))
   print(f"model {cfg.model_name}: {cfg.num_hidden_layers} layers {''.join(t[0] for t in model.args.layer_types)}"
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
     return nnx.merge(graphdef, state).decode(tok, cache)
 
   kda = "kda" in model.args.layer_types
-  route = lambda mode: backend.last_calls.get(mode, backend.describe(mode)) if kda else "(no KDA layers)"
+  route = lambda mode: backend.describe(mode, cfg.kda_implementation) if kda else "(no KDA layers)"
   print(f"batch: B={args.batch} T={args.seq}, {args.docs} packed documents per row, "
         f"{int(jnp.sum(seg == 0))} padding tokens")
   failed = []
@@ -176,5 +178,8 @@ def main(argv=None) -> int:
   return 0
 
 
+main = cli.tool_main(run, __doc__ + "\n" + _parser().format_help())
+command = cli.command(main)
+
 if __name__ == "__main__":
-  sys.exit(main())
+  command()

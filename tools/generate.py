@@ -33,7 +33,7 @@ Keys:
   overwrite             true: replace an existing output_json (default false).
   ici_*_parallelism     with several devices: the mesh to serve on (data, fsdp, expert, tensor; -1 =
                         the rest; default all devices on data), parameters restored sharded
-                        (model/sharding.py); distributed_init=true starts a multi-host job.
+                        (model/partitioning.py); distributed_init=true starts a multi-host job.
 
 Prints the generated text (or ids), then the time to first token, prefill tokens/s and decode
 tokens/s (compilation is done first and reported apart). The decode figures count generated tokens
@@ -47,12 +47,12 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
-
-from model.input_pipeline import DataFormatError, parse_ids_documents, read_text_file
-from model.serving import GenerationError, Generator, SamplingParams
-from model.tokenizer import TokenizerError
-from tools import serving_common as common
+from model import partitioning
+from model.data.pipeline import DataFormatError, parse_ids_documents, read_text_file
+from model.engine.serving import GenerationError, Generator, SamplingParams, check_max_new_tokens
+from model.data.tokenizer import TokenizerError
+from model.errors import UsageError
+from tools import cli as common
 
 _PROMPT_KEYS = ("prompt", "prompts_file", "prompt_ids")
 # What sizes the prefill and the cache: named in the one-line error when XLA runs out of memory.
@@ -85,7 +85,7 @@ def read_prompts(cfg, given: set[str], tokenizer, vocab_size: int) -> tuple[list
   """
   chosen = [k for k in _PROMPT_KEYS if k in given or cfg[k]]
   if len(chosen) != 1:
-    raise common.UsageError(f"give exactly one of prompt=, prompts_file= or prompt_ids= (got "
+    raise UsageError(f"give exactly one of prompt=, prompts_file= or prompt_ids= (got "
                             f"{', '.join(chosen) if chosen else 'none'})")
   key = chosen[0]
   bos = [tokenizer.bos_id] if cfg.generate_add_bos and tokenizer.bos_id is not None else []
@@ -101,7 +101,7 @@ def read_prompts(cfg, given: set[str], tokenizer, vocab_size: int) -> tuple[list
     if not docs:
       raise GenerationError("prompt_ids is empty: give token ids, e.g. prompt_ids=\"1,2,3\"")
     if len(docs) > 1:
-      raise common.UsageError("prompt_ids holds one prompt on one line; put several in prompts_file=")
+      raise UsageError("prompt_ids holds one prompt on one line; put several in prompts_file=")
     return [None], [docs[0].tolist()]
   path = cfg.prompts_file
   if not path:
@@ -175,26 +175,25 @@ def _text(tokenizer, ids, eos_id):
   return tokenizer.decode([t for t in ids if t != eos_id])
 
 
-def main(argv: list[str]) -> int:
+def run(argv: list[str]) -> int:
+  """Generates as the `key=value` arguments say (see the module docstring); raises on bad input."""
   overrides, cfg = common.parse_args(argv)
   given = common.given_keys(argv)
   if cfg.output_json:
     common.check_output_path(cfg.output_json, overwrite=cfg.overwrite)  # before any work, not after it
   params = sampling_params(cfg)
-  if cfg.max_new_tokens < 1:
-    raise GenerationError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+  check_max_new_tokens(cfg.max_new_tokens)
   if cfg.generate_batch_size < 1 or cfg.prefill_length_multiple < 1:
-    raise common.UsageError("generate_batch_size and prefill_length_multiple must be >= 1")
+    raise UsageError("generate_batch_size and prefill_length_multiple must be >= 1")
   # Checks that need the model's config (vocabulary size) but not its parameters: before the load.
-  stored = common.read_model_config(cfg, overrides)
+  stored = common.checkpoint_config(cfg, overrides)  # config.json read and validated once
   params = sampling_params(cfg, vocab_size=stored.vocab_size)
   tokenizer = common.tokenizer_for(stored)
   vocab = int(stored.vocab_size)
   texts, prompts = read_prompts(cfg, given, tokenizer, vocab)
-  model, mcfg, mesh = common.load_on_mesh(cfg, overrides)  # mesh None on one device
+  model, mcfg, mesh = common.load(stored)  # mesh None on one device
   if mesh is not None:
-    from model.sharding import describe_mesh
-    print(f"serving on {describe_mesh(mesh)}", file=sys.stderr)
+    print(f"serving on {partitioning.describe_mesh(mesh)}", file=sys.stderr)
   eos = tokenizer.eos_id if tokenizer.eos_id is not None else None
   pad = tokenizer.pad_id if tokenizer.pad_id is not None and tokenizer.pad_id < vocab else 0
   gen = Generator(model, max_length=int(mcfg.max_cache_length), eos_id=eos, pad_id=pad,
@@ -242,5 +241,8 @@ def main(argv: list[str]) -> int:
   return 0
 
 
+main = common.tool_main(run, __doc__)
+command = common.command(main)
+
 if __name__ == "__main__":
-  sys.exit(common.run_tool(main, __doc__))
+  command()

@@ -33,7 +33,7 @@ Keys:
   overwrite             true: replace an existing output_json (default false).
   ici_*_parallelism     with several devices: the mesh to score on (data, fsdp, expert, tensor; -1 =
                         the rest; default all devices on data), parameters restored sharded
-                        (model/sharding.py), window rows split over the batch axes (a window of
+                        (model/partitioning.py), window rows split over the batch axes (a window of
                         eval_batch_size rows that they do not divide is replicated there);
                         distributed_init=true starts a multi-host job (every host reads the corpus).
 
@@ -49,11 +49,14 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-from model import registry
-from model.input_pipeline import FORMATS, DataFormatError, read_documents, tokenize_documents
-from model.scoring import Scorer
-from model.tokenizer import TokenizerError
-from tools import serving_common as common
+import jax
+
+from model import partitioning, registry
+from model.data.pipeline import FORMATS, DataFormatError, read_documents, tokenize_documents
+from model.engine.scoring import Scorer
+from model.data.tokenizer import TokenizerError
+from model.errors import UsageError
+from tools import cli as common
 
 # What sizes the scoring computation: named in the one-line error when XLA runs out of memory.
 MEMORY_KEYS = "max_target_length or eval_batch_size (the window is eval_batch_size x max_target_length tokens)"
@@ -67,9 +70,9 @@ def load_documents(cfg, tokenizer, vocab_size: int):
       cannot do. FileNotFoundError, DataFormatError (file and line), TokenizerError.
   """
   if not cfg.eval_data:
-    raise common.UsageError("eval_data is required: the corpus file to score")
+    raise UsageError("eval_data is required: the corpus file to score")
   if cfg.eval_format not in FORMATS:
-    raise common.UsageError(f"eval_format must be one of {list(FORMATS)}, got {cfg.eval_format!r}")
+    raise UsageError(f"eval_format must be one of {list(FORMATS)}, got {cfg.eval_format!r}")
   if cfg.eval_format != "ids" and tokenizer.ids_only:
     raise TokenizerError(f"eval_format={cfg.eval_format} needs a tokenizer: pass tokenizer_path=FILE "
                                 f"(or use eval_format=ids)")
@@ -80,7 +83,7 @@ def load_documents(cfg, tokenizer, vocab_size: int):
   except DataFormatError as e:
     raise DataFormatError(f"eval_data: {e}") from None
   if not docs:
-    raise common.UsageError(f"eval_data={cfg.eval_data!r} holds no document")
+    raise UsageError(f"eval_data={cfg.eval_data!r} holds no document")
   if cfg.eval_format == "ids":
     ids = [np.asarray(d, np.int32) for d in docs]
     _check_scorable(cfg, ids)
@@ -88,7 +91,7 @@ def load_documents(cfg, tokenizer, vocab_size: int):
   for key, tok_id, want in (("eval_add_bos", tokenizer.bos_id, cfg.eval_add_bos),
                             ("eval_add_eos", tokenizer.eos_id, cfg.eval_add_eos)):
     if want and tok_id is None:
-      raise common.UsageError(f"{key}=true but the tokenizer has no such token; pass {key}=false")
+      raise UsageError(f"{key}=true but the tokenizer has no such token; pass {key}=false")
   ids = tokenize_documents(docs, tokenizer, add_bos=cfg.eval_add_bos, add_eos=cfg.eval_add_eos)
   _check_scorable(cfg, ids)
   return ids, sum(len(d.encode("utf-8")) for d in docs)
@@ -97,7 +100,7 @@ def load_documents(cfg, tokenizer, vocab_size: int):
 def _check_scorable(cfg, ids) -> None:
   """UsageError when no document has a token to predict (each needs at least 2 tokens)."""
   if sum(max(int(np.size(d)) - 1, 0) for d in ids) == 0:
-    raise common.UsageError(f"eval_data={cfg.eval_data!r}: nothing to score: every document has fewer than 2 "
+    raise UsageError(f"eval_data={cfg.eval_data!r}: nothing to score: every document has fewer than 2 "
                             f"tokens (the first token of a document is never predicted)")
 
 
@@ -108,15 +111,14 @@ def _progress(desc):
 def check_windows(cfg) -> None:
   """UsageError naming max_target_length / eval_batch_size when they cannot make a window."""
   if cfg.max_target_length < 2:
-    raise common.UsageError(f"max_target_length must be >= 2, got {cfg.max_target_length}")
+    raise UsageError(f"max_target_length must be >= 2, got {cfg.max_target_length}")
   if cfg.eval_batch_size < 1:
-    raise common.UsageError(f"eval_batch_size must be >= 1, got {cfg.eval_batch_size}")
+    raise UsageError(f"eval_batch_size must be >= 1, got {cfg.eval_batch_size}")
 
 
 def score(model, cfg, mcfg, docs, desc, mesh=None):
   """`ScoreResult` of `docs` under `model` with the tool's window settings (on `mesh` when given,
-  with `mcfg`'s logical_axis_rules)."""
-  check_windows(cfg)
+  with `mcfg`'s logical_axis_rules); `check_windows(cfg)` has passed."""
   pad = int(mcfg.pad_token_id) if 0 <= int(mcfg.pad_token_id) < int(mcfg.vocab_size) else 0
   scorer = Scorer(model, seq_len=cfg.max_target_length, batch_size=cfg.eval_batch_size,
                   num_slots=int(mcfg.max_num_segments), pad_id=pad, cache_multiple=cfg.prefill_length_multiple,
@@ -143,29 +145,28 @@ def _report(name, figs):
 def _is_writer() -> bool:
   """True in process 0: in a multi-host job every process computes the same figures, and only the
   first writes output_json (another's write would find the file there and refuse it)."""
-  import jax
   return jax.process_index() == 0
 
 
-def main(argv: list[str]) -> int:
+def run(argv: list[str]) -> int:
+  """Scores as the `key=value` arguments say (see the module docstring); raises on bad input."""
   overrides, cfg = common.parse_args(argv)
   if cfg.output_json:
     common.check_output_path(cfg.output_json, overwrite=cfg.overwrite)  # before any work, not after it
   if cfg.compare_attention:
     registry.get_backend(cfg.compare_attention)  # an unknown name fails now, not after the first pass
   if cfg.dump_logprobs and not cfg.output_json:  # the dump goes into output_json only: never drop it silently
-    raise common.UsageError("dump_logprobs=true needs output_json=FILE (the per-token log-probs are written there)")
+    raise UsageError("dump_logprobs=true needs output_json=FILE (the per-token log-probs are written there)")
   if cfg.compare_tolerance < 0:
-    raise common.UsageError(f"compare_tolerance must be >= 0, got {cfg.compare_tolerance}")
+    raise UsageError(f"compare_tolerance must be >= 0, got {cfg.compare_tolerance}")
   check_windows(cfg)
   # Everything the checkpoint's config.json can judge (tokenizer, corpus) is checked before the load.
-  stored = common.read_model_config(cfg, overrides)
+  stored = common.checkpoint_config(cfg, overrides)  # config.json read and validated once
   tokenizer = common.tokenizer_for(stored)
   docs, num_bytes = load_documents(cfg, tokenizer, int(stored.vocab_size))
-  model, mcfg, mesh = common.load_on_mesh(cfg, overrides)  # mesh None on one device
+  model, mcfg, mesh = common.load(stored)  # mesh None on one device
   if mesh is not None:
-    from model.sharding import describe_mesh
-    print(f"scoring on {describe_mesh(mesh)}", file=sys.stderr)
+    print(f"scoring on {partitioning.describe_mesh(mesh)}", file=sys.stderr)
   print(f"model {mcfg.model_name} from {mcfg.load_parameters_path}: attention={mcfg.attention}, dtype={mcfg.dtype}; "
         f"{len(docs)} documents, {sum(d.size for d in docs)} tokens, windows of {cfg.eval_batch_size} x "
         f"{cfg.max_target_length}", file=sys.stderr)
@@ -177,7 +178,7 @@ def main(argv: list[str]) -> int:
             "eval_batch_size": cfg.eval_batch_size, "num_documents": len(docs), **figs}
   status = 0
   if cfg.compare_attention:
-    other, ocfg, omesh = common.load_on_mesh(cfg, overrides, [f"attention={cfg.compare_attention}"])
+    other, ocfg, omesh = common.load(stored, [f"attention={cfg.compare_attention}"])
     ores = score(other, cfg, ocfg, docs, cfg.compare_attention, omesh)
     ofigs = _figures(ores, num_bytes)
     _report(cfg.compare_attention, ofigs)
@@ -200,5 +201,8 @@ def main(argv: list[str]) -> int:
   return status
 
 
+main = common.tool_main(run, __doc__)
+command = common.command(main)
+
 if __name__ == "__main__":
-  sys.exit(common.run_tool(main, __doc__))
+  command()

@@ -4,14 +4,14 @@ Usage:
   python -m tools.train_tokenizer input=FILE model_prefix=PATH vocab_size=N \
       [model_type=bpe|unigram] [heldout_fraction=0.1] [character_coverage=1.0] [overwrite=false]
 
-Writes PATH.model (load it with `model.tokenizer.SentencePieceTokenizer`) and PATH.vocab (one
+Writes PATH.model (load it with `model.data.tokenizer.SentencePieceTokenizer`) and PATH.vocab (one
 "piece<TAB>score" line per id, backslash/newline/tab escaped as \\, \n, \t; for reading only).
 Each is written to a temporary file and renamed into place. When PATH.model or PATH.vocab already
 exists the tool refuses before reading the input, unless overwrite=true (then both are replaced),
 like tools.convert_checkpoint's output_path.
 
 The last `heldout_fraction` of the file (by bytes, cut at a line boundary: the project's held-out
-rule, `model.input_pipeline.split_heldout`) is never seen by the trainer. Each remaining non-blank
+rule, `model.data.pipeline.split_heldout`) is never seen by the trainer. Each remaining non-blank
 line is one training sentence.
 
 The model is set up so that decode(encode(text)) == text for any UTF-8 string:
@@ -37,22 +37,18 @@ from __future__ import annotations
 import io
 import os
 import re
-import sys
 import time
 
 import sentencepiece as spm
 
-from model.input_pipeline import DataFormatError, read_text_file, split_heldout
+from model.data.pipeline import DataFormatError, read_text_file, split_heldout
 from tools.atomic_file import atomic_writer
-from tools.cli_args import parse_key_values
+from model.errors import UsageError
+from tools import cli
 
 SPECIAL_IDS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
 REQUIRED = ("input", "model_prefix", "vocab_size")
 DEFAULTS = {"model_type": "bpe", "heldout_fraction": "0.1", "character_coverage": "1.0", "overwrite": "false"}
-
-
-class UsageError(ValueError):
-  """Bad command-line arguments or input file; printed without a traceback."""
 
 
 def parse_args(argv: list[str]) -> dict:
@@ -62,7 +58,7 @@ def parse_args(argv: list[str]) -> dict:
     UsageError: an argument without '=', an unknown or repeated key, a missing required key, or a
       value of the wrong type/range.
   """
-  args = parse_key_values(argv, REQUIRED + tuple(DEFAULTS), UsageError)
+  args = cli.parse_key_values(argv, REQUIRED + tuple(DEFAULTS), UsageError)
   missing = [k for k in REQUIRED if k not in args]
   if missing:
     raise UsageError(f"missing required argument(s): {', '.join(missing)} (see --help)")
@@ -185,18 +181,14 @@ def train_tokenizer(input: str, model_prefix: str, vocab_size: int, *, model_typ
   }
 
 
-def main(argv: list[str] | None = None) -> int:
-  argv = sys.argv[1:] if argv is None else argv
-  if not argv or any(a in ("-h", "--help", "help") for a in argv):
+def run(argv: list[str]) -> int:
+  """Trains the tokenizer the arguments describe and prints a summary; raises on bad input."""
+  if not argv:  # nothing given: the help, as a usage error
     print(__doc__)
-    return 0 if argv else 2
-  try:
-    args = parse_args(argv)
-    t0 = time.perf_counter()
-    stats = train_tokenizer(**args)
-  except UsageError as e:
-    print(f"error: {e}", file=sys.stderr)
     return 2
+  args = parse_args(argv)
+  t0 = time.perf_counter()
+  stats = train_tokenizer(**args)
   stats["seconds"] = time.perf_counter() - t0
   print(f"wrote {stats['model_path']} (vocab_size={args['vocab_size']}, {args['model_type']}) in "
         f"{stats['seconds']:.1f}s; trained on {stats['train_bytes']} bytes / {stats['train_lines']} "
@@ -205,5 +197,8 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
+main = cli.tool_main(run, __doc__)
+command = cli.command(main)
+
 if __name__ == "__main__":
-  sys.exit(main())
+  command()

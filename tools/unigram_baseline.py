@@ -5,7 +5,7 @@ Usage:
       [add_bos=true] [add_eos=true]
 
 The baseline a language model must beat. The corpus is split by the project's held-out rule
-(`model.input_pipeline.split_heldout`: the last `heldout_fraction` of the bytes, cut at a line
+(`model.data.pipeline.split_heldout`: the last `heldout_fraction` of the bytes, cut at a line
 start); documents are blank-line separated blocks (format "text"), tokenised and framed with bos/eos
 exactly as `tools.train` and `tools.perplexity` frame them. The unigram model is fit on the training
 split only, with add-one (Laplace) smoothing over the whole vocabulary:
@@ -26,20 +26,16 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import numpy as np
 
-from model.input_pipeline import DataFormatError, read_documents, tokenize_documents
-from model.tokenizer import TokenizerError, load_tokenizer
-from tools.cli_args import parse_key_values
+from model.data.pipeline import DataFormatError, read_documents, tokenize_documents
+from model.data.tokenizer import load_tokenizer
+from model.errors import UsageError
+from tools import cli
 
 DEFAULTS = {"heldout_fraction": "0.1", "add_bos": "true", "add_eos": "true"}
 REQUIRED = ("data", "tokenizer_path")
-
-
-class UsageError(ValueError):
-  """Bad arguments or input; printed as one line without a traceback."""
 
 
 def _targets(docs) -> np.ndarray:
@@ -86,30 +82,25 @@ def _bool(key, text):
   return text.lower() == "true"
 
 
-def main(argv: list[str] | None = None) -> int:
-  """Command-line entry (see the module docstring); returns the exit status."""
-  argv = list(sys.argv[1:] if argv is None else argv)
-  if any(a in ("-h", "--help") for a in argv):
-    print(__doc__)
-    return 0
+def run(argv: list[str]) -> int:
+  """Fits and scores the unigram baseline the arguments describe; raises on bad input."""
+  args = cli.parse_key_values(argv, REQUIRED + tuple(DEFAULTS), UsageError)
+  missing = [k for k in REQUIRED if not args.get(k)]
+  if missing:
+    raise UsageError(f"missing required argument(s): {', '.join(missing)} (see --help)")
+  full = {**DEFAULTS, **args}
   try:
-    args = parse_key_values(argv, REQUIRED + tuple(DEFAULTS), UsageError)
-    missing = [k for k in REQUIRED if not args.get(k)]
-    if missing:
-      raise UsageError(f"missing required argument(s): {', '.join(missing)} (see --help)")
-    full = {**DEFAULTS, **args}
-    try:
-      fraction = float(full["heldout_fraction"])
-    except ValueError:
-      raise UsageError(f"heldout_fraction expects a number, got {full['heldout_fraction']!r}") from None
-    result = unigram_baseline(args["data"], args["tokenizer_path"], heldout_fraction=fraction,
-                              add_bos=_bool("add_bos", full["add_bos"]), add_eos=_bool("add_eos", full["add_eos"]))
-  except (UsageError, TokenizerError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+    fraction = float(full["heldout_fraction"])
+  except ValueError:
+    raise UsageError(f"heldout_fraction expects a number, got {full['heldout_fraction']!r}") from None
+  result = unigram_baseline(args["data"], args["tokenizer_path"], heldout_fraction=fraction,
+                            add_bos=_bool("add_bos", full["add_bos"]), add_eos=_bool("add_eos", full["add_eos"]))
   print(json.dumps(result, indent=2))
   return 0
 
 
+main = cli.tool_main(run, __doc__)
+command = cli.command(main)
+
 if __name__ == "__main__":
-  sys.exit(main())
+  command()

@@ -1,1 +1,1 @@
-"""Tests of the checkpoint format (model/checkpointing.py) and tools/convert_checkpoint.py."""
+"""Tests of the checkpoint format (model/checkpoint/format.py) and tools/convert_checkpoint.py."""

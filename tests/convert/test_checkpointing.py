@@ -1,4 +1,4 @@
-"""model/checkpointing.py: save/load round trip, overrides, atomicity, clear errors."""
+"""model/checkpoint/format.py: save/load round trip, overrides, atomicity, clear errors."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import checkpointing as ck
+from model import loading
+from model.checkpoint import format as ck
 from model.config import ConfigError, load_config
 
 
@@ -25,7 +26,7 @@ def tiny():
   """The tiny model with random values in every variable (the router bias too, so a dropped
   RouterBias would show); filled from NumPy because eager random init is slow on CPU."""
   cfg = load_config(["tiny"])
-  graphdef, state = nnx.split(ck.abstract_model(cfg))
+  graphdef, state = nnx.split(loading.abstract_model(cfg))
   rng = np.random.default_rng(3)
   values = jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.3, s.shape).astype(s.dtype)),
                         nnx.to_pure_dict(state))
@@ -55,7 +56,7 @@ def test_layout_and_config(saved, tiny):
 
 def test_round_trip_bit_exact(saved, tiny):
   cfg, model = tiny
-  loaded, lcfg = ck.load_model(saved)
+  loaded, lcfg = loading.load_model(saved)
   want, got = ck.flatten(nnx.state(model)), ck.flatten(nnx.state(loaded))
   assert sorted(want) == sorted(got)
   assert any(".gate.e_score_correction_bias" in k for k in got)
@@ -68,26 +69,26 @@ def test_round_trip_bit_exact(saved, tiny):
 
 
 def test_overrides_apply_on_top(saved):
-  model, cfg = ck.load_model(saved, ["attention=kda_reference", "weight_dtype=bfloat16"])
+  model, cfg = loading.load_model(saved, ["attention=kda_reference", "weight_dtype=bfloat16"])
   assert cfg.attention == "kda_reference" and cfg.hidden_size == 32
   kernel = model.lm_head.kernel.get_value()
   assert kernel.dtype == jnp.bfloat16
-  ref, _ = ck.load_model(saved)
+  ref, _ = loading.load_model(saved)
   np.testing.assert_array_equal(np.asarray(kernel), np.asarray(ref.lm_head.kernel.get_value().astype(jnp.bfloat16)))
   with pytest.raises(ConfigError, match="hidden_sizee"):
-    ck.load_model(saved, ["hidden_sizee=3"])
+    loading.load_model(saved, ["hidden_sizee=3"])
   with pytest.raises(ck.CheckpointError, match=r"lm_head.kernel is stored with shape \(32, 64\)"):
-    ck.load_model(saved, ["hidden_size=16"])
+    loading.load_model(saved, ["hidden_size=16"])
 
 
 def test_abstract_reads_no_arrays(saved):
-  model, cfg = ck.load_model(saved, abstract=True)
+  model, cfg = loading.load_model(saved, abstract=True)
   assert cfg.model_name == "tiny"
   graphdef, state = nnx.split(model)
   assert all(hasattr(v, "shape") and not hasattr(v, "block_until_ready") for v in ck.flatten(state).values())
   restored = ck.restore_parameters(saved, state)
   np.testing.assert_array_equal(np.asarray(nnx.merge(graphdef, restored).lm_head.kernel.get_value()),
-                                np.asarray(ck.load_model(saved)[0].lm_head.kernel.get_value()))
+                                np.asarray(loading.load_model(saved)[0].lm_head.kernel.get_value()))
 
 
 def test_refuses_overwrite_and_keeps_old(saved, tiny):
@@ -129,25 +130,25 @@ def test_failure_leaves_nothing(tiny, tmp_path):
 
 def test_clear_errors(saved, tmp_path):
   with pytest.raises(ck.CheckpointError, match="does not exist"):
-    ck.load_model(tmp_path / "nope")
+    loading.load_model(tmp_path / "nope")
   with pytest.raises(ck.CheckpointError, match="has no config.json"):
-    ck.load_model(tmp_path)
+    loading.load_model(tmp_path)
   broken = tmp_path / "broken"
   broken.mkdir()
   (broken / "config.json").write_text("{not json")
   (broken / "params").mkdir()
   with pytest.raises(ck.CheckpointError, match="broken/config.json: not a valid model config"):
-    ck.load_model(broken)
+    loading.load_model(broken)
   (broken / "config.json").write_text((saved / "config.json").read_text())
   with pytest.raises(ck.CheckpointError, match="broken/params: cannot read"):
-    ck.load_model(broken)
+    loading.load_model(broken)
 
 
 def test_load_model_from_relative_path(saved, tiny, monkeypatch):
   """A relative load_parameters_path works (Orbax itself needs absolute paths)."""
   _, model = tiny
   monkeypatch.chdir(saved.parent)
-  loaded, _ = ck.load_model(saved.name)
+  loaded, _ = loading.load_model(saved.name)
   want = nnx.to_pure_dict(nnx.state(model))
   got = nnx.to_pure_dict(nnx.state(loaded))
   jax.tree.map(np.testing.assert_array_equal, want, got)
@@ -172,7 +173,7 @@ def test_truncated_params_one_line_error(saved, tmp_path):
   cases = {"data": _corrupt_copy(saved, tmp_path / "data", min_size=100_000),  # only the 170 kB data file
            "all": _corrupt_copy(saved, tmp_path / "all")}
   for name, bad in cases.items():
-    loads = (lambda: ck.load_model(bad), lambda: ck.read_parameters(bad, ["lm_head.kernel", "model.norm.scale"]),
+    loads = (lambda: loading.load_model(bad), lambda: ck.read_parameters(bad, ["lm_head.kernel", "model.norm.scale"]),
              lambda: ck.stored_parameters(bad))
     for i, load in enumerate(loads):
       if name == "data" and i == 2:

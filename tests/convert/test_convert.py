@@ -18,9 +18,11 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from model import checkpointing as ck
+from model import loading
+from model.checkpoint import convert as conversion
+from model.checkpoint import format as ck
 from tools import convert_checkpoint as cc
-from tools import hf_layout as hl
+from model.checkpoint import hf_names as hl
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -79,7 +81,7 @@ def forward():
 @pytest.mark.parametrize("name", ["dense", "sharded"])
 def test_logits_match_transformers(converted, forward, name, attention):
   ref = np.load((DENSE if name == "dense" else SHARDED) / "reference.npz")
-  model, cfg = ck.load_model(converted[name], [f"attention={attention}"])
+  model, cfg = loading.load_model(converted[name], [f"attention={attention}"])
   assert cfg.attention == attention
   logits = forward(model, ref["input_ids"])
   err = np.max(np.abs(logits - ref["logits"]))
@@ -87,7 +89,7 @@ def test_logits_match_transformers(converted, forward, name, attention):
 
 
 def test_config_read_from_hf(converted):
-  _, cfg = ck.load_model(converted["sharded"], abstract=True)
+  _, cfg = loading.load_model(converted["sharded"], abstract=True)
   assert (cfg.kda_layers, cfg.full_attn_layers) == ([1, 2, 4], [3])
   assert (cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_kernel_size) == (3, 24, 4)
   assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.num_shared_experts, cfg.first_k_dense_replace) == (6, 2, 2, 2)
@@ -100,7 +102,7 @@ def test_config_read_from_hf(converted):
 def test_round_trip_float32_bit_exact(converted, tmp_path, name, monkeypatch):
   src = DENSE if name == "dense" else SHARDED
   # Tiny read pieces: the to_hf reader then makes many partial reads.
-  monkeypatch.setattr(cc, "PIECE_BYTES", 20_000)
+  monkeypatch.setattr(conversion, "PIECE_BYTES", 20_000)
   summary = _run(["direction=to_hf", f"load_parameters_path={converted[name]}", f"output_path={tmp_path / 'hf'}",
                   "max_shard_size=300KB"])
   a, b = _hf_tensors(src), _hf_tensors(tmp_path / "hf")
@@ -117,7 +119,7 @@ def test_round_trip_float32_bit_exact(converted, tmp_path, name, monkeypatch):
 
 def test_piecewise_orbax_write_is_exact(tmp_path, monkeypatch):
   """Orbax written in ~15 partial saves (the path big checkpoints take) holds the same arrays."""
-  monkeypatch.setattr(cc, "PIECE_BYTES", 50_000)
+  monkeypatch.setattr(conversion, "PIECE_BYTES", 50_000)
   _run([f"hf_model_path={SHARDED}", f"output_path={tmp_path / 'ck'}"])
   _run(["direction=to_hf", f"load_parameters_path={tmp_path / 'ck'}", f"output_path={tmp_path / 'hf'}"])
   a, b = _hf_tensors(SHARDED), _hf_tensors(tmp_path / "hf")
@@ -154,7 +156,7 @@ def test_round_trip_bfloat16_bit_exact(tmp_path, forward):
     assert src[k].tobytes() == out[k].tobytes(), k
   assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
   # The bf16 checkpoint loads: weight_dtype bfloat16, A_log/dt_bias/router bias float32 in the model.
-  model, cfg = ck.load_model(tmp_path / "ck")
+  model, cfg = loading.load_model(tmp_path / "ck")
   assert cfg.weight_dtype == "bfloat16"
   assert model.model.layers[0].self_attn.A_log.get_value().dtype == np.float32
   assert model.lm_head.kernel.get_value().dtype == ml_dtypes.bfloat16
@@ -282,9 +284,9 @@ def test_to_hf_dtype_is_the_dtype_of_most_parameter_bytes(tmp_path):
         "weight_dtype=float32"])
   out = json.loads((tmp_path / "hf32" / "config.json").read_text())
   assert (out["dtype"], out["torch_dtype"]) == ("float32", "float32")
-  assert cc.majority_dtype([("a", (3, 2), np.dtype(np.float32)), ("b", (4, 4), np.dtype(ml_dtypes.bfloat16))]) == \
+  assert conversion.majority_dtype([("a", (3, 2), np.dtype(np.float32)), ("b", (4, 4), np.dtype(ml_dtypes.bfloat16))]) == \
       "bfloat16"  # 24 bytes vs 32
-  assert cc.majority_dtype([("a", (5, 2), np.dtype(np.float32)), ("b", (4, 4), np.dtype(ml_dtypes.bfloat16))]) == \
+  assert conversion.majority_dtype([("a", (5, 2), np.dtype(np.float32)), ("b", (4, 4), np.dtype(ml_dtypes.bfloat16))]) == \
       "float32"  # 40 bytes vs 32
 
 
@@ -489,14 +491,14 @@ def test_released_style_config_maps_to_48b():
                                       "model_name") and not k.startswith(("ici_", "logical_", "distributed_",
                                                                           "coordinator_", "num_processes", "process_id"))]
   assert {k: cfg[k] for k in arch} == {k: ref[k] for k in arch}
-  table = hl.parameter_table(cfg)
+  table = conversion.parameter_table(cfg)
   assert len(table) == 603 and sum(len(e.hf_names) for e in table) == 20493
   assert sum(int(np.prod(e.shape)) for e in table) == 49_122_681_728
 
 
 def test_out_of_memory_is_one_error_line(tmp_path, capsys, monkeypatch):
   """XLA's RESOURCE_EXHAUSTED during a conversion (simulated: the Orbax write raises it, nothing is
-  allocated) is one `error:` line in the shared wording (tools.serving_common), exit 2, nothing written;
+  allocated) is one `error:` line in the shared wording (tools.cli), exit 2, nothing written;
   on an accelerator it points to JAX_PLATFORMS=cpu. Any other runtime error is not hidden."""
   xla = "RESOURCE_EXHAUSTED: Out of memory allocating 987654321 bytes."
 

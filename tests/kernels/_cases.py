@@ -1,7 +1,7 @@
-"""Hard packed-sequence cases for the inference kernels and an independent float64 oracle.
+"""Hard packed-sequence cases for the inference kernels, and the float64 oracle called as they need it.
 
-The oracle is the KDA token recurrence (../shared/docs/kda.md sections 1 and 3) written directly in
-NumPy float64, with its own gate activation and L2 norm, so it shares no code with the ops.
+The oracle is the shared KDA token recurrence of tests/oracles.py (NumPy float64, its own gate
+activation and L2 norm), so it shares no code with the ops.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import dataclasses
 
 import numpy as np
 
+from tests.oracles import gate_f64, kda_recurrence_f64, l2norm_f64
+
 
 def oracle(q, k, v, g, beta, seg, h0, scale, *, a_log=None, dt_bias=None, lower_bound=None,
            l2norm=False):
@@ -17,32 +19,11 @@ def oracle(q, k, v, g, beta, seg, h0, scale, *, a_log=None, dt_bias=None, lower_
 
   Returns (o `[B, T, H, V]`, final `[B, N, H, K, V]`).
   """
-  q, k, v, g, beta, h0 = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, h0))
-  b, t, h, kd = q.shape
-  seg = np.broadcast_to(np.asarray(seg), (b, t))
   if a_log is not None:
-    x = g + np.asarray(dt_bias, np.float64).reshape(h, kd)
-    rate = np.exp(np.asarray(a_log, np.float64))[:, None]
-    if lower_bound is None:
-      g = -rate * np.logaddexp(0.0, x)
-    else:
-      g = lower_bound / (1.0 + np.exp(-rate * x))
+    g = gate_f64(g, a_log, dt_bias, lower_bound)
   if l2norm:
-    q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + 1e-6)
-    k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + 1e-6)
-  states = h0.copy()
-  o = np.zeros(v.shape, np.float64)
-  for bi in range(b):
-    for ti in range(t):
-      s = seg[bi, ti]
-      if s == 0:
-        continue
-      st = states[bi, s - 1] * np.exp(g[bi, ti])[:, :, None]
-      pred = np.einsum("hkv,hk->hv", st, k[bi, ti])
-      st = st + k[bi, ti][:, :, None] * (beta[bi, ti][:, None] * (v[bi, ti] - pred))[:, None, :]
-      o[bi, ti] = np.einsum("hkv,hk->hv", st, q[bi, ti] * scale)
-      states[bi, s - 1] = st
-  return o, states
+    q, k = l2norm_f64(q), l2norm_f64(k)
+  return kda_recurrence_f64(q, k, v, g, beta, seg, h0, scale)
 
 
 @dataclasses.dataclass

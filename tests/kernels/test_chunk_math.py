@@ -2,7 +2,8 @@
 
 `unit_lower_inverse` is checked alone against `np.linalg.inv`, and the chunk matrices of
 `chunk_prep` (scores of both builders, masks, inverse) against the definitions of
-../shared/docs/kda.md section 2 and segment_native_chunk.md computed entry by entry in float64.
+docs/kda.md section 'Chunked form (WY/UT)' and docs/packing.md section 'Segment-native chunk algorithm',
+computed entry by entry in float64.
 The functions are plain jnp code, so they run here outside any kernel (float32, HIGHEST matmuls).
 """
 

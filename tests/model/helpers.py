@@ -10,8 +10,8 @@ import numpy as np
 from flax import nnx
 
 from model.config import load_config
-from model.kimi_linear import KimiLinearForCausalLM
-from model.moe import RouterBias
+from model.nn.kimi_linear import KimiLinearForCausalLM
+from model.nn.moe import RouterBias
 
 
 @functools.lru_cache(maxsize=None)

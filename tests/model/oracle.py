@@ -1,13 +1,16 @@
 """An independent NumPy float64 Kimi-Linear forward for one unpacked document.
 
-Written from the formulas of ../shared/docs/kda.md sections 1, 4 and 5 (token recurrence, KDA layer,
-MLA without positional encoding, sigmoid-routed MoE), reading parameters by their paths in the
-model's state. It shares no code with `model/` or `kda_plugin/`.
+Written from the formulas of docs/kda.md (sections 'Token recurrence', 'Gates', 'Layer') and the
+layer structure of transformers' Kimi-Linear (MLA without positional encoding, sigmoid-routed MoE),
+reading parameters by their paths in the model's state; the KDA recurrence is the shared float64
+oracle of tests/oracles.py. It shares no code with `model/` or `kda_plugin/`.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from tests.oracles import gate_f64, kda_recurrence_f64, l2norm_f64
 
 
 def flat_params(model) -> dict[str, np.ndarray]:
@@ -29,10 +32,6 @@ def _sigmoid(x):
   return 1.0 / (1.0 + np.exp(-x))
 
 
-def _softplus(x):
-  return np.logaddexp(0.0, x)
-
-
 def _conv(x, w):
   """Causal depthwise conv: y[t] = sum_j w[j] x[t - (W-1) + j], zeros before the start, then SiLU."""
   width = w.shape[0]
@@ -40,27 +39,16 @@ def _conv(x, w):
   return _silu(sum(w[j] * xp[j:j + x.shape[0]] for j in range(width)))
 
 
-def _l2n(x):
-  return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
-
-
 def kda_layer(p, pre, h, a):
   t = h.shape[0]
   nh, kd = a.kda_num_heads, a.kda_head_dim
   heads = lambda z: z.reshape(t, nh, kd)
-  q = _l2n(heads(_conv(h @ p[pre + "q_proj.kernel"], p[pre + "q_conv1d.kernel"])))
-  k = _l2n(heads(_conv(h @ p[pre + "k_proj.kernel"], p[pre + "k_conv1d.kernel"])))
+  q = l2norm_f64(heads(_conv(h @ p[pre + "q_proj.kernel"], p[pre + "q_conv1d.kernel"])))
+  k = l2norm_f64(heads(_conv(h @ p[pre + "k_proj.kernel"], p[pre + "k_conv1d.kernel"])))
   v = heads(_conv(h @ p[pre + "v_proj.kernel"], p[pre + "v_conv1d.kernel"]))
-  raw = heads(h @ p[pre + "f_a_proj.kernel"] @ p[pre + "f_b_proj.kernel"] + p[pre + "dt_bias"])
-  g = -np.exp(p[pre + "A_log"])[None, :, None] * _softplus(raw)
+  g = gate_f64(heads(h @ p[pre + "f_a_proj.kernel"] @ p[pre + "f_b_proj.kernel"]), p[pre + "A_log"], p[pre + "dt_bias"])
   beta = _sigmoid(h @ p[pre + "b_proj.kernel"])
-  o = np.zeros((t, nh, kd))
-  for hd in range(nh):
-    s = np.zeros((kd, kd))
-    for i in range(t):
-      s = np.exp(g[i, hd])[:, None] * s
-      s = s + beta[i, hd] * np.outer(k[i, hd], v[i, hd] - s.T @ k[i, hd])
-      o[i, hd] = s.T @ (q[i, hd] * kd ** -0.5)
+  o = kda_recurrence_f64(q[None], k[None], v[None], g[None], beta[None], scale=kd ** -0.5)[0][0]
   gate = heads(h @ p[pre + "g_a_proj.kernel"] @ p[pre + "g_b_proj.kernel"])
   o = _rms(o, p[pre + "o_norm.scale"], a.rms_norm_eps) * _sigmoid(gate)
   return o.reshape(t, -1) @ p[pre + "o_proj.kernel"]

@@ -84,9 +84,43 @@ def test_config_file_paths(tmp_path):
 def test_48b_config_has_the_published_size():
   """49,122,681,728 parameters in 20,493 HF tensors (kda.md section 5), counted without allocation;
   the HF checkpoint stores each of the 26 x 256 experts' w1/w2/w3 separately, we stack them."""
-  from model.kimi_linear import KimiLinearForCausalLM
+  from model.nn.kimi_linear import KimiLinearForCausalLM
   cfg = load_config(["kimi-linear-48b-a3b", "attention=kda_reference"])
   leaves = jax.tree_util.tree_leaves(nnx.state(nnx.eval_shape(lambda: KimiLinearForCausalLM(cfg))))
   assert sum(int(np.prod(x.shape)) for x in leaves) == 49_122_681_728
   moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
   assert len(leaves) - 3 * moe_layers + 3 * moe_layers * cfg.num_experts == 20_493
+
+
+def test_sections_partition_the_keys():
+  from configs import base
+  from model.config import SECTIONS, section
+  cfg = base.get_config()
+  keys = {name: set(section(cfg, name)) for name in SECTIONS}
+  assert sum(len(k) for k in keys.values()) == len(set().union(*keys.values())) == len(list(cfg.keys()))
+  assert {"hidden_size", "attention", "kda_implementation", "tokenizer_path"} <= keys["model"]
+  assert {"prompt", "eval_data", "dump_logprobs", "output_json"} <= keys["serving"]
+  assert {"train_data", "steps", "output_dir"} <= keys["train"]
+  assert {"ici_data_parallelism", "logical_axis_rules", "distributed_init"} <= keys["mesh"]
+
+
+def test_checkpoint_config_json_holds_the_model_section_only():
+  import json
+
+  from model.config import checkpoint_json
+  cfg = load_config(["tiny", "prompt=hi", "steps=7", "ici_data_parallelism=1", "hidden_size=48"])
+  stored = json.loads(checkpoint_json(cfg))
+  assert not {"prompt", "steps", "ici_data_parallelism", "dump_logprobs", "train_data"} & set(stored)
+  assert stored["hidden_size"] == 48 and stored["model_name"] == cfg.model_name
+  back = config_from_json(checkpoint_json(cfg))  # tool keys come back as the base defaults
+  assert back.hidden_size == 48 and back.prompt == "" and back.steps == load_config([]).steps
+
+
+def test_kda_impl_is_read_as_kda_implementation():
+  import json
+  with pytest.warns(DeprecationWarning, match=r"'kda_impl' is deprecated; write kda_implementation=xla"):
+    cfg = load_config(["tiny", "kda_impl=xla"])
+  assert cfg.kda_implementation == "xla"
+  old = json.loads(config_to_json(load_config(["tiny"])))
+  old["kda_impl"] = old.pop("kda_implementation")  # a config.json written before the rename
+  assert config_from_json(json.dumps(old)).kda_implementation == "auto"

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.kimi_linear import last_token_logits
+from model.nn.kimi_linear import last_token_logits
 from tests.model import helpers, oracle
 
 REF = ("attention=kda_reference",)

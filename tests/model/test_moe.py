@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from model.config import ModelArgs, load_config
-from model.moe import Experts, route
+from model.nn.moe import Experts, route
 from tests.model import oracle
 
 

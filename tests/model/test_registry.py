@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from model import registry
+from model import backend, registry
 from model.config import load_config
 
 PLUGIN_BACKENDS = {"kda_native", "kda_chunked", "kda_reference"}
@@ -32,11 +32,16 @@ def test_explicit_register_is_idempotent_and_routes_modes():
 
 
 def test_custom_backend_registration():
-  class Dummy:
+  class Dummy:  # every member of model.backend.AttentionBackend, none of them usable
     name = "dummy_for_test"
 
-    def kda(self, *a, **k):
+    def describe(self, mode, implementation="auto"):
+      return f"{self.name} -> nothing"
+
+    def short_conv(self, *a, **k):
       raise NotImplementedError
+
+    short_conv_step = kda = kda_decode = short_conv
 
   obj = Dummy()
   registry.register_backend("dummy_for_test", obj)
@@ -45,8 +50,37 @@ def test_custom_backend_registration():
     registry.register_backend("dummy_for_test", Dummy())
 
 
+def test_registry_checks_the_backend_protocol():
+  """An object without the protocol's members, or whose method lacks a protocol parameter, is refused
+  at lookup with a TypeError naming what is missing (no duck-typed surprise inside a traced model)."""
+  class NoDecode:
+    name = "no_decode_for_test"
+
+    def describe(self, mode, implementation="auto"):
+      return ""
+
+    def short_conv(self, x, weight, *, segment_ids, cache, max_num_segments):
+      raise NotImplementedError
+
+    def short_conv_step(self, x, weight, cache):
+      raise NotImplementedError
+
+    def kda(self, q, k, v, g_raw, beta, *, a_log, dt_bias, lower_bound, mode, segment_ids, initial_state,
+            output_final_state, max_num_segments):  # no `implementation`
+      raise NotImplementedError
+
+  registry.register_backend("no_decode_for_test", NoDecode)  # a class is a factory
+  with pytest.raises(TypeError, match=r"'no_decode_for_test'.*lacks kda_decode"):
+    registry.get_backend("no_decode_for_test")
+  NoDecode.kda_decode = lambda self, *a, **k: None
+  registry.register_backend("no_decode_for_test", NoDecode, overwrite=True)
+  with pytest.raises(TypeError, match=r"kda\(\) does not take implementation"):
+    registry.get_backend("no_decode_for_test")
+  assert isinstance(registry.get_backend("kda_native"), backend.AttentionBackend)
+
+
 def test_unknown_attention_lists_registered_backends():
-  from model.kimi_linear import KimiLinearForCausalLM
+  from model.nn.kimi_linear import KimiLinearForCausalLM
   with pytest.raises(registry.UnknownBackendError, match=r"unknown attention backend 'kda_nope'.*kda_native"):
     KimiLinearForCausalLM(load_config(["tiny", "attention=kda_nope"]))
 
@@ -120,3 +154,24 @@ def test_forward_check_help_and_bad_key():
   assert r.returncode == 2 and "did you mean attention" in r.stderr
   r = _forward_check("tiny", "ici_data_parallelism=3", "--modes", "eval")  # one CPU device: an impossible mesh
   assert r.returncode == 2 and "multiply to 3 but there are 1 devices" in r.stderr, r.stderr
+
+
+def test_describe_is_pure_and_traced_ops_is_the_explicit_hook():
+  """Tracing records nothing on a backend; `traced_ops()` is the one, scoped way to see the op a trace used."""
+  import jax
+  import jax.numpy as jnp
+
+  from model import loading
+  native = registry.get_backend("kda_native")
+  assert not hasattr(native, "last_calls")
+  assert native.describe("eval") == native.describe("eval", "auto") == "kda_native -> kda_inference[xla]"
+  with pytest.raises(ValueError, match="mode must be one of"):
+    native.describe("serve")
+  model = loading.create(load_config(["tiny", "attention=kda_native"]))
+  kda_layers = model.args.layer_types.count("kda")
+  ids = jnp.ones((1, 16), jnp.int32)
+  with native.traced_ops() as seen:
+    jax.eval_shape(lambda: model(ids, mode="eval"))
+  assert seen == [("eval", "kda_native -> kda_inference[xla]")] * kda_layers
+  jax.eval_shape(lambda: model(ids, mode="eval"))  # outside the block: nothing more is recorded
+  assert len(seen) == kda_layers and native._observers == []

@@ -27,6 +27,7 @@ import pytest
 
 from kda_plugin.ops import kda_decode_step, kda_reference
 from kda_plugin.ops.chunked import kda_chunked
+from tests.oracles import kda_recurrence_f64
 
 OPS_DIR = pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "ops"
 CASES = sorted(p.stem for p in OPS_DIR.glob("*.npz"))
@@ -41,27 +42,12 @@ def load(case: str) -> dict[str, np.ndarray]:
 
 def recurrence_f64(d):
   """Float64 KDA recurrence (decay, predict, write, read) with segment slots; the independent oracle."""
-  q, k, v, g, beta = (d[n].astype(np.float64) for n in ("q", "k", "v", "g", "beta"))
-  b, t, h, kd = q.shape
-  vd = v.shape[-1]
   seg = d.get("segment_ids")
   packed = seg is not None
-  n = d["initial_state"].shape[1] if packed else 1
-  states = np.zeros((b, n, h, kd, vd))
-  if "initial_state" in d:
-    states[:] = d["initial_state"] if packed else d["initial_state"][:, None]
-  o = np.zeros((b, t, h, vd))
-  scale = float(d["scale"])
-  for r in range(b):
-    for i in range(t):
-      lab = int(seg[r, i]) if packed else 1
-      if lab == 0:
-        continue
-      s = states[r, lab - 1] * np.exp(g[r, i])[..., None]
-      pred = np.einsum("hkv,hk->hv", s, k[r, i])
-      s = s + k[r, i][..., None] * (beta[r, i][:, None] * (v[r, i] - pred))[:, None, :]
-      o[r, i] = np.einsum("hkv,hk->hv", s, scale * q[r, i])
-      states[r, lab - 1] = s
+  h0 = d.get("initial_state")
+  if h0 is not None and not packed:
+    h0 = h0[:, None]
+  o, states = kda_recurrence_f64(d["q"], d["k"], d["v"], d["g"], d["beta"], seg, h0, float(d["scale"]))
   return o, (states if packed else states[:, 0])
 
 

@@ -1,6 +1,6 @@
-"""`kda_reference` against a float64 NumPy token recurrence written here, independently of the project.
+"""`kda_reference` against the float64 NumPy token recurrence of tests/oracles.py (independent of the project).
 
-The oracle follows ../shared/docs/kda.md section 1 literally, token by token: decay the rows of the
+The oracle follows docs/kda.md section 'Token recurrence' literally, token by token: decay the rows of the
 state by exp(g), predict S^T k, write k (beta (v - prediction))^T, read S^T (scale q); padding rows
 leave every state untouched and output 0; label n uses slot n - 1; absent labels keep their state.
 """
@@ -9,26 +9,13 @@ import numpy as np
 import pytest
 
 from kda_plugin.ops.reference import kda_reference
+from tests.oracles import kda_recurrence_f64
 
 
 def numpy_kda(q, k, v, g, beta, seg, h0, scale):
-  """float64 oracle. seg [B, T] (0 = padding); h0 [B, N, H, K, V]. Returns (o [B,T,H,V], final)."""
-  q, k, v, g, beta, h0 = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, h0))
-  b_, t_, h_, _ = q.shape
-  states = h0.copy()
-  o = np.zeros(v.shape, np.float64)
-  for b in range(b_):
-    for t in range(t_):
-      lab = int(seg[b, t])
-      if lab == 0:
-        continue
-      for h in range(h_):
-        s = states[b, lab - 1, h] * np.exp(g[b, t, h])[:, None]
-        pred = s.T @ k[b, t, h]
-        s = s + np.outer(k[b, t, h], beta[b, t, h] * (v[b, t, h] - pred))
-        o[b, t, h] = s.T @ (scale * q[b, t, h])
-        states[b, lab - 1, h] = s
-  return o, states
+  """float64 oracle (the shared recurrence of tests/oracles.py). seg [B, T] (0 = padding); h0
+  [B, N, H, K, V]. Returns (o [B,T,H,V], final)."""
+  return kda_recurrence_f64(q, k, v, g, beta, seg, h0, scale)
 
 
 def _inputs(rng, b, t, h, kd, vd, n):

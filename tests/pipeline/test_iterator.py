@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from model.input_pipeline import BatchIterator, make_train_iterator, pack_documents
-from model.tokenizer import IdsOnlyTokenizer
+from model.data.pipeline import BatchIterator, make_train_iterator, pack_documents
+from model.data.tokenizer import IdsOnlyTokenizer
 
 
 def _rows(num_docs=10, seq_len=6):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from model.input_pipeline import carry_initial_states, pack_documents, pack_eval_windows
+from model.data.pipeline import carry_initial_states, pack_documents, pack_eval_windows
 
 PAD = 0
 docs_st = st.lists(st.integers(0, 40), min_size=0, max_size=14).map(

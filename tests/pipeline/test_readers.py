@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from model.input_pipeline import (DataFormatError, read_documents, read_text_file, split_heldout,
+from model.data.pipeline import (DataFormatError, read_documents, read_text_file, split_heldout,
                                   tokenize_documents)
-from model.tokenizer import IdsOnlyTokenizer
+from model.data.tokenizer import IdsOnlyTokenizer
 
 
 def _write(tmp_path, name, content):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.sampling import make_sampler, sample_tokens
+from model.engine.sampling import make_sampler, sample_tokens
 
 N_DRAWS = 40_000
 

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 from hypothesis import given, strategies as st
 
-from model.input_pipeline import heldout_start_byte, split_heldout
+from model.data.pipeline import heldout_start_byte, split_heldout
 
 # ../shared/data beside the project root (every developer machine and CI; not in a user's clone).
 SHAKESPEARE = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from model.input_pipeline import split_heldout
-from model.tokenizer import IdsOnlyTokenizer, SentencePieceTokenizer, TokenizerError, load_tokenizer
+from model.data.pipeline import split_heldout
+from model.data.tokenizer import IdsOnlyTokenizer, SentencePieceTokenizer, TokenizerError, load_tokenizer
 from tools.train_tokenizer import main, train_tokenizer
 
 # ../shared/data beside the project root (every developer machine and CI; not in a user's clone).

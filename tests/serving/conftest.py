@@ -27,7 +27,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def load(checkpoints):
   """`load(name, attention)` -> (model, config), cached."""
-  from model.checkpointing import load_model
+  from model.loading import load_model
 
   @functools.lru_cache(maxsize=None)
   def get(name, attention):

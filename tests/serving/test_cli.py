@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from model.tokenizer import SentencePieceTokenizer
+from model.data.tokenizer import SentencePieceTokenizer
 from tools import generate, perplexity
 from tools.demo import ASSETS
-from tools.serving_common import run_tool
+from tools.cli import run_tool
 
 DEMO_TOKENIZER = ASSETS / "tokenizer.model"  # 1024 pieces, pad 0, bos 2, eos 3
 
@@ -175,12 +175,11 @@ def test_clear_errors(checkpoints, tokenizer_file, bad_files, tmp_path, capsys):
 
 def test_errors_before_model_load(checkpoints, tokenizer_file, tmp_path, capsys, monkeypatch):
   """Bad settings that the checkpoint's config.json can judge fail before any parameter is loaded."""
-  from tools import serving_common
+  from tools import cli as serving_common
 
   def no_load(*a, **k):
     raise AssertionError("the model was loaded before the bad input was rejected")
   monkeypatch.setattr(serving_common, "load", no_load)
-  monkeypatch.setattr(serving_common, "load_on_mesh", no_load)
   ck = f"load_parameters_path={checkpoints['dense']}"
   out = tmp_path / "never.json"
   cases = [
@@ -221,7 +220,7 @@ def test_errors_before_model_load(checkpoints, tokenizer_file, tmp_path, capsys,
 def test_existing_output_json_needs_overwrite(checkpoints, tmp_path, capsys, monkeypatch):
   """An existing output_json is refused before any work (as tools.convert_checkpoint refuses an existing
   output), unless overwrite=true; then it is replaced, through a temporary file."""
-  from tools import serving_common
+  from tools import cli as serving_common
   ck = f"load_parameters_path={checkpoints['dense']}"
   out = tmp_path / "old.json"
   out.write_text("keep me\n")
@@ -230,7 +229,6 @@ def test_existing_output_json_needs_overwrite(checkpoints, tmp_path, capsys, mon
   def no_load(*a, **k):
     raise AssertionError("the model was loaded before the existing output_json was refused")
   monkeypatch.setattr(serving_common, "load", no_load)
-  monkeypatch.setattr(serving_common, "load_on_mesh", no_load)
   for tool, argv in ((_gen, [ck, "prompt_ids=3"]), (_ppl, [ck, f"eval_data={ids}", "eval_format=ids"])):
     assert tool(argv + [f"output_json={out}"]) == 2
     err = capsys.readouterr().err
@@ -279,7 +277,7 @@ def test_streamed_text_with_byte_fallback_is_written_once(prompt_len):
 
 
 def test_json_output_has_no_nan(tmp_path):
-  from tools.serving_common import write_json_atomic
+  from tools.cli import write_json_atomic
   out = tmp_path / "x.json"
   write_json_atomic(out, {"perplexity": float("nan"), "v": [np.float64("inf"), 1.5]})
   assert "NaN" not in out.read_text() and "Infinity" not in out.read_text()
@@ -291,7 +289,7 @@ def test_out_of_memory_is_one_error_line(checkpoints, tmp_path, capsys, monkeypa
   `error:` line naming the keys to lower, exit 2 (was a traceback, exit 1). Simulated: the scoring /
   generation call raises the error XLA raises (nothing is allocated)."""
   import jax
-  from model.serving import Generator
+  from model.engine.serving import Generator
   ids = tmp_path / "ok.txt"
   ids.write_text("3 4 5 6\n")
   ck = f"load_parameters_path={checkpoints['dense']}"
@@ -322,7 +320,7 @@ def test_output_json_gets_the_umask_mode(tmp_path, umask):
   the umask, as a plain open() gives (it was 0o600: mkstemp's mode); a failed write leaves nothing."""
   import os
   from tools.atomic_file import atomic_writer
-  from tools.serving_common import write_json_atomic
+  from tools.cli import write_json_atomic
   old = os.umask(umask)
   try:
     write_json_atomic(tmp_path / "out.json", {"a": 1})
@@ -346,7 +344,7 @@ def test_dump_logprobs_needs_output_json(checkpoints, capsys):
 def test_interrupt_ends_the_streamed_line(checkpoints, capsys, monkeypatch):
   """Ctrl-C while a prompt streams: the streamed text's line is ended before run_tool's "interrupted"
   (a terminal showed "ROMEO:interrupted"); exit status 130."""
-  from model.serving import Generator
+  from model.engine.serving import Generator
 
   def interrupted(self, prompts, *a, on_tokens=None, **k):
     on_tokens(0, np.array([5]), np.array([True]))

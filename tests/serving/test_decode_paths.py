@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from model.config import ModelArgs, load_config
-from model.mla import MultiHeadLatentAttention
-from model.moe import Experts
+from model.nn.mla import MultiHeadLatentAttention
+from model.nn.moe import Experts
 
 ARGS = ModelArgs.from_config(load_config(["tiny", "num_experts=8", "num_experts_per_tok=2", "moe_intermediate_size=12"]))
 
@@ -47,7 +47,7 @@ def test_mla_absorbed_decode_matches_expanded_oracle():
   x = rng.normal(0, 1, (s, ARGS.hidden_size)).astype(np.float32)
   cache = rng.normal(0, 1, (s, length, m.latent_width)).astype(np.float32)
   lengths = np.array([0, 4, 9], np.int32)            # an empty sequence, a middle one, a full cache
-  y, new = m.decode(jnp.asarray(x), jnp.asarray(cache), jnp.asarray(lengths))
+  y, new = m.decode_latent(jnp.asarray(x), jnp.asarray(cache), jnp.asarray(lengths))
   want_y, want_cache = _mla_oracle(m, x, cache, lengths)
   np.testing.assert_allclose(np.asarray(y), want_y, atol=2e-6, rtol=0)
   np.testing.assert_allclose(np.asarray(new), want_cache, atol=2e-6, rtol=0)

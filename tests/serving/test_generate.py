@@ -1,4 +1,4 @@
-"""model/serving.py: greedy generation against transformers' goldens, batching invariance, and every
+"""model/engine/serving.py: greedy generation against transformers' goldens, batching invariance, and every
 cached decode step against a cache-free forward."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.serving import GenerationError, Generator, SamplingParams, pack_prompts
+from model.engine.serving import GenerationError, Generator, SamplingParams, pack_prompts
 
 NEW = 12  # the fixtures' greedy continuation length
 

@@ -1,4 +1,4 @@
-"""model/scoring.py: per-token log-probs and perplexity against transformers' goldens, state carried
+"""model/engine/scoring.py: per-token log-probs and perplexity against transformers' goldens, state carried
 across windows, packing independence, and the figures' formulas."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from model.scoring import Scorer, ScoringError
+from model.engine.scoring import Scorer, ScoringError
 
 
 @pytest.mark.parametrize("name", ["dense", "sharded"])

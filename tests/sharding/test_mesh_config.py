@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from model import sharding
+from model import partitioning
+from model.nn import cache as cache_lib
 from model.config import ConfigError, load_config
 
 HEADS8 = ("kda_num_heads=8", "num_attention_heads=8", "num_experts=8")
@@ -28,7 +29,7 @@ def cfg(*overrides):
     (("ici_data_parallelism=1", "ici_fsdp_parallelism=-1"), (1, 8, 1, 1)),
 ])
 def test_mesh_shape_resolves_the_rest_axis(keys, shape):
-  assert tuple(sharding.mesh_shape(cfg(*HEADS8, *keys), 8).values()) == shape
+  assert tuple(partitioning.mesh_shape(cfg(*HEADS8, *keys), 8).values()) == shape
 
 
 @pytest.mark.parametrize("keys, devices, message", [
@@ -40,15 +41,15 @@ def test_mesh_shape_resolves_the_rest_axis(keys, shape):
 def test_impossible_device_counts_fail_with_the_keys_named(keys, devices, message):
   c = cfg(*HEADS8, *keys)
   with pytest.raises(ConfigError, match=message):
-    sharding.mesh_shape(c, devices)
+    partitioning.mesh_shape(c, devices)
 
 
 def test_one_device_still_checks_the_mesh_keys():
   one = jax.devices()[:1]
-  assert sharding.job_mesh(cfg(), one) is None
-  assert sharding.job_mesh(cfg("ici_data_parallelism=-1"), one) is None
+  assert partitioning.job_mesh(cfg(), one) is None
+  assert partitioning.job_mesh(cfg("ici_data_parallelism=-1"), one) is None
   with pytest.raises(ConfigError, match=r"ici_data_parallelism=2.* multiply to 2 but there are 1 devices"):
-    sharding.job_mesh(cfg("ici_data_parallelism=2"), one)
+    partitioning.job_mesh(cfg("ici_data_parallelism=2"), one)
 
 
 def test_heads_not_divisible_by_the_tensor_axis_fail_at_load_config():
@@ -60,7 +61,7 @@ def test_heads_not_divisible_by_the_tensor_axis_fail_at_load_config():
   # ... also when the tensor axis is the -1 one, as soon as the device count is known.
   c = cfg("ici_data_parallelism=1", "ici_tensor_parallelism=-1")
   with pytest.raises(ConfigError, match=r"kda_num_heads=2 is not divisible by 8"):
-    sharding.mesh_shape(c, 8)
+    partitioning.mesh_shape(c, 8)
 
 
 def test_experts_not_divisible_by_the_expert_axis_fail_at_load_config():
@@ -90,59 +91,59 @@ def test_bad_mesh_keys_fail_at_load_config(keys, message):
 
 def test_create_mesh_checks_the_real_device_count():
   with pytest.raises(ConfigError, match=r"multiply to 2 but there are 1 devices"):
-    sharding.create_mesh(cfg("ici_data_parallelism=2"))
-  mesh = sharding.create_mesh(cfg())
-  assert mesh.axis_names == sharding.MESH_AXES and mesh.size == 1
+    partitioning.create_mesh(cfg("ici_data_parallelism=2"))
+  mesh = partitioning.create_mesh(cfg())
+  assert mesh.axis_names == partitioning.MESH_AXES and mesh.size == 1
 
 
 def test_rules_parse_to_flax_format_with_every_logical_axis():
-  rules = sharding.parse_logical_axis_rules(["activation_batch:data+fsdp", "heads:tensor", "kv:", "vocab:none"])
+  rules = partitioning.parse_logical_axis_rules(["activation_batch:data+fsdp", "heads:tensor", "kv:", "vocab:none"])
   table = dict(rules)
-  assert [name for name, _ in rules] == list(sharding.LOGICAL_AXES)
+  assert [name for name, _ in rules] == list(partitioning.LOGICAL_AXES)
   assert table["activation_batch"] == ("data", "fsdp") and table["heads"] == "tensor"
   assert table["kv"] is None and table["vocab"] is None and table["embed"] is None  # unlisted: replicated
-  assert sharding.logical_to_spec(("activation_batch", None, "heads"), rules) == P(("data", "fsdp"), None, "tensor")
+  assert partitioning.logical_to_spec(("activation_batch", None, "heads"), rules) == P(("data", "fsdp"), None, "tensor")
   with pytest.raises(ValueError, match="'nope' has no sharding rule"):
-    sharding.logical_to_spec(("nope",), rules)
+    partitioning.logical_to_spec(("nope",), rules)
 
 
 def test_default_rules_match_the_issue():
-  table = dict(sharding.default_rules())
+  table = dict(partitioning.default_rules())
   assert table["activation_batch"] == ("data", "fsdp")
   assert table["heads"] == table["activation_heads"] == "tensor"
   assert table["expert"] == "expert" and table["embed"] == "fsdp"
 
 
 def test_undividable_dimensions_are_replicated():
-  mesh = AbstractMesh((2, 2, 1, 2), sharding.MESH_AXES)
+  mesh = AbstractMesh((2, 2, 1, 2), partitioning.MESH_AXES)
   axes = ("activation_batch", None, "activation_heads")
-  assert sharding.fitted_spec(axes, (4, 3, 2), mesh) == P(("data", "fsdp"), None, "tensor")
-  assert sharding.fitted_spec(axes, (2, 3, 2), mesh) == P("data", None, "tensor")  # longest prefix that divides
-  assert sharding.fitted_spec(axes, (1, 3, 3), mesh) == P(None, None, None)
+  assert partitioning.fitted_spec(axes, (4, 3, 2), mesh) == P(("data", "fsdp"), None, "tensor")
+  assert partitioning.fitted_spec(axes, (2, 3, 2), mesh) == P("data", None, "tensor")  # longest prefix that divides
+  assert partitioning.fitted_spec(axes, (1, 3, 3), mesh) == P(None, None, None)
 
 
 def test_hooks_are_the_identity_outside_a_mesh():
   x = jnp.arange(6.0).reshape(2, 3)
-  assert sharding.constrain(x, sharding.DECODE_HIDDEN) is x
+  assert partitioning.constrain(x, partitioning.DECODE_HIDDEN) is x
   calls = []
-  out = sharding.per_shard(lambda a, b, none: calls.append(none) or (a + b,), (x, x, None),
-                           in_axes=(sharding.DECODE_HIDDEN,) * 3, out_axes=(sharding.DECODE_HIDDEN,))
+  out = partitioning.per_shard(lambda a, b, none: calls.append(none) or (a + b,), (x, x, None),
+                           in_axes=(partitioning.DECODE_HIDDEN,) * 3, out_axes=(partitioning.DECODE_HIDDEN,))
   np.testing.assert_array_equal(out[0], 2 * x)
   assert calls == [None]
-  one_device = sharding.create_mesh(cfg())
-  with sharding.mesh_context(one_device, cfg()):  # a 1-device mesh changes nothing either
-    assert sharding.constrain(x, sharding.DECODE_HIDDEN) is x
+  one_device = partitioning.create_mesh(cfg())
+  with partitioning.mesh_context(one_device, cfg()):  # a 1-device mesh changes nothing either
+    assert partitioning.constrain(x, partitioning.DECODE_HIDDEN) is x
 
 
 def test_cache_axes_follow_the_cache_tree():
-  from model.kimi_linear import KimiLinearForCausalLM
+  from model.nn.kimi_linear import KimiLinearForCausalLM
   from flax import nnx
   model = nnx.eval_shape(lambda: KimiLinearForCausalLM(cfg()))
   cache = jax.eval_shape(lambda: model.init_cache(2, 3, 8))
-  axes = sharding.cache_logical_axes(cache)
-  assert axes.layers[0].state == sharding.STATE_SHKV and axes.layers[1].latent[0] == "activation_batch"
-  assert jax.tree.structure(sharding.cache_shardings(cache, sharding.create_mesh(cfg()))) == jax.tree.structure(cache)
+  axes = cache_lib.logical_axes(cache)
+  assert axes.layers[0].state == partitioning.STATE_SHKV and axes.layers[1].latent[0] == "activation_batch"
+  assert jax.tree.structure(cache_lib.shardings(cache, partitioning.create_mesh(cfg()))) == jax.tree.structure(cache)
 
 
 def test_distributed_start_up_is_off_by_default():
-  assert sharding.initialize_distributed(cfg()) is False
+  assert partitioning.initialize_distributed(cfg()) is False

@@ -1,7 +1,7 @@
 """Shared set-up of the training tests: a learnable token-id corpus and one tiny training config.
 
 Every test trains the same shapes (tiny config, T=32, B=4) so that a pytest worker compiles the
-train step once (`model.train_lib.train_step_fn` is cached on graphdef and optimizer).
+train step once (`model.training.steps.train_step_fn` is cached on graphdef and optimizer).
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import checkpointing
+from model import loading
+from model.checkpoint import format as checkpointing
 from model.config import load_config
-from model.tokenizer import SentencePieceTokenizer
+from model.data.tokenizer import SentencePieceTokenizer
 from tools import demo
 
 
@@ -31,7 +32,7 @@ def test_demo_assets_fit_the_demo_config():
   assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (cfg.vocab_size, cfg.bos_token_id,
                                                                    cfg.eos_token_id, cfg.pad_token_id)
   stored = checkpointing.stored_parameters(demo.ASSETS)
-  abstract = checkpointing.flatten(nnx.state(checkpointing.abstract_model(cfg)))
+  abstract = checkpointing.flatten(nnx.state(loading.abstract_model(cfg)))
   assert sorted(stored) == sorted(abstract)
   for name, (shape, dtype) in stored.items():
     assert shape == tuple(abstract[name].shape), name

@@ -9,11 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from model import train_lib
+from model.training import steps as train_lib
 from model.config import ConfigError
-from model.train_lib import TrainError
+from model.training.steps import TrainError
 from tests.train.helpers import counting_documents, tiny_config, write_ids_corpus
-from tools.train import check_output_dir, main, train
+from model.training.trainer import check_output_dir, train
+from tools.train import main
 
 
 @pytest.fixture
@@ -93,8 +94,8 @@ def test_unrelated_non_empty_output_dir_is_refused(corpus, tmp_path):
 def test_resume_with_a_different_config_is_refused(corpus, tmp_path):
   # The config is checked against the checkpoint's metadata before any array is built or read,
   # so a stand-in state is enough here (test_train.py resumes real train states).
-  from model.input_pipeline import BatchIterator, pack_documents
-  from tools.train import CHECKPOINT_SUBDIR, _meta, _tokenizer
+  from model.data.pipeline import BatchIterator, pack_documents
+  from model.training.trainer import CHECKPOINT_SUBDIR, _meta, _tokenizer
 
   out = tmp_path / "run"
   cfg = tiny_config(corpus, out, "steps=6")
@@ -183,7 +184,7 @@ def test_train_tokenizer_output_with_the_tiny_config(tmp_path):
   """A tokenizer from tools.train_tokenizer (pad 0, unk 1, bos 2, eos 3) with the tiny config (bos 1, eos 2):
   the one error names every key to change, and those overrides alone make the pair fit."""
   from tools import train_tokenizer
-  from tools.train import _tokenizer
+  from model.training.trainer import _tokenizer
   text = tmp_path / "c.txt"
   text.write_text("".join(f"line {i} of a small corpus, with words to merge.\n" for i in range(200)))
   assert train_tokenizer.main([f"input={text}", f"model_prefix={tmp_path / 'tok'}", "vocab_size=300"]) == 0

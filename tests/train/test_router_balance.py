@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import moe, train_lib
+from model.nn import moe
+from model.training import steps as train_lib
 from tests.train.helpers import counting_documents, tiny_config, write_ids_corpus
-from tools.train import _tokenizer, build_data, train
+from model.training.trainer import _tokenizer, build_data, train
 
 RATE = 0.005  # one rate for every test here: one compilation of the balancing step per worker
 

@@ -12,10 +12,13 @@ import pytest
 
 from flax import nnx
 
-from model import checkpointing, train_lib
-from model.input_pipeline import split_heldout
+from model import loading
+from model.checkpoint import format as checkpointing
+from model.training import steps as train_lib
+from model.data.pipeline import split_heldout
 from tests.train.helpers import FIRST_ID, VOCAB, counting_documents, tiny_config, write_ids_corpus
-from tools.train import train
+from model.training import trainer
+from model.training.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +99,9 @@ def test_loss_falls_and_heldout_is_scored(corpus, tmp_path):
   assert evals[40]["heldout_loss"] < evals[20]["heldout_loss"] < losses[0]
   assert [r["step"] for r in _metrics(tmp_path / "run") if "heldout_loss" in r] == [20, 40]
 
-  # The exported parameters load with load_parameters_path alone (model.checkpointing's format) and
+  # The exported parameters load with load_parameters_path alone (model.checkpoint.format's format) and
   # are the trained ones, every Variable bit for bit.
-  model, loaded_cfg = checkpointing.load_model(res["export"])
+  model, loaded_cfg = loading.load_model(res["export"])
   trained = nnx.state(nnx.merge(res["graphdef"], res["state"]["params"], res["state"]["rest"]))
   got, want = checkpointing.flatten(nnx.state(model)), checkpointing.flatten(trained)
   assert sorted(got) == sorted(want)
@@ -200,19 +203,19 @@ def test_sigterm_checkpoints_the_current_step_and_resume_continues(corpus, tmp_p
       return fn(state, batch)
     return step
 
-  monkeypatch.setattr(train_tool.train_lib, "train_step_fn", killing_step_fn)
+  monkeypatch.setattr(trainer.train_lib, "train_step_fn", killing_step_fn)
   out = tmp_path / "run"
   with pytest.raises(KeyboardInterrupt):
     train(tiny_config(corpus, out, "steps=6", "checkpoint_every=0"), progress=False)
   saved = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
   assert saved == [3]
   assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
-  monkeypatch.setattr(train_tool.train_lib, "train_step_fn", real)
+  monkeypatch.setattr(trainer.train_lib, "train_step_fn", real)
   rest = train(tiny_config(corpus, out, "steps=6", "checkpoint_every=0"), progress=False)
   assert rest["start_step"] == 3 and sorted(rest["losses"]) == [4, 5, 6]
   full = train(tiny_config(corpus, tmp_path / "full", "steps=6", "checkpoint_every=0"), progress=False)
   assert [r["loss"] for r in _metrics(out)] == [full["losses"][s] for s in range(1, 7)]
-  assert signal.getsignal(signal.SIGTERM) is not train_tool._raise_interrupt  # handler restored
+  assert signal.getsignal(signal.SIGTERM) is not trainer._raise_interrupt  # handler restored
 
 
 @pytest.mark.parametrize("existing", [False, True])
@@ -228,7 +231,7 @@ def test_sigterm_before_the_first_step_says_nothing_was_saved(corpus, tmp_path, 
       raise AssertionError("SIGTERM did not interrupt")
     return step
 
-  monkeypatch.setattr(train_tool.train_lib, "train_step_fn", killing_step_fn)
+  monkeypatch.setattr(trainer.train_lib, "train_step_fn", killing_step_fn)
   out = tmp_path / "run"
   if existing:
     out.mkdir()
@@ -240,7 +243,7 @@ def test_sigterm_before_the_first_step_says_nothing_was_saved(corpus, tmp_path, 
   assert "no step was completed and nothing was saved" in err, err
   # What the run created is gone; a directory that was there before keeps only what it held.
   assert (sorted(os.listdir(out)) == ["notes.txt"]) if existing else not out.exists()
-  assert signal.getsignal(signal.SIGTERM) is not train_tool._raise_interrupt
+  assert signal.getsignal(signal.SIGTERM) is not trainer._raise_interrupt
 
 
 def _oom_at(real, at_step):
@@ -266,13 +269,13 @@ def _argv(corpus, out, *extra):
 
 def test_out_of_memory_is_one_error_line_and_keeps_the_last_checkpoint(corpus, tmp_path, monkeypatch, capsys):
   """XLA's RESOURCE_EXHAUSTED in a step (simulated: the step raises it) is one `error:` line with exit 2
-  (the shared tools.serving_common wording, then the keys to lower and the last checkpoint); the
+  (the shared tools.cli wording, then the keys to lower and the last checkpoint); the
   checkpoint written before it is untouched: resuming from it gives the uninterrupted run."""
   import tools.train as train_tool
 
   real = train_lib.train_step_fn
   xla = "RESOURCE_EXHAUSTED: Out of memory allocating 123456789 bytes."
-  monkeypatch.setattr(train_tool.train_lib, "train_step_fn", _oom_at(real, 3))  # steps 1-3 done, 2 saved
+  monkeypatch.setattr(trainer.train_lib, "train_step_fn", _oom_at(real, 3))  # steps 1-3 done, 2 saved
   out = tmp_path / "run"
   assert train_tool.main(_argv(corpus, out, "steps=4")) == 2
   err = capsys.readouterr().err.strip().splitlines()
@@ -282,7 +285,7 @@ def test_out_of_memory_is_one_error_line_and_keeps_the_last_checkpoint(corpus, t
   assert not any("Traceback" in line for line in err)
   assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [2]
 
-  monkeypatch.setattr(train_tool.train_lib, "train_step_fn", real)
+  monkeypatch.setattr(trainer.train_lib, "train_step_fn", real)
   rest = train(tiny_config(corpus, out, "steps=4"), progress=False)
   assert rest["start_step"] == 2 and sorted(rest["losses"]) == [3, 4]
   full = train(tiny_config(corpus, tmp_path / "full", "steps=4"), progress=False)
@@ -294,7 +297,7 @@ def test_out_of_memory_is_one_error_line_and_keeps_the_last_checkpoint(corpus, t
 def test_out_of_memory_in_the_first_step_says_there_is_no_checkpoint(corpus, tmp_path, monkeypatch, capsys):
   import tools.train as train_tool
 
-  monkeypatch.setattr(train_tool.train_lib, "train_step_fn", _oom_at(train_lib.train_step_fn, 0))
+  monkeypatch.setattr(trainer.train_lib, "train_step_fn", _oom_at(train_lib.train_step_fn, 0))
   out = tmp_path / "run"
   assert train_tool.main(_argv(corpus, out, "steps=4")) == 2
   err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -307,6 +310,6 @@ def test_out_of_memory_in_the_first_step_says_there_is_no_checkpoint(corpus, tmp
     def step(state, batch):
       raise jax.errors.JaxRuntimeError("INTERNAL: not a memory error")
     return step
-  monkeypatch.setattr(train_tool.train_lib, "train_step_fn", other)
+  monkeypatch.setattr(trainer.train_lib, "train_step_fn", other)
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # anything else is not hidden
     train_tool.main(_argv(corpus, out, "steps=4"))

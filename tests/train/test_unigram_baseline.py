@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from model.input_pipeline import split_heldout
-from model.tokenizer import SentencePieceTokenizer
+from model.data.pipeline import split_heldout
+from model.data.tokenizer import SentencePieceTokenizer
 from tools.train_tokenizer import train_tokenizer
 from tools.unigram_baseline import main, unigram_baseline
 

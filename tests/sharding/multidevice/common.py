@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from model.config import load_config
-from model.kimi_linear import last_token_logits
+from model.nn.kimi_linear import last_token_logits
 
 DEVICES = 8
 

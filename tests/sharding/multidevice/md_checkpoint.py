@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import checkpointing, sharding
-from model.kimi_linear import KimiLinearForCausalLM
+from model import loading, partitioning
+from model.checkpoint import format as checkpointing
+from model.nn.kimi_linear import KimiLinearForCausalLM
 from tests.sharding.multidevice import common as c
 
 c.require_devices()
@@ -38,8 +39,8 @@ def _assert_identical(got, want):
 def saved(tmp_path_factory):
   """A checkpoint written from a model initialised sharded on fsdp2 x tensor2 x data2."""
   cfg = c.config(*c.MESHES["fsdp2_tensor2_data2"])
-  mesh = sharding.create_mesh(cfg)
-  model = sharding.init_sharded(cfg, mesh)
+  mesh = partitioning.create_mesh(cfg)
+  model = loading.init_sharded(cfg, mesh)
   path = tmp_path_factory.mktemp("ckpt") / "params"
   checkpointing.save_parameters(path, model, cfg)
   return path, cfg, model
@@ -63,8 +64,8 @@ def test_sharded_init_equals_the_one_device_init(saved):
 @pytest.mark.parametrize("target", ["tensor8", "expert4_data2"])
 def test_checkpoint_from_one_mesh_restores_under_another(saved, target):
   path, _, model = saved
-  restored, cfg, mesh = sharding.load_sharded(path, c.MESHES[target])
-  assert dict(mesh.shape) == sharding.mesh_shape(cfg, c.DEVICES)
+  restored, cfg, mesh = loading.load(path, c.MESHES[target])
+  assert dict(mesh.shape) == partitioning.mesh_shape(cfg, c.DEVICES)
   _assert_identical(_flat(restored), _flat(model))
   # Born sharded on the new mesh: each device holds only its slice.
   if target == "tensor8":
@@ -77,7 +78,7 @@ def test_checkpoint_from_one_mesh_restores_under_another(saved, target):
 
 def test_checkpoint_from_a_mesh_restores_on_one_device(saved):
   path, _, model = saved
-  restored, _ = checkpointing.load_model(path, list(c.ONE_DEVICE))
+  restored, _ = loading.load_model(path, list(c.ONE_DEVICE))
   _assert_identical(_flat(restored), _flat(model))
 
 
@@ -89,8 +90,8 @@ def test_converted_hf_checkpoint_restores_sharded(tmp_path):
   convert_checkpoint.convert([f"hf_model_path={FIXTURE}", f"output_path={out}"])
   mesh_keys = ("ici_data_parallelism=1", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2",
                "ici_tensor_parallelism=2", "attention=kda_reference")
-  model, cfg, mesh = sharding.load_sharded(out, mesh_keys)
-  one, _ = checkpointing.load_model(out, ["attention=kda_reference"])
+  model, cfg, mesh = loading.load(out, mesh_keys)
+  one, _ = loading.load_model(out, ["attention=kda_reference"])
   _assert_identical(_flat(model), _flat(one))
   w1 = model.model.layers[1].block_sparse_moe.experts.w1.get_value()
   assert w1.addressable_shards[0].data.shape == (w1.shape[0] // 2, w1.shape[1] // 2, w1.shape[2] // 2)
@@ -98,7 +99,7 @@ def test_converted_hf_checkpoint_restores_sharded(tmp_path):
   seg = np.array([[1] * 6 + [2] * 4, [1] * 8 + [0] * 2], np.int32)
   fwd = lambda m, i, s: m(i, s, mode="eval", max_num_segments=2)
   want = jax.jit(fwd)(one, ids, seg)
-  with sharding.mesh_context(mesh, cfg):
+  with partitioning.mesh_context(mesh, cfg):
     got = jax.jit(fwd)(model, ids, seg)
   c.assert_close(got, want, "converted checkpoint logits")
 
@@ -108,7 +109,7 @@ def test_generate_tool_serves_on_the_mesh(saved, tmp_path, capsys):
   ignored): restored sharded, the same greedy ids as a one-device Generator."""
   import json
 
-  from model.serving import Generator
+  from model.engine.serving import Generator
   from tools import generate
   path, _, _ = saved
   out = tmp_path / "gen.json"
@@ -118,7 +119,7 @@ def test_generate_tool_serves_on_the_mesh(saved, tmp_path, capsys):
   assert rc in (0, None)
   assert "serving on mesh data=8 fsdp=1 expert=1 tensor=1 (8 devices, 1 process)" in capsys.readouterr().err
   got = [r["generated_ids"] for r in json.loads(out.read_text())["results"]]
-  model, cfg = checkpointing.load_model(path, list(c.ONE_DEVICE))
+  model, cfg = loading.load_model(path, list(c.ONE_DEVICE))
   gen = Generator(model, max_length=cfg.max_cache_length, eos_id=None, batch_size=8, prefill_multiple=16,
                   cache_multiple=16)
   want = [r.token_ids for r in gen.generate(PROMPTS, 4)[0]]
@@ -142,7 +143,7 @@ def test_perplexity_tool_scores_on_the_mesh(saved, tmp_path, capsys, mesh_name):
   Scorer's on the same checkpoint."""
   import json
 
-  from model.scoring import Scorer
+  from model.engine.scoring import Scorer
   from tools import perplexity
   path, _, _ = saved
   rng = np.random.default_rng(3)
@@ -158,7 +159,7 @@ def test_perplexity_tool_scores_on_the_mesh(saved, tmp_path, capsys, mesh_name):
   want_mesh = " ".join(f"{a}={n}" for a, n in sizes.items())
   assert f"scoring on mesh {want_mesh} (8 devices, 1 process)" in capsys.readouterr().err
   got = json.loads(out.read_text())
-  model, cfg = checkpointing.load_model(path, list(c.ONE_DEVICE))
+  model, cfg = loading.load_model(path, list(c.ONE_DEVICE))
   ref = Scorer(model, seq_len=8, batch_size=4, num_slots=cfg.max_num_segments, cache_multiple=16).score(docs)
   assert got["num_windows"] == ref.num_windows > 2  # long documents continue across windows
   assert got["num_tokens"] == ref.num_tokens == sum(len(d) - 1 for d in docs)

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from model import sharding
-from model.kimi_linear import KimiLinearForCausalLM
+from model import loading, partitioning
+from model.nn.kimi_linear import KimiLinearForCausalLM
 from tests.sharding.multidevice import common as c
 
 c.require_devices()
@@ -41,12 +41,12 @@ def sharded(request, model_and_batch):
   """The same parameters and batch placed on a mesh, every program traced in its context."""
   graphdef, state, ids, seg = model_and_batch
   cfg = c.config(*c.MESHES[request.param])
-  mesh = sharding.create_mesh(cfg)
-  _, abstract = sharding.abstract_state(cfg, mesh)
-  state = jax.device_put(state, sharding.state_shardings(abstract))
-  batch = sharding.batch_sharding(mesh, ids.shape, rules_or_cfg=cfg)
+  mesh = partitioning.create_mesh(cfg)
+  _, abstract = loading.abstract_state(cfg, mesh)
+  state = jax.device_put(state, partitioning.state_shardings(abstract))
+  batch = partitioning.batch_sharding(mesh, ids.shape, rules_or_cfg=cfg)
   c.programs.cache_clear()  # a fresh trace under this mesh (the jit cache keys on the mesh too)
-  with sharding.mesh_context(mesh, cfg):
+  with partitioning.mesh_context(mesh, cfg):
     out = c.run_all(graphdef, state, jax.device_put(ids, batch), jax.device_put(seg, batch))
   return request.param, mesh, cfg, state, out
 
@@ -117,7 +117,7 @@ def test_kda_kernel_runs_under_shard_map_per_head_shard(sharded, model_and_batch
   """The traced forward holds a shard_map whose body sees the per-device KDA shapes."""
   name, mesh, cfg, state, _ = sharded
   graphdef, _, ids, seg = model_and_batch
-  with sharding.mesh_context(mesh, cfg):
+  with partitioning.mesh_context(mesh, cfg):
     text = str(jax.make_jaxpr(lambda s, i, g: nnx.merge(graphdef, s)(i, g, mode="train", max_num_segments=c.N))(
         state, ids, seg))
   assert "shard_map" in text
@@ -133,7 +133,7 @@ def generator_reference(model_and_batch):
 
 
 def _generate(model, mesh, cfg):
-  from model.serving import Generator
+  from model.engine.serving import Generator
   prompts = [list(range(5 + i, 9 + 2 * i)) for i in range(8)]  # 4-10 tokens each, one packed row
   gen = Generator(model, max_length=c.CACHE * 2, eos_id=None, batch_size=8, prefill_multiple=64,
                   cache_multiple=16, mesh=mesh, rules=cfg)
@@ -143,19 +143,19 @@ def _generate(model, mesh, cfg):
 
 @pytest.mark.parametrize("name", ["fsdp2_tensor2_data2", "expert4_data2"])
 def test_serving_generator_on_a_mesh_matches_one_device(name, model_and_batch, generator_reference):
-  """model.serving.Generator(mesh=...): packed prefill of 8 prompts, decode sharded on the mesh."""
+  """model.engine.serving.Generator(mesh=...): packed prefill of 8 prompts, decode sharded on the mesh."""
   graphdef, state, _, _ = model_and_batch
   cfg = c.config(*c.MESHES[name])
-  mesh = sharding.create_mesh(cfg)
-  _, abstract = sharding.abstract_state(cfg, mesh)
-  model = nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(abstract)))
+  mesh = partitioning.create_mesh(cfg)
+  _, abstract = loading.abstract_state(cfg, mesh)
+  model = nnx.merge(graphdef, jax.device_put(state, partitioning.state_shardings(abstract)))
   assert _generate(model, mesh, cfg) == generator_reference
 
 
 def _train_two_steps(cfg, ids, seg, mesh=None):
-  """Two steps of model.train_lib's jitted AdamW step (the project's train step) from its
+  """Two steps of model.training.steps's jitted AdamW step (the project's train step) from its
   `create_train_state` (random init from cfg.init_seed; placed on `mesh` when given)."""
-  from model import train_lib
+  from model.training import steps as train_lib
   hparams = train_lib.optimizer_hparams(cfg)
   graphdef, tstate = train_lib.create_train_state(cfg, hparams, mesh)
   step = train_lib.train_step_fn(graphdef, hparams, c.N)
@@ -170,7 +170,7 @@ def _train_two_steps(cfg, ids, seg, mesh=None):
 
 
 def test_train_lib_step_on_a_mesh_matches_one_device(model_and_batch):
-  """model.train_lib.train_step_fn traced in the mesh context on sharded parameters: the same
+  """model.training.steps.train_step_fn traced in the mesh context on sharded parameters: the same
   losses and updated parameters as on one device, and the parameters keep their shardings.
 
   adam_eps=1e-3: with the default 1e-8, AdamW's update m / (sqrt(v) + eps) is ill-conditioned for
@@ -183,13 +183,13 @@ def test_train_lib_step_on_a_mesh_matches_one_device(model_and_batch):
   with jax.default_device(jax.devices()[0]):
     want_state, want_losses = _train_two_steps(cfg1, ids, seg)
   cfg = c.config(*c.MESHES["fsdp2_tensor2_data2"], *lr)
-  mesh = sharding.create_mesh(cfg)
-  _, abstract = sharding.abstract_state(cfg, mesh)
-  shardings = sharding.state_shardings(abstract)
-  batch = sharding.batch_sharding(mesh, ids.shape, rules_or_cfg=cfg)
-  from model import train_lib
+  mesh = partitioning.create_mesh(cfg)
+  _, abstract = loading.abstract_state(cfg, mesh)
+  shardings = partitioning.state_shardings(abstract)
+  batch = partitioning.batch_sharding(mesh, ids.shape, rules_or_cfg=cfg)
+  from model.training import steps as train_lib
   train_lib.train_step_fn.cache_clear()  # trace anew inside the mesh context
-  with sharding.mesh_context(mesh, cfg):
+  with partitioning.mesh_context(mesh, cfg):
     got_state, got_losses = _train_two_steps(cfg, jax.device_put(ids, batch), jax.device_put(seg, batch), mesh)
   train_lib.train_step_fn.cache_clear()
   for a, b in zip(got_losses, want_losses):

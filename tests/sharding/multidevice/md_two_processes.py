@@ -6,7 +6,7 @@ Usage: `python -m tests.sharding.multidevice.md_two_processes PORT PROCESS_ID` w
 test_multidevice.py starts both). Prints one JSON line: the process's view of the mesh and the
 packed-batch loss on the 8-device mesh (data=2 across the processes x tensor=4) next to its own
 one-device loss of the same parameters; then the losses of TRAIN_STEPS training steps
-(`model.train_lib`, as tools.train runs them) on that mesh, where this process builds only its half
+(`model.training.steps`, as tools.train runs them) on that mesh, where this process builds only its half
 of each global batch (`train_lib.feed_on_mesh`: rows `process_rows`, assembled by
 `jax.make_array_from_process_local_data`), next to the losses of the same steps on one device of
 this process from the whole global batch.
@@ -27,28 +27,28 @@ def main(port: int, pid: int) -> None:
   import numpy as np
   from flax import nnx
 
-  from model import sharding
-  from model.kimi_linear import KimiLinearForCausalLM
+  from model import loading, partitioning
+  from model.nn.kimi_linear import KimiLinearForCausalLM
   from tests.sharding.multidevice import common as c
 
   keys = ("distributed_init=true", f"coordinator_address=127.0.0.1:{port}", "num_processes=2", f"process_id={pid}",
           "ici_data_parallelism=2", "ici_tensor_parallelism=4")
   cfg = c.config(*keys)
-  assert sharding.initialize_distributed(cfg) is True  # before anything touches a device
-  mesh = sharding.create_mesh(cfg)
+  assert partitioning.initialize_distributed(cfg) is True  # before anything touches a device
+  mesh = partitioning.create_mesh(cfg)
   ids, seg = c.packed_batch()
   graphdef, state = nnx.split(KimiLinearForCausalLM(cfg))  # same seed in both processes: same values
   loss = lambda st, i, s: c.loss_fn(graphdef, *st.split(nnx.Param, ...), i, s)
   local = float(jax.jit(loss)(state, ids, seg))  # this process's first device only
-  _, abstract = sharding.abstract_state(cfg, mesh)
-  batch = sharding.batch_sharding(mesh, ids.shape, rules_or_cfg=cfg)
-  with sharding.mesh_context(mesh, cfg):
-    glob = float(jax.jit(loss)(jax.device_put(state, sharding.state_shardings(abstract)),
+  _, abstract = loading.abstract_state(cfg, mesh)
+  batch = partitioning.batch_sharding(mesh, ids.shape, rules_or_cfg=cfg)
+  with partitioning.mesh_context(mesh, cfg):
+    glob = float(jax.jit(loss)(jax.device_put(state, partitioning.state_shardings(abstract)),
                                jax.device_put(ids, batch), jax.device_put(seg, batch)))
   train = _train_losses(cfg, mesh)
   rows = [sorted({d.process_index for d in np.asarray(mesh.devices)[i].flat}) for i in range(mesh.shape["data"])]
   print(json.dumps(dict(process=jax.process_index(), processes=jax.process_count(), devices=jax.device_count(),
-                        local_devices=jax.local_device_count(), mesh=sharding.describe_mesh(mesh),
+                        local_devices=jax.local_device_count(), mesh=partitioning.describe_mesh(mesh),
                         data_row_processes=rows, local_loss=local, mesh_loss=glob, **train)))
   jax.distributed.shutdown()
 
@@ -58,8 +58,9 @@ def _train_losses(cfg, mesh) -> dict:
   this process's first device alone (the whole batch), from the same initial state and batches."""
   import numpy as np
 
-  from model import sharding, train_lib
-  from model.input_pipeline import BatchIterator, pack_documents
+  from model import partitioning
+  from model.training import steps as train_lib
+  from model.data.pipeline import BatchIterator, pack_documents
   rng = np.random.default_rng(0)
   docs = [rng.integers(3, 64, rng.integers(4, 20)) for _ in range(40)]
   rows = pack_documents(docs, 16, max_segments=cfg.max_num_segments)
@@ -77,7 +78,7 @@ def _train_losses(cfg, mesh) -> dict:
     else:
       to_global = train_lib.feed_on_mesh(it, on_mesh, cfg)
       out["process_rows"] = [it.process_rows.start, it.process_rows.stop]
-      with sharding.mesh_context(on_mesh, cfg):
+      with partitioning.mesh_context(on_mesh, cfg):
         for _ in range(TRAIN_STEPS):
           local = next(it)
           out.setdefault("local_batch_rows", int(local.inputs.shape[0]))

@@ -1,4 +1,4 @@
-"""The KDA mixer of Kimi-Linear (../shared/docs/kda.md section 4; transformers `models/kimi_linear`,
+"""The KDA mixer of Kimi-Linear (docs/kda.md section 'Layer'; transformers `models/kimi_linear`,
 Moonshot's `modeling_kimi.py`), with every KDA-specific op taken from an attention backend.
 
 For hidden x `[B, T, d]` (after the block's input RMSNorm), H heads of width K (= V):
@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import cache as cache_lib
-from model import sharding
-from model.layers import RMSNorm, as_dtype, inverse_softplus, linear, param, uniform_init
+from model.nn import cache as cache_lib
+from model import partitioning
+from model.nn.layers import RMSNorm, as_dtype, inverse_softplus, linear, param, uniform_init
 
 
 class ShortConvWeight(nnx.Module):
@@ -49,7 +49,7 @@ class KimiDeltaAttention(nnx.Module):
     d, h, kd, w = args.hidden_size, args.kda_num_heads, args.kda_head_dim, args.kda_conv_kernel_size
     self.num_heads, self.head_dim, self.conv_width = h, kd, w
     self.lower_bound = args.kda_gate_lower_bound
-    self.impl = args.kda_impl
+    self.implementation = args.kda_implementation
     self.dtype = as_dtype(args.dtype)
     self.backend = backend
     proj = h * kd
@@ -83,14 +83,16 @@ class KimiDeltaAttention(nnx.Module):
     y = y.astype(self.dtype)
     return self.o_proj(y.reshape(y.shape[:-2] + (-1,)))
 
-  def __call__(self, x, *, segment_ids, mode: str, num_slots: int, cache=None, return_cache=False):
-    """Sequence forward over packed rows.
+  def __call__(self, x, *, segment_ids, mode: str, num_slots: int, cache=None, lengths=None, return_cache=False,
+               cache_length=None):
+    """Sequence forward over packed rows (the mixer interface of model/nn/kimi_linear.py).
 
     Args:
       x: `[B, T, d]` compute dtype. segment_ids: int32 `[B, T]` (0 = padding).
       mode: "train", "eval" or "prefill" (routes the backend's op).
       num_slots: N, document slots per row (static).
       cache: incoming `KDALayerCache` in decode layout (S = B*N) or None (fresh documents).
+      lengths, cache_length: unused (the state carries a document's whole past, whatever its length).
       return_cache: also return the final `KDALayerCache` in decode layout.
 
     Returns:
@@ -112,12 +114,13 @@ class KimiDeltaAttention(nnx.Module):
 
     def kernel(q, k, v, g_raw, beta, segment_ids, h0, a_log, dt_bias):
       o, st = be.kda(q, k, v, g_raw, beta, mode=mode, segment_ids=segment_ids, initial_state=h0,
-                     output_final_state=return_cache, max_num_segments=num_slots, impl=self.impl,
+                     output_final_state=return_cache, max_num_segments=num_slots,
+                     implementation=self.implementation,
                      a_log=a_log, dt_bias=dt_bias, lower_bound=self.lower_bound)
       return (o, st) if return_cache else (o,)
 
     # Inside a mesh the kernel runs on each device's rows and heads (heads are independent).
-    s = sharding
+    s = partitioning
     outs = s.per_shard(
         kernel, (self._heads(q), self._heads(k), self._heads(v), g_raw, beta, segment_ids,
                  None if cache is None else to_slots(cache.state), self.A_log[...], self.dt_bias[...]),
@@ -130,11 +133,15 @@ class KimiDeltaAttention(nnx.Module):
     rows = cache_lib.slots_to_rows
     return y, cache_lib.KDALayerCache(rows(state), rows(cq), rows(ck), rows(cv))
 
-  def decode(self, x, cache):
+  def empty_cache(self, num_sequences: int, cache_length: int):
+    """A zero `KDALayerCache` for `num_sequences` fresh sequences (`cache_length` unused)."""
+    return cache_lib.empty_kda_cache(num_sequences, self.num_heads, self.head_dim, self.conv_width)
+
+  def decode(self, x, cache, lengths=None):
     """One token per sequence.
 
     Args:
-      x: `[S, d]`. cache: `KDALayerCache` (decode layout).
+      x: `[S, d]`. cache: `KDALayerCache` (decode layout). lengths: unused.
     Returns:
       `(y [S, d], new KDALayerCache)`.
     """
@@ -145,10 +152,10 @@ class KimiDeltaAttention(nnx.Module):
     g_raw = self._heads(self.f_b_proj(self.f_a_proj(x)))
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
     def kernel(q, k, v, g_raw, beta, state, a_log, dt_bias):
-      return be.kda_decode(q, k, v, g_raw, beta, state, impl=self.impl, a_log=a_log, dt_bias=dt_bias,
+      return be.kda_decode(q, k, v, g_raw, beta, state, implementation=self.implementation, a_log=a_log, dt_bias=dt_bias,
                            lower_bound=self.lower_bound)
 
-    s = sharding
+    s = partitioning
     o, state = s.per_shard(
         kernel, (self._heads(q), self._heads(k), self._heads(v), g_raw, beta, cache.state, self.A_log[...],
                  self.dt_bias[...]),

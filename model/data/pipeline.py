@@ -7,7 +7,7 @@ arrays it produces are what the model consumes:
        --pack_documents--> rows `Batch[R, T]` --BatchIterator--> training batches `Batch[B, T]`
        --pack_eval_windows--> `EvalWindow[B, T]` list for perplexity with state carried across windows
 
-Conventions (shared with the KDA ops, ../shared/docs/kda.md section 3):
+Conventions (shared with the KDA ops, docs/packing.md section 'The contract'):
   * `segment_ids` int32: 0 = padding, documents in a row are labelled 1..n left to right; label n
     uses state slot n - 1.
   * `positions` int32: offset of the token inside its document (0 on padding).
@@ -28,11 +28,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from model.errors import UserError
+
 FORMATS = ("text", "jsonl", "ids")
 SPLIT_MODES = ("none", "long", "fill")
 
 
-class DataFormatError(ValueError):
+class DataFormatError(UserError):
   """Malformed input data; the message names the file (or source) and the 1-based line."""
 
 
@@ -219,7 +221,8 @@ def read_documents(path: str | os.PathLike, fmt: str, *, split: str | None = Non
 def heldout_start_byte(data: bytes, fraction: float = 0.1) -> int:
   """Byte offset where the held-out split of `data` starts.
 
-  The rule (../shared/data/README.md): the last `fraction` of the bytes, cut at a line boundary.
+  The rule (the project's held-out split, used by the tokenizer, training and evaluation alike): the
+  last `fraction` of the bytes, cut at a line boundary.
   Precisely: let `target = n - ceil(fraction * n)`; the split starts at the beginning of the line
   that contains byte `target`. Every one of the last `ceil(fraction * n)` bytes is therefore held
   out (the held-out side is >= the fraction, by less than one line), and no line is split.
@@ -278,7 +281,7 @@ def tokenize_documents(docs: Sequence, tokenizer, *, add_bos: bool = True,
 
   Args:
     docs: strings (encoded with `tokenizer.encode_batch`) or id sequences (used as they are).
-    tokenizer: a `model.tokenizer` tokenizer (its bos_id/eos_id are used for id documents too).
+    tokenizer: a `model.data.tokenizer` tokenizer (its bos_id/eos_id are used for id documents too).
 
   Returns:
     A list of int32 `[L_i]` arrays.
@@ -614,7 +617,7 @@ class BatchIterator:
     start_step: first step to yield (or use `restore`).
     pad_id: input/target id of the all-padding rows past the last epoch.
     process_rows: a `slice` of the B batch rows: iteration then yields only these rows of each
-      global batch (`[stop - start, T]`; a multi-host job's share, `model.sharding.process_rows`);
+      global batch (`[stop - start, T]`; a multi-host job's share, `model.partitioning.process_rows`);
       the global order, epochs and `state` are those of the whole batch. None: every row.
 
   Raises:

@@ -1,7 +1,7 @@
 """Multi-head latent attention (MLA) of Kimi-Linear, without positional encoding.
 
 Source: DeepSeek-V2 MLA as used by transformers `KimiLinearAttention` / Moonshot `modeling_kimi.py`
-(../shared/docs/kda.md section 5). With latent c = kv_a_proj_with_mqa(x) = [c_kv (r) | k_r (dr)]:
+(parameter names: docs/checkpoints.md section 'Parameter names'). With latent c = kv_a_proj_with_mqa(x) = [c_kv (r) | k_r (dr)]:
 `c_kv <- kv_a_layernorm(c_kv)` (eps 1e-6); `[k_nope | v] = kv_b_proj(c_kv)` per head;
 key = `[k_nope | k_r]` (k_r shared by every head, never rotated: NoPE); query = `q_proj(x)` per head
 `[q_nope | q_r]` (or `q_b_proj(q_a_layernorm(q_a_proj x))` with q_lora_rank); softmax scale
@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.layers import RMSNorm, as_dtype, linear
+from model.nn import cache as cache_lib
+from model.nn.layers import RMSNorm, as_dtype, linear
 
 _NEG = -1e30  # finite "minus infinity": a fully masked row gives zeros, not NaN
 
@@ -87,7 +88,40 @@ class MultiHeadLatentAttention(nnx.Module):
   def _out(self, o):
     return self.o_proj(o.astype(self.dtype).reshape(o.shape[:-2] + (-1,)))
 
-  def __call__(self, x, *, segment_ids, prefix=None, prefix_lengths=None):
+  # --- the mixer interface (model/nn/kimi_linear.py `Mixer`) --------------------------------------
+  def __call__(self, x, *, segment_ids, mode, num_slots, cache=None, lengths=None, return_cache=False,
+               cache_length=None):
+    """Sequence forward over packed rows; with `cache`, each document continues its slot's prefix.
+
+    Args:
+      x: `[B, T, d]`. segment_ids: int32 `[B, T]`. mode: unused (one path for every mode).
+      num_slots: N. cache: incoming `MLALayerCache` (decode layout, S = B*N) or None.
+      lengths: int32 `[S]`, tokens in the incoming cache (with `cache`). return_cache: also return
+      the `MLALayerCache` with these tokens' latents written after each slot's prefix.
+      cache_length: L of a new cache (when `cache` is None).
+
+    Returns:
+      `(y [B, T, d], MLALayerCache | None)`.
+    """
+    b = x.shape[0]
+    prefix = None if cache is None else cache_lib.rows_to_slots(cache.latent, b, num_slots)
+    plen = None if cache is None else cache_lib.rows_to_slots(lengths, b, num_slots)
+    y, lat = self.attend(x, segment_ids=segment_ids, prefix=prefix, prefix_lengths=plen)
+    if not return_cache:
+      return y, None
+    return y, cache_lib.MLALayerCache(_write_latents(lat, segment_ids, prefix, plen, num_slots, cache_length))
+
+  def decode(self, x, cache, lengths):
+    """One token per sequence: `(y [S, d], new MLALayerCache)` (see `decode_latent`)."""
+    y, latent = self.decode_latent(x, cache.latent, lengths)
+    return y, cache_lib.MLALayerCache(latent)
+
+  def empty_cache(self, num_sequences: int, cache_length: int):
+    """A zero `MLALayerCache` of `cache_length` token slots for `num_sequences` fresh sequences."""
+    return cache_lib.empty_mla_cache(num_sequences, cache_length, self.latent_width, self.dtype)
+
+  # --- the attention itself --------------------------------------------------------------------------
+  def attend(self, x, *, segment_ids, prefix=None, prefix_lengths=None):
     """Causal attention within documents of packed rows, optionally after a per-slot prefix.
 
     Args:
@@ -127,7 +161,7 @@ class MultiHeadLatentAttention(nnx.Module):
     o = o + jnp.einsum("bhtnl,bnlhd->bthd", p_pre_slots, vp.astype(jnp.float32))
     return self._out(o), lat
 
-  def decode(self, x, latent_cache, lengths):
+  def decode_latent(self, x, latent_cache, lengths):
     """One token per sequence against the latent cache.
 
     Computed in the absorbed form (DeepSeek-V2 section 2.1.2): with `kv_b_proj` split per head into
@@ -135,7 +169,7 @@ class MultiHeadLatentAttention(nnx.Module):
     `sum_l p_l (c_l W_uv) = (sum_l p_l c_l) W_uv`, so scores and outputs are taken against the
     cached latents directly instead of re-expanding keys and values for every cached token: the
     cost per step is O(L * nH * (r + dr)) instead of O(L * r * nH * (dn + dv)). Same math as
-    `__call__` up to float32 summation order (float32 throughout).
+    `attend` up to float32 summation order (float32 throughout).
 
     Args:
       x: `[S, d]`. latent_cache: `[S, L, r + dr]`. lengths: int32 `[S]`, tokens already cached
@@ -159,3 +193,26 @@ class MultiHeadLatentAttention(nnx.Module):
     p = _masked_softmax(scores, mask)
     o = jnp.einsum("shr,rhd->shd", jnp.einsum("shl,slr->shr", p, c[..., :self.rank]), w_uv)
     return self._out(o), cache
+
+
+def _positions_in_run(segment_ids):
+  """Index of each token inside its document's run in the row (0 for a run's first token)."""
+  t = segment_ids.shape[1]
+  pos = jnp.arange(t)
+  first = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+  start = jax.lax.cummax(jnp.where(first, pos, 0), axis=1)
+  return pos - start
+
+
+def _write_latents(lat, segment_ids, prefix, prefix_lengths, num_slots, length):
+  """Scatters each document's token latents after its slot's prefix: `[B*N, L, C]`."""
+  b, t, c = lat.shape
+  dtype = lat.dtype if prefix is None else prefix.dtype
+  out = jnp.zeros((b, num_slots, length, c), dtype) if prefix is None else prefix
+  slot = segment_ids - 1
+  base = 0 if prefix_lengths is None else jnp.take_along_axis(prefix_lengths, jnp.clip(slot, 0, num_slots - 1), 1)
+  index = base + _positions_in_run(segment_ids)
+  slot = jnp.where(segment_ids > 0, slot, num_slots)  # padding: out of range, dropped
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+  out = out.at[rows, slot, index].set(lat.astype(dtype), mode="drop")
+  return cache_lib.slots_to_rows(out)

@@ -2,14 +2,15 @@
 
 Layout of a checkpoint directory `DIR` (what `load_parameters_path=DIR` points at)::
 
-  DIR/config.json       the model config (`model.config.config_to_json`, every key of configs/base.py);
+  DIR/config.json       the model config (`model.config.checkpoint_json`: the model section of
+                        configs/base.py; tool, training and mesh keys are not stored);
                         `tokenizer_path` is stored relative to DIR, `load_parameters_path` as "".
   DIR/params/           an Orbax checkpoint (orbax.checkpoint v1 API, OCDBT + zarr3) of the model's
                         parameter tree: `nnx.to_pure_dict(nnx.state(model))`, i.e. nested dicts
                         `{"model": {"embed_tokens": {"embedding": ...}, "layers": {0: {...}, ...},
                         "norm": {...}}, "lm_head": {"kernel": ...}}` of arrays; every nnx Variable is
                         included (`nnx.Param` and the router's `RouterBias`). Names and shapes are the
-                        model's own (see model/kda.py, model/mla.py, model/moe.py docstrings).
+                        model's own (see model/nn/kda.py, model/nn/mla.py, model/nn/moe.py docstrings).
   DIR/tokenizer.model   a copy of the tokenizer file, when one was given (optional).
 
 Saving goes through `ParameterWriter`, which writes into a hidden temporary sibling of DIR and renames
@@ -17,11 +18,11 @@ it into place only when everything is written, so a failure or interrupt never l
 It can write the tree in pieces (one layer at a time, e.g. from the checkpoint converter), so host
 memory is bounded by the largest piece rather than the model (Orbax "partial save").
 
-Loading: `load_model(DIR, overrides)` rebuilds the config from `DIR/config.json`, applies key=value
-overrides on top (e.g. `attention=kda_reference`, `dtype=bfloat16`; shape-changing overrides fail with
-a clear error), builds the model abstractly (`nnx.eval_shape`, no random init) and restores the
-arrays; `restore_parameters(DIR, abstract_state, shardings)` restores into given shardings (each
-host reads only its shards). Stored arrays are cast to the abstract dtype on restore, so a float32
+Reading: `read_config(DIR, overrides)` rebuilds the config from `DIR/config.json` (read once) with
+key=value overrides on top, validated once; `restore_parameters(DIR, abstract_state, shardings)`
+restores arrays into given shardings (each host reads only its shards). This module knows the
+on-disk format only and imports no model: building a model from a checkpoint is
+`model.loading.load`. Stored arrays are cast to the abstract dtype on restore, so a float32
 checkpoint loads with `weight_dtype=bfloat16`.
 """
 
@@ -40,7 +41,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from model.config import ConfigError, apply_overrides, config_from_json, config_to_json, set_value, validate_config
+from model.errors import UserError
+from model.config import ConfigError, apply_overrides, checkpoint_json, config_from_json, set_value, validate_config
 
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
@@ -50,7 +52,7 @@ TOKENIZER_FILE = "tokenizer.model"
 _CHUNK_BYTES = 64 * 2**20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
   """A checkpoint that is missing, incomplete, corrupt, or does not match the model; or an output
   path that already exists. The message names the path (and the parameter, when one is at fault)."""
 
@@ -119,6 +121,11 @@ def _check_dir(path: str | os.PathLike) -> pathlib.Path:
   return p.absolute()  # Orbax resolves relative paths against nothing useful: always hand it absolute ones
 
 
+def read_config_text(path: pathlib.Path) -> str:
+  """The text of `path/config.json` (the one read of that file per load)."""
+  return (path / CONFIG_FILE).read_text()
+
+
 def read_config(path: str | os.PathLike, overrides: Sequence[str] = ()):
   """The config stored in checkpoint `path`, with `key=value` overrides applied, locked.
 
@@ -131,7 +138,9 @@ def read_config(path: str | os.PathLike, overrides: Sequence[str] = ()):
   """
   p = _check_dir(path)
   try:
-    cfg = config_from_json((p / CONFIG_FILE).read_text())
+    # Validated once, below, after the overrides: the stored config alone need not be valid
+    # for this job (e.g. its ici_* keys describe the mesh of the job that wrote it).
+    cfg = config_from_json(read_config_text(p), validate=False)
   except (ConfigError, ValueError, OSError) as e:
     raise CheckpointError(f"{p / CONFIG_FILE}: not a valid model config: {e}") from None
   tok = cfg.tokenizer_path
@@ -202,7 +211,7 @@ class ParameterWriter:
     try:
       stored = apply_overrides(self.config, ["load_parameters_path=",
                                              f"tokenizer_path={TOKENIZER_FILE if self.tokenizer_path else ''}"])
-      (self.tmp / CONFIG_FILE).write_text(config_to_json(stored) + "\n")
+      (self.tmp / CONFIG_FILE).write_text(checkpoint_json(stored) + "\n")
       if self.tokenizer_path:
         shutil.copyfile(self.tokenizer_path, self.tmp / TOKENIZER_FILE)
     except BaseException:
@@ -592,36 +601,3 @@ def _check_matches(path, stored: dict, wanted: dict) -> None:
     if tuple(stored[name][0]) != tuple(leaf.shape):
       raise CheckpointError(f"{path}: parameter {name} is stored with shape {stored[name][0]} but the model "
                             f"expects {tuple(leaf.shape)} (was the config overridden with other dimensions?)")
-
-
-def abstract_model(config):
-  """The model of `config` with `jax.ShapeDtypeStruct` leaves (nothing allocated, no random init)."""
-  from model.kimi_linear import KimiLinearForCausalLM  # lazy: kimi_linear imports the backends
-  return nnx.eval_shape(lambda: KimiLinearForCausalLM(config, rngs=nnx.Rngs(0)))
-
-
-def load_model(load_parameters_path: str | os.PathLike, overrides: Sequence[str] = (), *, abstract: bool = False):
-  """Builds the model stored at `load_parameters_path` (config from the checkpoint + overrides).
-
-  Args:
-    load_parameters_path: a checkpoint directory written by `save_parameters` or the converter.
-    overrides: `key=value` strings applied on top of the stored config (e.g. `attention=kda_reference`,
-      `dtype=bfloat16`, `weight_dtype=bfloat16`, `moe_impl=ragged`).
-    abstract: return the model with `jax.ShapeDtypeStruct` leaves without reading any array (to
-      plan shardings; then call `restore_parameters`).
-
-  Returns:
-    `(KimiLinearForCausalLM, locked ConfigDict)`; the config's `load_parameters_path` is the
-    checkpoint and its `tokenizer_path` the copied tokenizer (absolute), if any.
-
-  Raises:
-    CheckpointError: missing/corrupt checkpoint or a mismatch with the (overridden) config.
-    ConfigError: a bad override.
-  """
-  config = read_config(load_parameters_path, overrides)
-  model = abstract_model(config)
-  if abstract:
-    return model, config
-  graphdef, state = nnx.split(model)
-  state = restore_parameters(load_parameters_path, state)
-  return nnx.merge(graphdef, state), config

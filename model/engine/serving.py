@@ -11,7 +11,7 @@ and takes fixed shapes, so nothing recompiles while decoding. A sequence that
 emitted EOS (or an unused slot of a short group) keeps running, masked: its outputs are replaced by
 `pad_id` and ignored, never removed from the batch.
 
-Sampling (`model.sampling.sample_tokens`) runs inside the compiled functions. Each sequence draws
+Sampling (`model.engine.sampling.sample_tokens`) runs inside the compiled functions. Each sequence draws
 with its own key `fold_in(fold_in(seed_key, step), slot)`, so greedy results never depend on which
 other prompts share the batch.
 
@@ -36,8 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import sampling, sharding
-from model.kimi_linear import last_token_logits
+from model.errors import UserError
+from model import partitioning
+from model.engine import sampling
+from model.nn.kimi_linear import last_token_logits
 
 
 # Compiled (prefill, step, seconds) per (graphdef, treedef, sizes, sampling): shared by every
@@ -46,13 +48,20 @@ from model.kimi_linear import last_token_logits
 _COMPILED: dict = {}
 
 
-class GenerationError(ValueError):
+def check_max_new_tokens(max_new_tokens: int) -> None:
+  """GenerationError unless `max_new_tokens` >= 1 (the one check: the tool calls it before the model
+  loads, `Generator.check_request` for every other caller)."""
+  if int(max_new_tokens) < 1:
+    raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+class GenerationError(UserError):
   """A generation request the engine cannot serve (empty prompt, too long, ids out of range...)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """A validated sampling configuration (see `model.sampling`).
+  """A validated sampling configuration (see `model.engine.sampling`).
 
   Attributes:
     strategy: "greedy", "weighted", "topk" or "nucleus".
@@ -180,7 +189,7 @@ class Generator:
       chunk; streaming callbacks see a chunk's tokens together). 1 = one step per call.
     vocab_limit: only ids below it are ever generated (the tokenizer's vocabulary size when the
       model's vocabulary is padded beyond it); default the model's vocabulary.
-    mesh, rules: serve a model sharded on this `jax.sharding.Mesh` (`model.sharding`; rules: a
+    mesh, rules: serve a model sharded on this `jax.sharding.Mesh` (`model.partitioning`; rules: a
       config or parsed `logical_axis_rules`, default the base rules); None: one device.
 
   Raises:
@@ -220,8 +229,7 @@ class Generator:
       GenerationError: no prompts, an empty prompt, ids outside [0, vocab_size), max_new_tokens < 1,
         or a prompt whose length plus max_new_tokens exceeds `max_length` (names the prompt).
     """
-    if int(max_new_tokens) < 1:
-      raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_max_new_tokens(max_new_tokens)
     if not prompts:
       raise GenerationError("no prompts to generate from")
     out = []
@@ -246,7 +254,7 @@ class Generator:
   # --- compiled functions ---------------------------------------------------------------------------
   def _key(self, num_slots, row_length, cache_length, params):
     return (self._graphdef, self._treedef, num_slots, row_length, cache_length, params, self.mesh,
-            None if self._rules is None else repr(sharding.as_rules(self._rules)))
+            None if self._rules is None else repr(partitioning.as_rules(self._rules)))
 
   def _functions(self, num_slots: int, row_length: int, cache_length: int, params: SamplingParams):
     """(prefill, step, seconds to compile and warm up), compiled ahead of time for these static sizes
@@ -283,7 +291,7 @@ class Generator:
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     t0 = time.perf_counter()
     # On a mesh, trace in its context (KDA kernels per shard); decode keeps the prefill's layouts.
-    with (sharding.mesh_context(self.mesh, self._rules) if self.mesh is not None else contextlib.nullcontext()):
+    with (partitioning.mesh_context(self.mesh, self._rules) if self.mesh is not None else contextlib.nullcontext()):
       prefill_c = jax.jit(prefill).lower(self._leaves, ids, ids, rng, scalar).compile()
       _, cache_shape = jax.eval_shape(prefill, self._leaves, ids, ids, rng, scalar)
       tok_sh, cache_sh = prefill_c.output_shardings

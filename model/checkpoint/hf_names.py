@@ -1,7 +1,7 @@
 """Hugging Face Kimi-Linear checkpoint layout: config.json <-> the project's config, and the tensor
 name/shape table between HF safetensors and the model's parameter tree.
 
-The table is derived from the model's own parameters (`model.checkpointing.abstract_model`), by the
+The table is derived from the model's own parameters (`model.loading.abstract_model`), by the
 rules of the "Parameter names" table in model/README.md (checked against the tensors listed in
 tests/fixtures/README.md):
 
@@ -38,9 +38,12 @@ import pathlib
 import re
 from collections.abc import Iterator, Sequence
 
+import jax
 import ml_dtypes
 import numpy as np
+from flax import nnx
 
+from model.errors import UserError
 from model.config import ConfigError, apply_overrides, load_config, set_value, validate_config
 
 LINEAR, COPY, CONV, A_LOG, EXPERTS = "linear", "copy", "conv", "a_log", "experts"
@@ -52,7 +55,7 @@ NP_TO_ST = {v: k for k, v in ST_TO_NP.items()}
 MODEL_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError):
   """An HF config or tensor that does not describe this model (the message names the key/tensor)."""
 
 
@@ -325,19 +328,19 @@ def _entry(path: tuple, shape: tuple, dtype) -> Entry:
     hf = [f"{mod}.{e}.{leaf}.weight" for e in range(shape[0])]
   else:
     raise LayoutError(f"model parameter {name} {shape} has no Hugging Face counterpart in the name table "
-                      f"(tools/hf_layout.py; see model/README.md)")
+                      f"(model/checkpoint/hf_names.py; see model/README.md)")
   return Entry(name, path, tuple(shape), np.dtype(dtype), kind, tuple(hf), tuple(hf_shape), aliases, layer)
 
 
-def parameter_table(cfg) -> list[Entry]:
-  """The model's parameters for `cfg` in model order, each with its HF tensors.
+def parameter_table(abstract_params) -> list[Entry]:
+  """The model's parameters in model order, each with its HF tensors.
 
-  Built from `nnx.eval_shape` of the model (no arrays allocated), so it always matches the model.
+  Args:
+    abstract_params: the model's state (an `nnx.State` or its pure dict) of arrays or
+      `jax.ShapeDtypeStruct`s, e.g. `nnx.state(model.loading.abstract_model(cfg))` (what
+      `model.checkpoint.convert.parameter_table(cfg)` passes), so the table always matches the model.
   """
-  import jax
-  from flax import nnx
-  from model.checkpointing import abstract_model
-  pure = nnx.to_pure_dict(nnx.state(abstract_model(cfg)))
+  pure = nnx.to_pure_dict(abstract_params) if isinstance(abstract_params, nnx.State) else abstract_params
   out = []
   for kp, leaf in jax.tree_util.tree_flatten_with_path(pure)[0]:
     path = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp)

@@ -22,8 +22,10 @@ from collections.abc import Iterable, Sequence
 
 import sentencepiece as spm
 
+from model.errors import UserError
 
-class TokenizerError(ValueError):
+
+class TokenizerError(UserError):
   """A tokenizer file that is missing or unreadable, or text/ids that the tokenizer cannot handle."""
 
 

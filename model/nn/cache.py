@@ -20,6 +20,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from model import partitioning
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -75,3 +77,24 @@ def empty_kda_cache(s: int, heads: int, head_dim: int, conv_width: int) -> KDALa
 def empty_mla_cache(s: int, length: int, width: int, dtype) -> MLALayerCache:
   """Zero MLA latent cache of `length` token slots for s sequences."""
   return MLALayerCache(jnp.zeros((s, length, width), dtype))
+
+
+def logical_axes(cache: ModelCache) -> ModelCache:
+  """Logical axes of each leaf of `cache` (same tree structure, a tuple of axis names per leaf).
+
+  KDA state `[S, H, K, V]` and convs `[S, W-1, H*K]` split on sequences and heads; MLA latents
+  `[S, L, C]` and `lengths [S]` on sequences only (`model/partitioning.py` maps the names).
+  """
+  def layer_axes(layer):
+    if isinstance(layer, KDALayerCache):
+      conv = ("activation_batch", None, "activation_heads")
+      return KDALayerCache(partitioning.STATE_SHKV, conv, conv, conv)
+    return MLALayerCache(("activation_batch", None, None))
+
+  return ModelCache(tuple(layer_axes(c) for c in cache.layers), ("activation_batch",))
+
+
+def shardings(cache: ModelCache, mesh, rules_or_cfg=None):
+  """`NamedSharding` per leaf of `cache` (arrays or `ShapeDtypeStruct`s), via `logical_axes`;
+  dimensions that a mesh axis does not divide stay replicated along it."""
+  return partitioning.tree_shardings(cache, logical_axes(cache), mesh, rules_or_cfg)

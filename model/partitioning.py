@@ -11,7 +11,7 @@ config onto it, in the manner of MaxText:
   topology (tensor innermost, on the fastest links); on several hosts devices are ordered by
   process, so the outer `data` axis is the one that crosses hosts.
 - **Logical axes.** The model names the axes of every parameter (`embed`, `heads`, `kv`, `mlp`,
-  `expert`, `vocab`; see `model/layers.py`) and of its activations (`activation_batch`,
+  `expert`, `vocab`; see `model/nn/layers.py`) and of its activations (`activation_batch`,
   `activation_length`, `activation_embed`, `activation_heads`, `activation_vocab`). The config's
   `logical_axis_rules` (strings `"logical:mesh+mesh"`) map each name to mesh axes; a name left out
   is replicated. Defaults: batch on `data`+`fsdp`, parameters' `embed` on `fsdp` (ZeRO-3 style),
@@ -20,11 +20,9 @@ config onto it, in the manner of MaxText:
   `per_shard` (a `jax.shard_map`): each device runs the kernel on its batch rows and its heads only.
   KDA heads never exchange data, so this needs no collective; it is also what lets a Pallas kernel,
   which GSPMD cannot partition, run on a sharded model. Everything else is left to GSPMD.
-- **Parameters and checkpoints.** `abstract_state` gives `jax.ShapeDtypeStruct`s that carry their
-  `NamedSharding`: the target of a sharded random init (`init_sharded`, one jitted init whose outputs
-  are born sharded) and of an Orbax restore (each device reads its own slices;
-  no full host copy), whatever mesh the checkpoint was written under (`restore_parameters`,
-  `load_sharded`; the checkpoint layout is `model/checkpointing.py`'s, so converted checkpoints too).
+- **Parameters.** `param_shardings` maps an abstract model state (from `nnx.eval_shape`) to its
+  `NamedSharding`s; building and restoring a model on a mesh is `model/loading.py`'s job (this
+  module imports no model and no checkpoint code).
 - **Multi-host.** With `distributed_init=true`, `initialize_distributed(cfg)` calls
   `jax.distributed.initialize` (explicit `coordinator_address`/`num_processes`/`process_id`, or
   auto-detection on TPU pods, SLURM, Open MPI, ...). It must run in every process before anything
@@ -35,7 +33,7 @@ Usage (one program for one device or many)::
     cfg = load_config(argv)
     initialize_distributed(cfg)                  # no-op unless distributed_init=true
     mesh = create_mesh(cfg)                      # ConfigError on an impossible mesh
-    model = init_sharded(cfg, mesh)              # or restore_parameters(path, cfg, mesh)
+    model = loading.create(cfg, mesh)            # or loading.load(path, mesh=mesh).model
     with mesh_context(mesh, cfg):                # jax.set_mesh + nnx.logical_axis_rules
       step = jax.jit(train_step, in_shardings=..., out_shardings=...)
 
@@ -56,12 +54,13 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from model.config import ConfigError
+from configs import base
+from model.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 PARALLELISM_KEYS = {"data": "ici_data_parallelism", "fsdp": "ici_fsdp_parallelism",
                     "expert": "ici_expert_parallelism", "tensor": "ici_tensor_parallelism"}
-# Every logical axis name the model uses (parameters: model/layers.py; activations: this module).
+# Every logical axis name the model uses (parameters: model/nn/layers.py; activations: this module).
 PARAM_AXES = ("embed", "heads", "kv", "mlp", "expert", "vocab")
 ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed", "activation_heads",
                    "activation_vocab")
@@ -277,7 +276,6 @@ def as_rules(rules_or_cfg) -> Rules:
 
 def default_rules() -> Rules:
   """The rules of `configs/base.py`."""
-  from configs import base
   return parse_logical_axis_rules(list(base.get_config().logical_axis_rules))
 
 
@@ -415,14 +413,20 @@ def per_shard(fn: Callable, args: Sequence, in_axes: Sequence, out_axes: Sequenc
 
 
 # ---------------------------------------------------------------------------------------------
-# Parameters: abstract state, sharded init, placement, checkpoints
+# Parameters: shardings of an abstract state, placement
 # ---------------------------------------------------------------------------------------------
 def _var_name(path) -> str:
   return ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
 
 
-def _named_shardings(abs_state, mesh: Mesh):
-  """NamedSharding per variable (rules from the context); checks names and divisibility."""
+def param_shardings(abs_state, mesh: Mesh):
+  """`NamedSharding` per variable of an abstract `nnx.State` (logical axes -> mesh axes by the rules of
+  the enclosing `mesh_context`).
+
+  Raises:
+    ConfigError: a parameter annotated with a logical axis that has no rule, or a dimension not
+      divisible by the mesh axes it is mapped to (naming the parameter and the keys to change).
+  """
   specs = nnx.get_partition_spec(abs_state)
 
   def check(path, leaf, spec):
@@ -442,63 +446,9 @@ def _named_shardings(abs_state, mesh: Mesh):
   return jax.tree.map_with_path(check, abs_state, specs)
 
 
-def abstract_state(cfg, mesh: Mesh, rules_or_cfg=None):
-  """The model's graph definition and its state as sharded `jax.ShapeDtypeStruct`s (no memory).
-
-  Args:
-    cfg: model config. mesh: the target mesh. rules_or_cfg: rules (default: `cfg`'s).
-
-  Returns:
-    `(graphdef, state)`: `state` is an `nnx.State` whose leaves are `ShapeDtypeStruct`s carrying
-    their `NamedSharding`; a target for `jax.jit(out_shardings=...)` or an Orbax restore.
-
-  Raises:
-    ConfigError: a parameter dimension not divisible by its mesh axes, or an unmapped name.
-  """
-  from model.kimi_linear import KimiLinearForCausalLM  # local: kimi_linear imports this module
-  rules = as_rules(cfg if rules_or_cfg is None else rules_or_cfg)
-  with mesh_context(mesh, rules):
-    abs_model = nnx.eval_shape(lambda: KimiLinearForCausalLM(cfg, rngs=nnx.Rngs(0)))
-    graphdef, abs_state = nnx.split(abs_model)
-    shardings = _named_shardings(abs_state, mesh)
-  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, shardings)
-  return graphdef, state
-
-
 def state_shardings(state):
   """The `NamedSharding` tree of an abstract state from `abstract_state` (for jit in/out shardings)."""
   return jax.tree.map(lambda a: a.sharding, state)
-
-
-def init_sharded(cfg, mesh: Mesh, rules_or_cfg=None, *, seed: int | None = None):
-  """Random initialisation whose parameters are created sharded (no full copy on one device).
-
-  The init function is jitted with `out_shardings` from `abstract_state`, so each device computes
-  (and holds) only its shards; the values equal the same jitted init on one device, bit for bit,
-  because JAX's threefry random bits do not depend on the partitioning (an eager, un-jitted init
-  can differ in the last ulp: XLA fuses the initialisers' arithmetic differently).
-
-  Args:
-    cfg: model config. mesh: the mesh. rules_or_cfg: rules (default: `cfg`'s).
-    seed: PRNG seed, default `cfg.init_seed`.
-
-  Returns:
-    A `KimiLinearForCausalLM` whose arrays are sharded over `mesh`.
-  """
-  from model.kimi_linear import KimiLinearForCausalLM
-  seed = int(cfg.init_seed if seed is None else seed)
-  graphdef, abs_state = abstract_state(cfg, mesh, rules_or_cfg)
-
-  def init():
-    return nnx.state(KimiLinearForCausalLM(cfg, rngs=nnx.Rngs(seed)))
-
-  return nnx.merge(graphdef, jax.jit(init, out_shardings=state_shardings(abs_state))())
-
-
-def shard_state(state, cfg, mesh: Mesh, rules_or_cfg=None):
-  """Places an existing model state (e.g. loaded on the host) onto the mesh with `jax.device_put`."""
-  _, abs_state = abstract_state(cfg, mesh, rules_or_cfg)
-  return jax.device_put(state, state_shardings(abs_state))
 
 
 def replicate_off_mesh(tree, mesh: Mesh):
@@ -514,47 +464,6 @@ def replicate_off_mesh(tree, mesh: Mesh):
     return x
 
   return jax.tree.map(place, tree)
-
-
-def restore_parameters(path, cfg, mesh: Mesh, rules_or_cfg=None):
-  """Restores a project checkpoint's parameters (`model/checkpointing.py` layout: written by
-  training, `save_parameters` or `tools.convert_checkpoint`) directly into this mesh's shardings.
-
-  The checkpoint may have been written under any mesh or on one device: the restore target is
-  `abstract_state(cfg, mesh)`, whose `NamedSharding`s make Orbax read, on each host, only the
-  chunks of its own shards; no full copy of the parameters is made on one host or device.
-
-  Args:
-    path: the checkpoint directory. cfg: the model config (e.g. `checkpointing.read_config(path)`).
-    mesh: the target mesh. rules_or_cfg: rules (default: `cfg`'s).
-
-  Returns:
-    A `KimiLinearForCausalLM` whose arrays live sharded on `mesh`.
-
-  Raises:
-    model.checkpointing.CheckpointError: missing checkpoint or a mismatch with the model.
-    ConfigError: a parameter that cannot be split on this mesh.
-  """
-  from model import checkpointing
-  graphdef, abs_state = abstract_state(cfg, mesh, rules_or_cfg)
-  return nnx.merge(graphdef, checkpointing.restore_parameters(path, abs_state))
-
-
-def load_sharded(path, overrides: Sequence[str] = (), mesh: Mesh | None = None):
-  """`checkpointing.load_model` for a mesh: the stored config plus `key=value` overrides (e.g. the
-  `ici_*_parallelism` of this job), its mesh (`create_mesh`, unless `mesh` is given), and the
-  parameters restored sharded (`restore_parameters`).
-
-  Returns:
-    `(model, cfg, mesh)`.
-
-  Raises:
-    CheckpointError / ConfigError: as `checkpointing.read_config`, `create_mesh`, `restore_parameters`.
-  """
-  from model import checkpointing
-  cfg = checkpointing.read_config(path, overrides)
-  mesh = create_mesh(cfg) if mesh is None else mesh
-  return restore_parameters(path, cfg, mesh), cfg, mesh
 
 
 # ---------------------------------------------------------------------------------------------
@@ -616,31 +525,14 @@ def global_batch(local, mesh: Mesh, shape: Sequence[int], logical_axes=BATCH_TOK
                                                 shape)
 
 
-def cache_logical_axes(cache):
-  """Logical axes of each leaf of a `model.cache.ModelCache` (same tree structure).
-
-  KDA state `[S, H, K, V]` and convs `[S, W-1, H*K]` split on sequences and heads; MLA latents
-  `[S, L, C]` and `lengths [S]` on sequences only.
-  """
-  from model import cache as cache_lib
-
-  def layer_axes(layer):
-    if isinstance(layer, cache_lib.KDALayerCache):
-      conv = ("activation_batch", None, "activation_heads")
-      return cache_lib.KDALayerCache(STATE_SHKV, conv, conv, conv)
-    return cache_lib.MLALayerCache(("activation_batch", None, None))
-
-  return cache_lib.ModelCache(tuple(layer_axes(c) for c in cache.layers), ("activation_batch",))
-
-
-def cache_shardings(cache, mesh: Mesh, rules_or_cfg=None):
-  """`NamedSharding` per leaf of a `ModelCache` (arrays or `ShapeDtypeStruct`s), via
-  `cache_logical_axes`; dimensions that do not divide stay replicated."""
+def tree_shardings(tree, axes_tree, mesh: Mesh, rules_or_cfg=None):
+  """`NamedSharding` per leaf of `tree` (arrays or `ShapeDtypeStruct`s) from `axes_tree`, a tree of
+  the same structure whose leaves are tuples of logical axis names; a mesh axis that does not divide
+  its dimension is dropped (that dimension stays replicated along it)."""
   rules = as_rules(rules_or_cfg)
-  axes = cache_logical_axes(cache)
   is_axes = lambda x: isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
-  flat_axes = jax.tree.leaves(axes, is_leaf=is_axes)
-  leaves, treedef = jax.tree.flatten(cache)
+  flat_axes = jax.tree.leaves(axes_tree, is_leaf=is_axes)
+  leaves, treedef = jax.tree.flatten(tree)
   return jax.tree.unflatten(treedef, [NamedSharding(mesh, fitted_spec(a, x.shape, mesh, rules))
                                       for a, x in zip(flat_axes, leaves)])
 

@@ -1,8 +1,8 @@
 """Kimi-Linear causal LM in Flax NNX, configured by `configs/` and served by a registered attention
 backend (see `model/README.md` for the API, the cache layout and the parameter-name table).
 
-Structure (transformers `models/kimi_linear`, Moonshot `modeling_kimi.py`; ../shared/docs/kda.md
-sections 4-5): token embedding; per layer `x += mixer(input_layernorm(x))` with the KDA mixer for
+Structure (transformers `models/kimi_linear`, Moonshot `modeling_kimi.py`; docs/kda.md section
+'Layer', docs/checkpoints.md section 'Parameter names'): token embedding; per layer `x += mixer(input_layernorm(x))` with the KDA mixer for
 `kda_layers` and MLA for `full_attn_layers` (1-indexed); `x += ffn(post_attention_layernorm(x))`
 with a dense SwiGLU (`mlp`) for the first `first_k_dense_replace` layers and MoE
 (`block_sparse_moe`) after; final RMSNorm `model.norm`; untied `lm_head`.
@@ -10,35 +10,57 @@ with a dense SwiGLU (`mlp`) for the first `first_k_dense_replace` layers and MoE
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import cache as cache_lib
+from model.nn import cache as cache_lib
 from model import registry
-from model import sharding
+from model import partitioning
 from model.config import ModelArgs
-from model.kda import KimiDeltaAttention
-from model.layers import RMSNorm, SwiGLU, as_dtype, linear, normal_init
-from model.mla import MultiHeadLatentAttention
-from model.moe import SparseMoeBlock
+from model.nn.kda import KimiDeltaAttention
+from model.nn.layers import RMSNorm, SwiGLU, as_dtype, linear, normal_init
+from model.nn.mla import MultiHeadLatentAttention
+from model.nn.moe import SparseMoeBlock
 
 MODES = ("train", "eval")
 
 
+class Mixer(Protocol):
+  """The one interface of a decoder layer's sequence mixer (`KimiDeltaAttention`, `MultiHeadLatentAttention`).
+
+  Each mixer owns its cache (its layer cache type in model/nn/cache.py) and its update; the layer
+  never looks inside it.
+  """
+
+  def __call__(self, x, *, segment_ids, mode, num_slots, cache=None, lengths=None, return_cache=False,
+               cache_length=None):
+    """`x [B, T, d]` -> `(y [B, T, d], layer cache in decode layout | None)`; `cache`: the incoming
+    layer cache (S = B*N sequences, `lengths [S]` tokens so far), `cache_length`: L of a new one."""
+    ...
+
+  def decode(self, x, cache, lengths):
+    """`x [S, d]`, one token per sequence -> `(y [S, d], new layer cache)`."""
+    ...
+
+  def empty_cache(self, num_sequences: int, cache_length: int):
+    """The layer cache of `num_sequences` fresh sequences."""
+    ...
+
+
 class DecoderLayer(nnx.Module):
-  """One pre-norm block: `input_layernorm`, `self_attn` (KDA or MLA), `post_attention_layernorm`,
-  then `mlp` (dense SwiGLU) or `block_sparse_moe`."""
+  """One pre-norm block: `input_layernorm`, `self_attn` (a `Mixer`: KDA or MLA),
+  `post_attention_layernorm`, then `mlp` (dense SwiGLU) or `block_sparse_moe`."""
 
   def __init__(self, args: ModelArgs, index: int, backend, rngs: nnx.Rngs):
     dt, wdt = as_dtype(args.dtype), as_dtype(args.weight_dtype)
     self.kind = args.layer_types[index]
     self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps, param_dtype=wdt, dtype=dt)
-    if self.kind == "kda":
-      self.self_attn = KimiDeltaAttention(args, backend, rngs=rngs)
-    else:
-      self.self_attn = MultiHeadLatentAttention(args, rngs=rngs)
+    self.self_attn: Mixer = (KimiDeltaAttention(args, backend, rngs=rngs) if self.kind == "kda" else
+                             MultiHeadLatentAttention(args, rngs=rngs))
     self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps, param_dtype=wdt, dtype=dt)
     self.is_moe = index >= args.first_k_dense_replace
     if self.is_moe:
@@ -53,52 +75,14 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x, *, segment_ids, mode, num_slots, cache=None, lengths=None, return_cache=False,
                cache_length=None):
     """x `[B, T, d]` -> `(x, layer cache in decode layout | None)`."""
-    h = self.input_layernorm(x)
-    if self.kind == "kda":
-      y, new = self.self_attn(h, segment_ids=segment_ids, mode=mode, num_slots=num_slots, cache=cache,
-                              return_cache=return_cache)
-    else:
-      b = x.shape[0]
-      prefix = None if cache is None else cache_lib.rows_to_slots(cache.latent, b, num_slots)
-      plen = None if cache is None else cache_lib.rows_to_slots(lengths, b, num_slots)
-      y, lat = self.self_attn(h, segment_ids=segment_ids, prefix=prefix, prefix_lengths=plen)
-      new = None
-      if return_cache:
-        new = cache_lib.MLALayerCache(_write_latents(lat, segment_ids, prefix, plen, num_slots, cache_length))
+    y, new = self.self_attn(self.input_layernorm(x), segment_ids=segment_ids, mode=mode, num_slots=num_slots,
+                            cache=cache, lengths=lengths, return_cache=return_cache, cache_length=cache_length)
     return self._ffn(x + y), new
 
   def decode(self, x, cache, lengths):
     """x `[S, d]` one token per sequence -> `(x, new layer cache)`."""
-    h = self.input_layernorm(x)
-    if self.kind == "kda":
-      y, new = self.self_attn.decode(h, cache)
-    else:
-      y, lat = self.self_attn.decode(h, cache.latent, lengths)
-      new = cache_lib.MLALayerCache(lat)
+    y, new = self.self_attn.decode(self.input_layernorm(x), cache, lengths)
     return self._ffn(x + y), new
-
-
-def _positions_in_run(segment_ids):
-  """Index of each token inside its document's run in the row (0 for a run's first token)."""
-  t = segment_ids.shape[1]
-  pos = jnp.arange(t)
-  first = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
-  start = jax.lax.cummax(jnp.where(first, pos, 0), axis=1)
-  return pos - start
-
-
-def _write_latents(lat, segment_ids, prefix, prefix_lengths, num_slots, length):
-  """Scatters each document's token latents after its slot's prefix: `[B*N, L, C]`."""
-  b, t, c = lat.shape
-  dtype = lat.dtype if prefix is None else prefix.dtype
-  out = jnp.zeros((b, num_slots, length, c), dtype) if prefix is None else prefix
-  slot = segment_ids - 1
-  base = 0 if prefix_lengths is None else jnp.take_along_axis(prefix_lengths, jnp.clip(slot, 0, num_slots - 1), 1)
-  index = base + _positions_in_run(segment_ids)
-  slot = jnp.where(segment_ids > 0, slot, num_slots)  # padding: out of range, dropped
-  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-  out = out.at[rows, slot, index].set(lat.astype(dtype), mode="drop")
-  return cache_lib.slots_to_rows(out)
 
 
 class KimiLinearModel(nnx.Module):
@@ -164,17 +148,17 @@ class KimiLinearForCausalLM(nnx.Module):
                          f"configured (max_num_segments / num_slots); raise it")
 
   def _run(self, input_ids, segment_ids, mode, num_slots, cache=None, return_cache=False, cache_length=None):
-    # Logical activation axes (no-ops outside a mesh; see model/sharding.py).
-    x = sharding.constrain(self.model.embed_tokens(input_ids), sharding.HIDDEN)
+    # Logical activation axes (no-ops outside a mesh; see model/partitioning.py).
+    x = partitioning.constrain(self.model.embed_tokens(input_ids), partitioning.HIDDEN)
     new_layers = []
     lengths = None if cache is None else cache.lengths
     for i, layer in enumerate(self.model.layers):
       x, new = layer(x, segment_ids=segment_ids, mode=mode, num_slots=num_slots,
                      cache=None if cache is None else cache.layers[i], lengths=lengths,
                      return_cache=return_cache, cache_length=cache_length)
-      x = sharding.constrain(x, sharding.HIDDEN)
+      x = partitioning.constrain(x, partitioning.HIDDEN)
       new_layers.append(new)
-    logits = sharding.constrain(self.lm_head(self.model.norm(x)), sharding.LOGITS)
+    logits = partitioning.constrain(self.lm_head(self.model.norm(x)), partitioning.LOGITS)
     return logits, new_layers
 
   # --- public API --------------------------------------------------------------------------------
@@ -212,13 +196,8 @@ class KimiLinearForCausalLM(nnx.Module):
     n = num_slots or a.max_num_segments
     length = cache_length or a.max_cache_length
     s = batch * n
-    layers = []
-    for layer in self.model.layers:
-      if layer.kind == "kda":
-        layers.append(cache_lib.empty_kda_cache(s, a.kda_num_heads, a.kda_head_dim, a.kda_conv_kernel_size))
-      else:
-        layers.append(cache_lib.empty_mla_cache(s, length, layer.self_attn.latent_width, as_dtype(a.dtype)))
-    return cache_lib.ModelCache(tuple(layers), jnp.zeros((s,), jnp.int32))
+    layers = tuple(layer.self_attn.empty_cache(s, length) for layer in self.model.layers)
+    return cache_lib.ModelCache(layers, jnp.zeros((s,), jnp.int32))
 
   def prefill(self, input_ids, segment_ids=None, positions=None, *, cache=None, num_slots: int | None = None,
               cache_length: int | None = None):
@@ -280,7 +259,7 @@ class KimiLinearForCausalLM(nnx.Module):
       raise ValueError("decode needs a cache: pass the ModelCache returned by prefill() (or init_cache() "
                        "for empty sequences); there is no cache-free decode")
     if not isinstance(cache, cache_lib.ModelCache):
-      raise TypeError(f"cache must be a model.cache.ModelCache, got {type(cache).__name__}")
+      raise TypeError(f"cache must be a model.nn.cache.ModelCache, got {type(cache).__name__}")
     ids = jnp.asarray(input_ids)
     with_time = ids.ndim == 2
     if with_time:
@@ -294,13 +273,13 @@ class KimiLinearForCausalLM(nnx.Module):
     if length is not None and not isinstance(cache.lengths, jax.core.Tracer):
       if int(np.max(np.asarray(cache.lengths))) >= length:
         raise ValueError(f"the MLA cache is full (cache_length={length}); prefill with a larger cache_length")
-    x = sharding.constrain(self.model.embed_tokens(ids), sharding.DECODE_HIDDEN)
+    x = partitioning.constrain(self.model.embed_tokens(ids), partitioning.DECODE_HIDDEN)
     layers = []
     for layer, c in zip(self.model.layers, cache.layers):
       x, new = layer.decode(x, c, cache.lengths)
-      x = sharding.constrain(x, sharding.DECODE_HIDDEN)
+      x = partitioning.constrain(x, partitioning.DECODE_HIDDEN)
       layers.append(new)
-    logits = sharding.constrain(self.lm_head(self.model.norm(x)), sharding.DECODE_LOGITS)
+    logits = partitioning.constrain(self.lm_head(self.model.norm(x)), partitioning.DECODE_LOGITS)
     return (logits[:, None] if with_time else logits), cache_lib.ModelCache(tuple(layers), cache.lengths + 1)
 
 

@@ -15,7 +15,7 @@ wrote it (same batches, same updates; XLA on one device is deterministic).
 
 Loss: token-level cross entropy `-log softmax(logits)[target]` in float32, summed where
 `loss_mask` is True (padding and the last token of each document are excluded, see
-`model.input_pipeline`) and divided by the number of such tokens.
+`model.data.pipeline`) and divided by the number of such tokens.
 
 Optimizer (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019; optax.adamw):
 `clip_by_global_norm(grad_clip_norm)` then AdamW with learning rate
@@ -38,8 +38,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from model import moe
-from model.kimi_linear import KimiLinearForCausalLM
+from model.errors import UserError
+from model import loading, partitioning
+from model.nn import moe
+from model.nn.kimi_linear import KimiLinearForCausalLM
 
 STATE_ITEM, DATA_ITEM, META_ITEM = "state", "data", "meta"
 
@@ -49,13 +51,13 @@ STATE_ITEM, DATA_ITEM, META_ITEM = "state", "data", "meta"
 RESUME_FREE_KEYS = frozenset({
     "output_dir", "overwrite", "resume", "stop_at_step", "checkpoint_every", "checkpoint_keep", "eval_every",
     "eval_batch_size", "eval_max_windows", "log_every", "export_every", "export_dtype", "train_data",
-    "tokenizer_path", "load_parameters_path", "attention", "kda_impl", "moe_impl", "model_name",
+    "tokenizer_path", "load_parameters_path", "attention", "kda_implementation", "kda_impl", "moe_impl", "model_name",
     "logical_axis_rules", "distributed_init", "coordinator_address", "num_processes", "process_id",
 })
 _RESUME_FREE_PREFIXES = ("ici_", "dcn_")
 
 
-class TrainError(ValueError):
+class TrainError(UserError):
   """A training run that cannot start or continue (bad data, config or checkpoint); the message
   names the config key or path at fault and what was expected."""
 
@@ -134,12 +136,16 @@ def split_model(model: KimiLinearForCausalLM):
   return nnx.split(model, nnx.Param, ...)
 
 
-def init_train_state(model: KimiLinearForCausalLM, hparams: tuple, seed: int):
-  """`(graphdef, state)` of `model` with a fresh optimizer state at step 0 and the PRNG key of `seed`."""
+def init_train_state(model: KimiLinearForCausalLM, hparams: tuple, seed: int, mesh=None):
+  """`(graphdef, state)` of `model` with a fresh optimizer state at step 0 and the PRNG key of `seed`.
+
+  With a `mesh` (the model's arrays already live on it), the optimizer moments, made with
+  `zeros_like`, follow the parameters, and the step, key and optimizer counts are replicated on the
+  mesh too (a restore keeps these placements)."""
   graphdef, params, rest = split_model(model)
   state = {"params": params, "rest": rest, "opt_state": make_optimizer(hparams).init(params),
            "step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(jax.random.key(int(seed)))}
-  return graphdef, state
+  return graphdef, (state if mesh is None else partitioning.replicate_off_mesh(state, mesh))
 
 
 def create_train_state(cfg, hparams: tuple, mesh=None):
@@ -147,18 +153,14 @@ def create_train_state(cfg, hparams: tuple, mesh=None):
   state and the PRNG key of `cfg.train_seed`.
 
   Runs eagerly: on CPU, compiling the whole initialisation as one program takes longer than
-  running its ops one by one. With a `mesh` (`model.sharding.create_mesh(cfg)`), the parameters
+  running its ops one by one. With a `mesh` (`model.partitioning.create_mesh(cfg)`), the parameters
   are placed by their logical axes (`cfg.logical_axis_rules`) and the optimizer moments, made with
-  `zeros_like`, follow them; trace the step inside `model.sharding.mesh_context(mesh, cfg)`.
+  `zeros_like`, follow them; trace the step inside `model.partitioning.mesh_context(mesh, cfg)`.
   """
-  model = KimiLinearForCausalLM(cfg, rngs=nnx.Rngs(int(cfg.init_seed)))
-  if mesh is None:
-    return init_train_state(model, hparams, int(cfg.train_seed))
-  from model import sharding
-  nnx.update(model, sharding.shard_state(nnx.state(model), cfg, mesh))
-  graphdef, state = init_train_state(model, hparams, int(cfg.train_seed))
-  # Step, key and optimizer counts replicated on the mesh too (a restore keeps these placements).
-  return graphdef, sharding.replicate_off_mesh(state, mesh)
+  model = loading.create(cfg)  # eager, on one device
+  if mesh is not None:
+    nnx.update(model, loading.shard_state(nnx.state(model), cfg, mesh))
+  return init_train_state(model, hparams, int(cfg.train_seed), mesh)
 
 
 def masked_nll(logits, targets, loss_mask):
@@ -213,12 +215,12 @@ def train_step_fn(graphdef, hparams: tuple, num_slots: int, router_bias_update_r
   """The jitted step `(state, batch) -> (new_state, metrics)`; cached so that runs of the same
   model and optimizer (a resumed run in the same process, tests) reuse one compilation.
 
-  `batch` holds `inputs, targets, loss_mask, segment_ids` `[B, T]` (a `model.input_pipeline.Batch`
+  `batch` holds `inputs, targets, loss_mask, segment_ids` `[B, T]` (a `model.data.pipeline.Batch`
   or a dict). The forward runs in mode "train", i.e. through the backend's differentiable op
   (`kda_chunked` for kda_native). metrics: loss (mean nats per target token), tokens (targets in
   the batch), grad_norm (global L2 norm before clipping), lr (the rate used for this update).
 
-  `router_bias_update_rate` > 0 turns on auxiliary-loss-free load balancing (`model.moe`): with the
+  `router_bias_update_rate` > 0 turns on auxiliary-loss-free load balancing (`model.nn.moe`): with the
   loads `[L_moe, E]` of this step's routing (top-k of the biased scores, non-padding tokens), every
   MoE layer's `e_score_correction_bias` (in state["rest"], not seen by the optimizer) becomes
   `moe.balanced_bias(bias, load, rate)`, and metrics gain "expert_load" (the loads). 0 (the default)
@@ -276,24 +278,23 @@ def feed_on_mesh(it, mesh, rules_or_cfg=None):
   """Makes batch iterator `it` build only this process's rows of each global batch and returns
   `to_global(batch) -> dict` of the global `[B, T]` arrays of `BATCH_FIELDS` for `train_step_fn`.
 
-  Each process gathers only its rows (`model.sharding.process_rows` of the batch sharding: with the
-  `data` axis across hosts, 1/P of the batch) and `model.sharding.global_batch`
+  Each process gathers only its rows (`model.partitioning.process_rows` of the batch sharding: with the
+  `data` axis across hosts, 1/P of the batch) and `model.partitioning.global_batch`
   (`jax.make_array_from_process_local_data`) assembles the global array from every process's block.
   On one process the whole batch, placed by the batch sharding, with the same values.
 
   Args:
-    it: a `model.input_pipeline.BatchIterator` (its `process_rows` is set). mesh: the job's mesh.
+    it: a `model.data.pipeline.BatchIterator` (its `process_rows` is set). mesh: the job's mesh.
     rules_or_cfg: logical_axis_rules (a config or parsed rules; default the base rules).
 
   Raises:
     model.config.ConfigError: a mesh whose batch axes give this process non-contiguous rows.
   """
-  from model import sharding
   shape = (it.batch_size, int(it.rows.inputs.shape[1]))
-  it.process_rows = sharding.process_rows(mesh, shape, rules_or_cfg=rules_or_cfg)
+  it.process_rows = partitioning.process_rows(mesh, shape, rules_or_cfg=rules_or_cfg)
 
   def to_global(batch):
-    return {k: sharding.global_batch(getattr(batch, k), mesh, shape, rules_or_cfg=rules_or_cfg) for k in BATCH_FIELDS}
+    return {k: partitioning.global_batch(getattr(batch, k), mesh, shape, rules_or_cfg=rules_or_cfg) for k in BATCH_FIELDS}
 
   return to_global
 

@@ -1,7 +1,7 @@
 """Mixture of experts of Kimi-Linear: sigmoid router with correction bias, stacked SwiGLU experts,
 shared experts.
 
-Routing (DeepSeek-V3 style, as transformers `KimiLinearTopkRouter`; ../shared/docs/kda.md section 5):
+Routing (DeepSeek-V3 style, as transformers `KimiLinearTopkRouter`; names in docs/checkpoints.md):
 `s = sigmoid(x @ W_gate)` in float32; experts are chosen by top-k of `s + e_score_correction_bias`
 (optionally limited to the `topk_group` best of `n_group` groups, a group scored by the sum of its
 two best biased scores); the weights are the *unbiased* `s` of the chosen experts, renormalised to
@@ -21,7 +21,7 @@ trains its router the same way): after each optimizer step the bias of expert i 
 `rate * sign(mean_j load_j - load_i)`, where `load_i` counts the (non-padding token, choice) pairs the
 step routed to expert i (top-k of the biased scores, as above). `expert_load` and `balanced_bias`
 compute it; a block records its choices (`record_routing`, an `nnx.Intermediate` named
-`routed_experts`) only when the training step asks for them (model/train_lib.py).
+`routed_experts`) only when the training step asks for them (model/training/steps.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.layers import SwiGLU, as_dtype, param
+from model.nn.layers import SwiGLU, as_dtype, param
 
 
 class RouterBias(nnx.Variable):

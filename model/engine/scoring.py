@@ -1,6 +1,6 @@
 """Per-token log-probabilities of whole documents with the Kimi-Linear host (the perplexity engine).
 
-Documents are packed into evaluation windows `[B, T]` by `model.input_pipeline.pack_eval_windows`
+Documents are packed into evaluation windows `[B, T]` by `model.data.pipeline.pack_eval_windows`
 (segment IDs keep packed documents apart). A document longer than the window, or cut at a window's
 end, is never truncated: its piece in the next window continues from the state the previous window
 left, through the model's cache-accepting prefill (`KimiLinearForCausalLM.prefill(cache=...)`): the
@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import cache as cache_lib
-from model import sharding
-from model.input_pipeline import EvalWindow, pack_eval_windows
-from model.serving import round_up
+from model.errors import UserError
+from model.nn import cache as cache_lib
+from model import partitioning
+from model.data.pipeline import EvalWindow, pack_eval_windows
+from model.engine.serving import round_up
 
 
 # Compiled window functions per (graphdef, treedef, T, B, N, cache length, mesh, rules), shared by
@@ -38,7 +39,7 @@ from model.serving import round_up
 _COMPILED: dict = {}
 
 
-class ScoringError(ValueError):
+class ScoringError(UserError):
   """Documents the model cannot score (token ids outside its vocabulary)."""
 
 
@@ -110,9 +111,9 @@ class Scorer:
     num_slots: N, documents per row (`max_num_segments`).
     pad_id: id on padding.
     cache_multiple: the MLA cache length (longest document) is rounded up to this.
-    mesh, rules: score with a model sharded on this `jax.sharding.Mesh` (`model.sharding`; rules: a
+    mesh, rules: score with a model sharded on this `jax.sharding.Mesh` (`model.partitioning`; rules: a
       config or parsed `logical_axis_rules`, default the base rules): the window is traced in
-      `sharding.mesh_context`, window rows and the carried cache are split over the batch axes
+      `partitioning.mesh_context`, window rows and the carried cache are split over the batch axes
       (`batch_sharding`, `cache_shardings`; a dimension they do not divide stays replicated), and
       the per-token log-probs come back replicated, so every process of a multi-host job reads
       them all. None: one device (the model's own).
@@ -139,7 +140,7 @@ class Scorer:
     """`((compiled, input shardings), seconds to compile and warm up)` for this cache length (cached).
 
     The input shardings are `(cache, [B, T] arrays, [B, N] arrays)`: None each off-mesh."""
-    rules_key = None if self._rules is None else repr(sharding.as_rules(self._rules))
+    rules_key = None if self._rules is None else repr(partitioning.as_rules(self._rules))
     key = (self._graphdef, self._treedef, self.seq_len, self.batch_size, self.num_slots, cache_length, self.mesh,
            rules_key)
     if key in _COMPILED:
@@ -161,12 +162,12 @@ class Scorer:
       shardings = (None, None, None)
       ctx, jit_kw = contextlib.nullcontext(), {}
     else:
-      rules = sharding.as_rules(self._rules)
-      cache_sh = sharding.cache_shardings(cache, mesh, rules)
-      bt_sh = sharding.batch_sharding(mesh, (b, self.seq_len), rules_or_cfg=rules)
-      bn_sh = sharding.batch_sharding(mesh, (b, n), ("activation_batch", None), rules_or_cfg=rules)
+      rules = partitioning.as_rules(self._rules)
+      cache_sh = cache_lib.shardings(cache, mesh, rules)
+      bt_sh = partitioning.batch_sharding(mesh, (b, self.seq_len), rules_or_cfg=rules)
+      bn_sh = partitioning.batch_sharding(mesh, (b, n), ("activation_batch", None), rules_or_cfg=rules)
       shardings = (cache_sh, bt_sh, bn_sh)
-      ctx = sharding.mesh_context(mesh, rules)
+      ctx = partitioning.mesh_context(mesh, rules)
       # Log-probs replicated (a [B, T] float32: cheap), so that every process can read all of them;
       # the cache keeps the layout it came in with, so one window's output feeds the next.
       jit_kw = dict(in_shardings=(jax.tree.map(lambda x: x.sharding, self._leaves), cache_sh, bt_sh, bt_sh, bt_sh,

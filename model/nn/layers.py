@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

@@ -1,0 +1,1 @@
+"""Input data: corpus readers, the held-out split, packing with segment ids, batches (`pipeline`); tokenizers."""

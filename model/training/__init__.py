@@ -1,0 +1,1 @@
+"""Training: the train state, optimizer and jitted steps (`steps`) and the training loop (`trainer`)."""

@@ -1,0 +1,410 @@
+"""The training loop of `tools.train` (`kda-train`): data, steps, checkpoints, evaluation, export.
+
+`train(cfg)` runs (or resumes) one run as the config says; the command line, its help and the
+exit-status contract are `tools/train.py`'s, whose help describes what a run does (data split,
+loss, optimizer, checkpoints and exact resume, evaluation, logs, export). The jitted steps, the
+train state and its checkpointer are `model.training.steps`.
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import pathlib
+import shutil
+import signal
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from model import loading, partitioning
+from model.training import steps as train_lib
+from model.checkpoint import format as checkpointing
+from model.config import config_to_json
+from model.errors import out_of_memory_message
+from model.data.pipeline import DataFormatError, make_eval_windows, make_train_iterator, read_text_file, \
+    split_heldout
+from model.data.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
+from model.training.steps import TrainError
+
+CHECKPOINT_SUBDIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+PARAMS_SUBDIR = "params"
+# What sizes the step and the evaluation: named in the one-line error when XLA runs out of memory.
+MEMORY_KEYS = ("batch_size or seq_len (a step holds batch_size x seq_len tokens; evaluation eval_batch_size x "
+               "seq_len)")
+
+
+# ------------------------------------------------------------------------------------------------
+# Set-up: config, tokenizer, data
+# ------------------------------------------------------------------------------------------------
+
+def _tokenizer(cfg):
+  """The tokenizer of `tokenizer_path`, or ids-only (format "ids") built from the config's ids."""
+  if cfg.tokenizer_path:
+    tok = load_tokenizer(cfg.tokenizer_path)
+  elif cfg.train_data_format == "ids":
+    tok = load_tokenizer(None, vocab_size=cfg.vocab_size, bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id,
+                         pad_id=cfg.pad_token_id)
+  else:
+    raise TrainError(f"tokenizer_path is required for train_data_format={cfg.train_data_format!r} (a "
+                     f"sentencepiece .model from tools.train_tokenizer); only format 'ids' trains without one")
+  try:
+    check_tokenizer_fits(tok, cfg, name=repr(cfg.tokenizer_path))
+  except TokenizerError as e:
+    raise TrainError(str(e)) from None
+  return tok
+
+
+def _check_corpus(cfg) -> None:
+  """Clear errors for a missing path, a missing file, an empty corpus or an empty train split."""
+  path = cfg.train_data
+  if not path:
+    raise TrainError("train_data is required: pass train_data=FILE (the corpus to train on)")
+  if not os.path.exists(path):
+    raise TrainError(f"train_data={path!r} does not exist")
+  if not os.path.isfile(path):
+    raise TrainError(f"train_data={path!r} is not a file")
+  try:
+    text = read_text_file(path)  # read once more by the pipeline; cheap next to training
+  except DataFormatError as e:
+    raise TrainError(f"train_data: {e}") from None
+  if not text.strip():
+    raise TrainError(f"train_data={path!r} is empty: it holds no documents (no non-blank text)")
+  train, _ = split_heldout(text, cfg.heldout_fraction)
+  if not train.strip():
+    raise TrainError(f"the training split of train_data={path!r} is empty: the held-out rule "
+                     f"(heldout_fraction={cfg.heldout_fraction}, cut at a line start) leaves no text to train on")
+
+
+def build_data(cfg, tok):
+  """`(BatchIterator over the train split, list of held-out EvalWindow)` for `cfg`."""
+  _check_corpus(cfg)
+  common = dict(heldout_fraction=cfg.heldout_fraction, max_segments=cfg.max_num_segments)
+  try:
+    it = make_train_iterator(cfg.train_data, cfg.train_data_format, tok, seq_len=cfg.seq_len,
+                             batch_size=cfg.batch_size, seed=cfg.data_seed, split_long=cfg.split_long,
+                             **common)
+    windows = []
+    if cfg.eval_every > 0:
+      windows = make_eval_windows(cfg.train_data, cfg.train_data_format, tok, seq_len=cfg.seq_len,
+                                  batch_size=cfg.eval_batch_size, **common)
+  except DataFormatError as e:
+    raise TrainError(f"train_data: {e}") from None
+  except ValueError as e:  # e.g. split_long="none" and a long document, or no packed rows
+    raise TrainError(f"train_data={cfg.train_data!r}: {e}") from None
+  if cfg.eval_every > 0 and not windows:
+    raise TrainError(f"the held-out split of train_data={cfg.train_data!r} holds no tokens; raise "
+                     f"heldout_fraction or pass eval_every=0")
+  if cfg.eval_max_windows:
+    windows = windows[:cfg.eval_max_windows]
+  return it, windows
+
+
+# ------------------------------------------------------------------------------------------------
+# Export and metrics
+# ------------------------------------------------------------------------------------------------
+
+def export_parameters(path, graphdef, state, cfg, *, overwrite: bool = True) -> pathlib.Path:
+  """Writes the model's parameters to `path` in the project's checkpoint format (atomically).
+
+  With export_dtype=bfloat16, floating arrays of ndim >= 2 (matrices, experts, embeddings) are
+  stored in bfloat16; vectors (norm scales, A_log, dt_bias, router bias) stay float32. Loading
+  casts back to the config's weight_dtype.
+  """
+  model = nnx.merge(graphdef, state["params"], state["rest"])
+  mstate = nnx.state(model)
+  if cfg.export_dtype == "bfloat16":
+    mstate = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating)
+                          else x, mstate)
+  return checkpointing.save_parameters(path, mstate, cfg, overwrite=overwrite)
+
+
+class MetricsLog:
+  """Appends JSON records to DIR/metrics.jsonl (one object per line, flushed at once).
+
+  On resume, records of steps after the restored checkpoint (written by the interrupted run and
+  about to be recomputed) are dropped first, via an atomic rewrite.
+  """
+
+  def __init__(self, path: pathlib.Path, resume_step: int):
+    self.path = path
+    if path.exists():
+      keep = []
+      for line in path.read_text().splitlines():
+        try:
+          rec = json.loads(line)
+        except json.JSONDecodeError:
+          continue  # a line cut by a crash
+        if rec.get("step", 0) <= resume_step:
+          keep.append(line)
+      tmp = path.with_name(path.name + ".tmp")
+      tmp.write_text("".join(k + "\n" for k in keep))
+      os.replace(tmp, path)
+    self._f = open(path, "a")
+
+  def write(self, record: dict) -> None:
+    self._f.write(json.dumps(record) + "\n")
+    self._f.flush()
+
+  def close(self) -> None:
+    self._f.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------------
+
+def _meta(cfg, tok) -> dict:
+  return {"config": json.loads(config_to_json(cfg)),
+          "train_data_sha256": train_lib.file_sha256(cfg.train_data),
+          "tokenizer_sha256": train_lib.file_sha256(getattr(tok, "path", None))}
+
+
+def _check_resume(meta: dict, now: dict, ckpt_dir) -> None:
+  bad = train_lib.resume_mismatches(meta.get("config", {}), now["config"])
+  for key in ("train_data_sha256", "tokenizer_sha256"):
+    if meta.get(key) != now[key]:
+      what = "train_data file" if key.startswith("train") else "tokenizer file"
+      bad.append(f"{what} content differs from the one the checkpoint was trained on")
+  if bad:
+    raise TrainError(f"cannot resume from {ckpt_dir}: the config does not match the checkpoint ("
+                     + "; ".join(bad[:6]) + (f"; and {len(bad) - 6} more" if len(bad) > 6 else "")
+                     + "); use the original values or a new output_dir")
+
+
+def is_run_directory(path: pathlib.Path) -> bool:
+  """Whether directory `path` holds a run of this tool: its checkpoints/ directory or metrics.jsonl
+  (the first things a run writes; an interrupted run that completed no step removes them again)."""
+  return (path / CHECKPOINT_SUBDIR).is_dir() or (path / METRICS_FILE).is_file()
+
+
+def check_output_dir(path: pathlib.Path, given: str, overwrite: bool) -> None:
+  """Refuses an existing, non-empty `path` (output_dir=`given`) that is not a run directory of this
+  tool (`is_run_directory`), unless `overwrite`; a new, empty or run directory passes.
+
+  Raises:
+    TrainError naming output_dir, a few of the entries found, and the two ways out.
+  """
+  if overwrite or not path.is_dir() or is_run_directory(path):
+    return
+  names = sorted(p.name for p in path.iterdir())
+  if not names:
+    return
+  shown = ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
+  raise TrainError(f"output_dir={given!r} is not empty and is not a run directory of tools.train (no "
+                   f"{CHECKPOINT_SUBDIR}/ or {METRICS_FILE}; it holds {shown}); choose a new or empty directory, "
+                   f"or pass overwrite=true to write the run into it (nothing in it is deleted)")
+
+
+def _raise_interrupt(signum, frame):
+  raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _remove_unused_run(out: pathlib.Path, created: bool) -> None:
+  """Removes what a run that completed no step made: all of `out` when this run created it, else an
+  empty checkpoints/ and an empty metrics file."""
+  if created:
+    shutil.rmtree(out, ignore_errors=True)
+  else:
+    with contextlib.suppress(OSError):
+      (out / CHECKPOINT_SUBDIR).rmdir()  # only when empty
+    metrics = out / METRICS_FILE
+    if metrics.is_file() and metrics.stat().st_size == 0:
+      metrics.unlink()
+
+
+def _nothing_saved(out: pathlib.Path, created: bool, start: int | None) -> None:
+  """Says (one line on stderr) that an interrupted run completed no step, and removes what it made
+  (`_remove_unused_run`)."""
+  _remove_unused_run(out, created)
+  kept = f"; the checkpoint of step {start} is unchanged" if start else ""
+  print(f"interrupted before the first training step finished: no step was completed and nothing was saved"
+        f"{kept}", file=sys.stderr)
+
+
+def train(cfg, *, progress: bool = True) -> dict:
+  """Runs (or resumes) training as configured; see the module docstring.
+
+  Args:
+    cfg: a config from `model.config.load_config` holding the training keys.
+    progress: show a tqdm progress bar.
+
+  Returns:
+    dict: "start_step" (0 or the resumed step), "step" (the last step reached), "losses"
+    ({step: loss} for the steps this call ran), "evals" ({step: held-out record}), "export"
+    (path of the exported parameters, or None when the run stopped early), "state" (the final
+    train state), "graphdef".
+
+  Raises:
+    TrainError: missing/empty data, a tokenizer or resume config that does not match, bad keys;
+      XLA's RESOURCE_EXHAUSTED as `out of memory (...): lower ...; <the last checkpoint, intact>`
+      (chained to the XLA error; checkpoints already written are not touched).
+    model.data.tokenizer.TokenizerError, model.config.ConfigError, model.checkpoint.format.CheckpointError.
+  """
+  train_lib.check_train_config(cfg)
+  partitioning.mesh_shape(cfg, jax.device_count())  # an impossible mesh fails before anything is read or written
+  if not cfg.output_dir:
+    raise TrainError("output_dir is required: pass output_dir=DIR (checkpoints, metrics and parameters go there)")
+  out = pathlib.Path(cfg.output_dir).absolute()
+  if out.exists() and not out.is_dir():
+    raise TrainError(f"output_dir={cfg.output_dir!r} exists and is not a directory")
+  check_output_dir(out, cfg.output_dir, cfg.overwrite)
+  tok = _tokenizer(cfg)
+  it, windows = build_data(cfg, tok)
+  final_step = cfg.stop_at_step if 0 < cfg.stop_at_step < cfg.steps else cfg.steps
+  hparams = train_lib.optimizer_hparams(cfg)
+  num_slots = cfg.max_num_segments
+
+  created = not out.exists()
+  # SIGTERM (a scheduler preempting the job) takes the Ctrl-C path from here on: checkpoint, then exit.
+  old_term = None
+  if threading.current_thread() is threading.main_thread():
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+  start = step = saved = None
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = train_lib.TrainCheckpointer(out / CHECKPOINT_SUBDIR, cfg.checkpoint_keep)
+    meta = _meta(cfg, tok)
+    latest = ckpt.latest_step()
+    saved = latest  # the newest checkpoint on disk (named if the run fails)
+    if latest is not None:  # checked before building anything: a refused resume costs nothing
+      if not cfg.resume:
+        raise TrainError(f"output_dir={cfg.output_dir!r} holds train checkpoints up to step {latest}; pass "
+                         f"resume=true to continue that run or choose another output_dir")
+      _check_resume(ckpt.read_meta(latest), meta, ckpt.directory)
+
+    # Several devices: the mesh of the ici_*_parallelism keys (model/partitioning.py); None on one device.
+    mesh = partitioning.job_mesh(cfg)
+    if latest is None and cfg.load_parameters_path:  # fine-tuning: the given parameters, not a random init
+      model = loading.load(cfg.load_parameters_path, config=cfg, mesh=mesh).model
+      graphdef, state = train_lib.init_train_state(model, hparams, cfg.train_seed, mesh)
+    else:
+      graphdef, state = train_lib.create_train_state(cfg, hparams, mesh)
+    start = 0
+    if latest is not None:
+      state, data_state = ckpt.restore(latest, state)
+      try:
+        it.restore(data_state)
+      except ValueError as e:
+        raise TrainError(f"cannot resume the data iterator from {ckpt.directory / str(latest)}: {e}") from None
+      start = int(state["step"])
+      if start != it.step:
+        raise TrainError(f"checkpoint {ckpt.directory / str(latest)} is inconsistent: train step {start} but "
+                         f"data iterator step {it.step}")
+
+    metrics = MetricsLog(out / METRICS_FILE, start)
+    step_fn = train_lib.train_step_fn(graphdef, hparams, num_slots, float(cfg.router_bias_update_rate))
+    losses, evals, pending = {}, {}, []
+    step = start
+    t_last = time.perf_counter()
+    bar = tqdm(total=final_step, initial=start, disable=not progress, desc="train", unit="step",
+               dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
+
+    def save():
+      nonlocal saved
+      ckpt.save(step, state, it.state, meta)
+      saved = step
+
+    def log_pending():
+      """Writes one metrics record for the steps run since the last one; returns it."""
+      nonlocal t_last
+      host = [(s, jax.device_get(x)) for s, x in pending]
+      for s, x in host:
+        losses[s] = float(x["loss"])
+      now = time.perf_counter()
+      last_step, last = host[-1]
+      rec = {"step": last_step, "loss": float(np.mean([float(x["loss"]) for _, x in host])),
+             "lr": float(last["lr"]), "grad_norm": float(last["grad_norm"]),
+             "tokens": int(sum(float(x["tokens"]) for _, x in host)),
+             "epoch": round(last_step * cfg.batch_size / it.num_rows, 4),
+             "seconds_per_step": round((now - t_last) / len(host), 4)}
+      t_last = now
+      pending.clear()
+      metrics.write(rec)
+      return rec
+
+    def run_eval():
+      rec = {"step": step, **train_lib.evaluate(graphdef, state, windows, num_slots)}
+      evals[step] = rec
+      metrics.write(rec)
+      bar.write(f"step {step}: heldout_loss {rec['heldout_loss']:.4f}  heldout_ppl {rec['heldout_ppl']:.2f}")
+
+    # On a mesh, steps and evaluations are traced in its context (KDA kernels per head shard).
+    mesh_ctx = contextlib.ExitStack()
+    to_global = None
+    if mesh is not None:
+      mesh_ctx.enter_context(partitioning.mesh_context(mesh, cfg))
+      # Each process builds only its rows of the global batch (the data axis spans the hosts).
+      to_global = train_lib.feed_on_mesh(it, mesh, cfg)
+    try:
+      while step < final_step:
+        batch = next(it)
+        if to_global is not None:
+          batch = to_global(batch)
+        state, m = step_fn(state, batch)
+        step += 1
+        pending.append((step, m))
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == final_step:
+          rec = log_pending()
+          bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}")
+          if not math.isfinite(rec["loss"]):
+            raise TrainError(f"the loss became {rec['loss']} at step {step}; lower learning_rate or "
+                             f"grad_clip_norm (the last finite checkpoint is kept in {ckpt.directory})")
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == final_step:
+          save()
+        if windows and (step % cfg.eval_every == 0 or step == cfg.steps):
+          run_eval()
+        if cfg.export_every and step % cfg.export_every == 0 and step < cfg.steps:
+          export_parameters(out / f"{PARAMS_SUBDIR}-{step}", graphdef, state, cfg)
+    except KeyboardInterrupt:
+      # The interrupt may land between next(it) and the state update: re-derive the position from
+      # the state (batches are a pure function of the step) so the checkpoint is consistent.
+      step = int(jax.device_get(state["step"]))
+      it.step = step
+      if pending:
+        log_pending()
+      if step > start and step not in ckpt.all_steps():
+        save()
+        bar.write(f"interrupted: checkpointed step {step} in {ckpt.directory}; run the same command to resume")
+      raise
+    finally:
+      mesh_ctx.close()
+      bar.close()
+      metrics.close()
+      ckpt.close()
+
+    exported = None
+    if step >= cfg.steps:
+      exported = export_parameters(out / PARAMS_SUBDIR, graphdef, state, cfg)
+    return {"start_step": start, "step": step, "losses": losses, "evals": evals, "export": exported,
+            "state": state, "graphdef": graphdef}
+  except KeyboardInterrupt:
+    if step is None or step == start:  # interrupted before this run's first step finished
+      _nothing_saved(out, created, start)
+    raise
+  except Exception as e:
+    msg = out_of_memory_message(e, f"lower {MEMORY_KEYS}")
+    if msg is None:
+      raise
+    if step is None or step == start:
+      _remove_unused_run(out, created)
+    if saved is None:
+      kept = "no checkpoint had been written yet, so there is nothing to resume"
+    else:
+      kept = (f"nothing was lost beyond the last checkpoint, step {saved} in {out / CHECKPOINT_SUBDIR}, which is "
+              f"intact (resuming needs the same batch_size and seq_len; eval_batch_size may change)")
+    raise TrainError(f"{msg}; {kept}") from e
+  finally:
+    if old_term is not None:
+      signal.signal(signal.SIGTERM, old_term)

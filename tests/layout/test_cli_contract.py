@@ -1,0 +1,78 @@
+"""Every tool keeps the one command-line contract (tools/cli.py), run as a user runs it: a subprocess.
+
+`--help` works (also through its installed console command); a typo'd key, a value of the wrong type
+and `attention=no_such_backend` each print exactly one `error:` line naming the key, exit with
+status 2 and print no traceback. Each bad argument is caught before any checkpoint, corpus or
+output path is touched, so the arguments around it need not exist.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+DEMO = REPO / "kda_plugin" / "assets" / "demo"
+CKPT = f"load_parameters_path={DEMO}"
+MISSING = "/nonexistent/for-this-test"
+
+# tool module -> (console command, [(argv, key the error line must name)])
+TOOLS = {
+    "generate": ("kda-generate", [([CKPT, "prompt_ids=1", "max_new_tokns=3"], "max_new_tokns"),
+                                  ([CKPT, "prompt_ids=1", "max_new_tokens=three"], "max_new_tokens"),
+                                  ([CKPT, "prompt_ids=1", "attention=no_such_backend"], "attention")]),
+    "perplexity": ("kda-perplexity", [([CKPT, f"eval_data={MISSING}", "max_target_lenght=8"], "max_target_lenght"),
+                                      ([CKPT, f"eval_data={MISSING}", "eval_batch_size=1.5"], "eval_batch_size"),
+                                      ([CKPT, f"eval_data={MISSING}", "attention=no_such_backend"], "attention")]),
+    "train": ("kda-train", [(["tiny", "learning_rat=1"], "learning_rat"),
+                            (["tiny", "steps=many"], "steps"),
+                            (["tiny", f"output_dir={MISSING}", "attention=no_such_backend"], "attention")]),
+    "demo": ("kda-demo", [(["max_new_tokns=3"], "max_new_tokns"),
+                          (["max_new_tokens=three"], "max_new_tokens"),
+                          (["attention=no_such_backend"], "attention")]),
+    "forward_check": ("kda-forward-check", [(["tiny", "hiden_size=8"], "hiden_size"),
+                                            (["tiny", "hidden_size=wide"], "hidden_size"),
+                                            (["tiny", "attention=no_such_backend"], "attention")]),
+    "convert_checkpoint": ("kda-convert", [([f"hf_model_pth={MISSING}", f"output_path={MISSING}"], "hf_model_pth"),
+                                           ([f"hf_model_path={MISSING}", f"output_path={MISSING}", "overwrite=maybe"],
+                                            "overwrite"),
+                                           ([f"hf_model_path={MISSING}", f"output_path={MISSING}",
+                                             "attention=no_such_backend"], "attention")]),
+    "train_tokenizer": ("kda-train-tokenizer", [([f"inpt={MISSING}"], "inpt"),
+                                                ([f"input={MISSING}", f"model_prefix={MISSING}", "vocab_size=big"],
+                                                 "vocab_size"),
+                                                ([f"input={MISSING}", "attention=no_such_backend"], "attention")]),
+    "unigram_baseline": ("kda-unigram-baseline", [([f"dat={MISSING}"], "dat"),
+                                                  ([f"data={MISSING}", f"tokenizer_path={MISSING}",
+                                                    "heldout_fraction=half"], "heldout_fraction"),
+                                                  ([f"data={MISSING}", "attention=no_such_backend"], "attention")]),
+}
+CASES = [(tool, argv, key) for tool, (_, cases) in TOOLS.items() for argv, key in cases]
+
+
+def _run(argv, cwd=REPO):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+@pytest.mark.parametrize("tool, argv, key", CASES, ids=[f"{t}-{k}-{i % 3}" for i, (t, _, k) in enumerate(CASES)])
+def test_bad_argument_is_one_error_line(tool, argv, key):
+  r = _run([sys.executable, "-m", f"tools.{tool}", *argv])
+  errors = [line for line in r.stderr.splitlines() if "error:" in line]
+  assert r.returncode == 2, (r.returncode, r.stderr)
+  assert "Traceback" not in r.stderr + r.stdout, r.stderr
+  assert len(errors) == 1 and errors[0].startswith("error: "), r.stderr
+  assert key in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_help_through_the_console_command(tool):
+  command = pathlib.Path(sys.executable).parent / TOOLS[tool][0]
+  assert command.is_file(), f"{command} is not installed (pyproject [project.scripts]; reinstall with make install)"
+  r = _run([str(command), "--help"])
+  assert r.returncode == 0 and r.stderr == "", r.stderr
+  assert len(r.stdout.splitlines()) > 5  # the tool's help text, not an empty line
