@@ -60,13 +60,10 @@ import subprocess
 import sys
 import tempfile
 
-from tools.cli_args import parse_key_values
+from model.errors import UsageError
+from tools.cli import parse_key_values
 
 CALIBRATION_PATH = pathlib.Path(__file__).with_name("tpu_cost_calibration.json")
-
-
-class UsageError(ValueError):
-  """Bad command-line input (printed as one `error:` line, exit 2)."""
 
 
 @dataclasses.dataclass(frozen=True)
