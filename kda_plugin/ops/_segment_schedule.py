@@ -127,3 +127,81 @@ def build_schedule(seg, num_steps_: int, *, has_initial_state: bool, chunk: int 
             last_of_chunk, open_end, h0_slot, out_slot, passthrough]
   assert len(fields) == NUM_FIELDS
   return jnp.stack([f.astype(jnp.int32) for f in fields], axis=-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-chunk piece table (the Pallas TPU kernel): one grid step per chunk, its pieces looped in place.
+#
+# The TPU kernel's grid is (B, H, NC) with arithmetic block indices, so the schedule no longer steers
+# any DMA and need not be scalar-prefetched whole: each grid step reads only its own chunk's entry,
+# delivered as a per-step SMEM block. An entry is `1 + 2 * P` int32 words, P = min(C, N) (a chunk
+# holds at most one run per label and at most C runs): word 0 is the chunk's piece count, then two
+# words per piece in order, the label and a packed word (`PIECE_*` bit offsets below). SMEM holds
+# two such entries (double buffering) whatever B and T are.
+
+PIECE_FIRST = 0       # bits 0-7: first row of the piece inside its chunk
+PIECE_LAST = 8        # bits 8-15: last row of the piece inside its chunk
+PIECE_CONT = 16       # bit 16: the piece continues the document open at the previous chunk's end
+PIECE_ENDS = 17       # bit 17: the document ends inside this piece (its final state is written)
+PIECE_HAS_STATE = 18  # bit 18: the incoming state may be non-zero (continuing, or initial_state given)
+WORDS_PER_PIECE = 2
+
+
+def pieces_per_chunk(num_segments: int, chunk: int = CHUNK) -> int:
+  """P: the most pieces one chunk can hold (one run per label, at most one per row)."""
+  return max(1, min(chunk, num_segments))
+
+
+def chunk_table_words(num_segments: int, chunk: int = CHUNK) -> int:
+  """int32 words of one chunk's entry in `build_chunk_table`."""
+  return 1 + WORDS_PER_PIECE * pieces_per_chunk(num_segments, chunk)
+
+
+def build_chunk_table(seg, num_segments: int, *, has_initial_state: bool, chunk: int = CHUNK):
+  """Per-chunk piece table of every row (traceable: works on traced `seg` under jit).
+
+  Args:
+    seg: int32 `[B, Tp]` segment map padded with 0 to a multiple of `chunk`; 0 = padding, labels are
+      contiguous runs in 1..num_segments (validated by the caller).
+    num_segments: N, static.
+    has_initial_state: whether per-slot initial states are given.
+
+  Returns:
+    int32 `[B, NC, chunk_table_words(N)]`: per chunk its piece count, then (label, packed word) per
+    piece in row order; unused piece words are 0.
+  """
+  b, tp = seg.shape
+  nc = tp // chunk
+  p = pieces_per_chunk(num_segments, chunk)
+  t = jnp.arange(tp, dtype=jnp.int32)
+  zeros_col = jnp.zeros((b, 1), seg.dtype)
+  prev = jnp.concatenate([zeros_col, seg[:, :-1]], axis=1)
+  nxt = jnp.concatenate([seg[:, 1:], zeros_col], axis=1)
+  live = seg != 0
+  row = t % chunk
+  begin = live & ((row == 0) | (seg != prev))                     # first row of each piece
+  cont = begin & (seg == prev)                                     # ... continuing a document
+  boundary_after = (row == chunk - 1) | (seg != nxt)
+  piece_last = lax.cummin(jnp.where(boundary_after, t, tp), axis=1, reverse=True) % chunk
+  # the document open at a chunk's last row continues into the next chunk: its piece does not end
+  open_end = (live & (seg == nxt) & (row == chunk - 1)).reshape(b, nc, chunk)[..., -1]   # [B, NC]
+
+  # Piece j of a chunk is the begin row of within-chunk rank j: one-hot picks, no sort, no gather.
+  begin3 = begin.reshape(b, nc, chunk)
+  count = jnp.sum(begin3, axis=-1).astype(jnp.int32)                                # [B, NC]
+  rank = jnp.cumsum(begin3, axis=-1) - 1
+  j = jnp.arange(p, dtype=jnp.int32)
+  onehot = begin3[:, :, None, :] & (rank[:, :, None, :] == j[:, None])             # [B, NC, P, C]
+  pick = lambda x: jnp.sum(jnp.where(onehot, x.reshape(b, nc, 1, chunk), 0), axis=-1)
+  first = pick(jnp.broadcast_to(row, (b, tp)))
+  last = pick(piece_last)
+  label = pick(seg)
+  cont_p = pick(cont.astype(jnp.int32))
+  ends = 1 - ((last == chunk - 1) & open_end[:, :, None]).astype(jnp.int32)
+  used = j < count[:, :, None]
+  has_state = cont_p | int(has_initial_state)
+  packed = (first << PIECE_FIRST | last << PIECE_LAST | cont_p << PIECE_CONT | ends << PIECE_ENDS
+            | has_state << PIECE_HAS_STATE)
+  words = jnp.stack([jnp.where(used, label, 0), jnp.where(used, packed, 0)], axis=-1)
+  words = words.astype(jnp.int32).reshape(b, nc, WORDS_PER_PIECE * p)
+  return jnp.concatenate([count[:, :, None], words], axis=-1)
