@@ -1,4 +1,7 @@
-"""The per-row step schedule that lets the Pallas kernels walk a packed sequence in place.
+"""Schedules that let the Pallas kernels walk a packed sequence in place.
+
+Two forms: the per-row step schedule below (`build_schedule`, used by the GPU kernel), and the
+per-chunk piece table at the end of the module (`build_chunk_table`, used by the TPU kernel).
 
 A packed row of `Tp` tokens is cut into `NC = Tp / C` chunks of `C = 64` rows. A *piece* is the part of
 one document that lies inside one chunk (a contiguous run of one label). The kernels take one grid
