@@ -176,32 +176,36 @@ def build_chunk_table(seg, num_segments: int, *, has_initial_state: bool, chunk:
   b, tp = seg.shape
   nc = tp // chunk
   p = pieces_per_chunk(num_segments, chunk)
-  t = jnp.arange(tp, dtype=jnp.int32)
   zeros_col = jnp.zeros((b, 1), seg.dtype)
-  prev = jnp.concatenate([zeros_col, seg[:, :-1]], axis=1)
-  nxt = jnp.concatenate([seg[:, 1:], zeros_col], axis=1)
-  live = seg != 0
-  row = t % chunk
-  begin = live & ((row == 0) | (seg != prev))                     # first row of each piece
-  cont = begin & (seg == prev)                                     # ... continuing a document
-  boundary_after = (row == chunk - 1) | (seg != nxt)
-  piece_last = lax.cummin(jnp.where(boundary_after, t, tp), axis=1, reverse=True) % chunk
+  prev = jnp.concatenate([zeros_col, seg[:, :-1]], axis=1).reshape(b, nc, chunk)
+  nxt = jnp.concatenate([seg[:, 1:], zeros_col], axis=1).reshape(b, nc, chunk)
+  seg3 = seg.reshape(b, nc, chunk)
+  live = seg3 != 0
+  row = jnp.arange(chunk, dtype=jnp.int32)
+  begin = live & ((row == 0) | (seg3 != prev))                    # first row of each piece
+  cont = begin & (seg3 == prev)                                    # ... continuing a document
   # the document open at a chunk's last row continues into the next chunk: its piece does not end
-  open_end = (live & (seg == nxt) & (row == chunk - 1)).reshape(b, nc, chunk)[..., -1]   # [B, NC]
+  open_end = live[..., -1] & (seg3[..., -1] == nxt[..., -1])                        # [B, NC]
 
-  # Piece j of a chunk is the begin row of within-chunk rank j: one-hot picks, no sort, no gather.
-  begin3 = begin.reshape(b, nc, chunk)
-  count = jnp.sum(begin3, axis=-1).astype(jnp.int32)                                # [B, NC]
-  rank = jnp.cumsum(begin3, axis=-1) - 1
-  j = jnp.arange(p, dtype=jnp.int32)
-  onehot = begin3[:, :, None, :] & (rank[:, :, None, :] == j[:, None])             # [B, NC, P, C]
-  pick = lambda x: jnp.sum(jnp.where(onehot, x.reshape(b, nc, 1, chunk), 0), axis=-1)
-  first = pick(jnp.broadcast_to(row, (b, tp)))
-  last = pick(piece_last)
-  label = pick(seg)
-  cont_p = pick(cont.astype(jnp.int32))
+  # Only elementwise ops, reductions over the chunk's 64 rows and one small matmul: XLA's TPU
+  # scans (cumsum / cummin lower to reduce-window) and gathers take minutes to compile at B = 256.
+  # running[r] = piece starts in rows <= r (exact in float32: 0/1 terms, sums <= 64).
+  upper = (row[:, None] <= row[None, :]).astype(jnp.float32)
+  running = jnp.einsum("bcr,rs->bcs", begin.astype(jnp.float32), upper,
+                       precision=lax.Precision.HIGHEST).astype(jnp.int32)           # [B, NC, C]
+  count = running[..., -1]
+  j = jnp.arange(p, dtype=jnp.int32)[:, None]                                        # [P, 1]
+  rj = running[:, :, None, :]                                                        # [B, NC, 1, C]
+  # piece j begins after the rows whose running count is still <= j, and owns the live rows
+  # whose count is j + 1
+  first = jnp.minimum(jnp.sum((rj <= j).astype(jnp.int32), axis=-1), chunk - 1)      # [B, NC, P]
+  length = jnp.sum(((rj == j + 1) & live[:, :, None, :]).astype(jnp.int32), axis=-1)
+  last = jnp.maximum(first + length - 1, 0)
+  at_first = row == first[..., None]                                                 # [B, NC, P, C]
+  label = jnp.sum(jnp.where(at_first, seg3[:, :, None, :], 0), axis=-1)
+  cont_p = jnp.sum(jnp.where(at_first, cont[:, :, None, :], False).astype(jnp.int32), axis=-1)
   ends = 1 - ((last == chunk - 1) & open_end[:, :, None]).astype(jnp.int32)
-  used = j < count[:, :, None]
+  used = j[:, 0] < count[:, :, None]
   has_state = cont_p | int(has_initial_state)
   packed = (first << PIECE_FIRST | last << PIECE_LAST | cont_p << PIECE_CONT | ends << PIECE_ENDS
             | has_state << PIECE_HAS_STATE)

@@ -194,7 +194,11 @@ def kda_inference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, out
     dt_bias = (jnp.zeros((p.num_heads, p.key_dim), jnp.float32) if dt_bias is None
                else jnp.asarray(dt_bias, jnp.float32).reshape(p.num_heads, p.key_dim))
     gate = (a_log, dt_bias)
-  o, final = _forward(q, k, v, g, beta, p.segment_ids if packed else None, h0, gate,
+  seg = None
+  if packed:  # a shared [T] map stays one row: the TPU kernel builds its chunk table once
+    seg = (jnp.asarray(segment_ids, jnp.int32)[None] if np.ndim(segment_ids) == 1
+           else p.segment_ids)
+  o, final = _forward(q, k, v, g, beta, seg, h0, gate,
                       implementation=name, num_heads=p.num_heads, num_segments=n, scale=scale,
                       lower_bound=lower_bound, use_l2norm=bool(use_qk_l2norm),
                       want_final=bool(output_final_state), interpret=interpret)
@@ -216,6 +220,8 @@ def _forward(q, k, v, g, beta, seg, h0, gate, *, implementation, num_heads, num_
   h = num_heads
   if implementation == "pallas_gpu":  # the GPU kernel owns its layout (kda_plugin.ops.pallas_gpu)
     from kda_plugin.ops.pallas_gpu import kda_inference_gpu  # noqa: PLC0415
+    if seg is not None:
+      seg = jnp.broadcast_to(seg, (b, t))
     split = lambda x: x.reshape(b, t, h, -1) if lane_dense else x
     o, final = kda_inference_gpu(split(q), split(k), split(v), split(g), beta, seg, h0, gate,
                                  num_segments=num_segments, scale=scale, lower_bound=lower_bound,
@@ -227,7 +233,7 @@ def _forward(q, k, v, g, beta, seg, h0, gate, *, implementation, num_heads, num_
   tp = _round_up(t, C)
   tp2 = _round_up(tp, LANE)
   if seg is None:
-    seg = jnp.ones((b, t), jnp.int32)
+    seg = jnp.ones((1, t), jnp.int32)
   seg = seg.astype(jnp.int32)
 
   def dense(x, d, dp):  # -> [B, Tp, H*Dp]: a no-op for aligned lane-dense inputs
@@ -291,6 +297,7 @@ def estimate_peak_memory(q, k, v, g, beta, *, segment_ids=None, initial_state=No
                construction; beta `[B, H, Tp2]` when T needs padding (otherwise a free transpose);
                plus, only when K, V or T are not aligned (K, V to 128, T to 64) or q comes as
                [B, T, H, K], padded / relaid copies of q, k, g and v and the padded state buffer.
+  The table has one row for a shared `[T]` map (or no map), B rows for a `[B, T]` map.
   Tp = T rounded up to 64, Tp2 = Tp rounded up to 128. VMEM (on-chip) is not counted. Checked
   against `compiled.memory_analysis()` (arguments + outputs + temporaries) on v5e, v6e and TPU7x by
   tests/aot/test_tpu_kernel_compile.py.
@@ -343,7 +350,9 @@ def estimate_peak_memory(q, k, v, g, beta, *, segment_ids=None, initial_state=No
   state = b * n * h * kp * vp * 4
   outputs = _tiled_bytes(o_shape, dt) + (
       _tiled_bytes((b, n, h, kd, vd), jnp.float32) if output_final_state else 0)
-  temps = 2 * b * nc * _round_up(ss.chunk_table_words(n), LANE) * 4 + 4 * _tiled_bytes((b, tp), jnp.int32)
+  rows = b if segment_ids is not None and len(shp(segment_ids)) == 2 else 1
+  temps = (2 * rows * nc * _round_up(ss.chunk_table_words(n), LANE) * 4
+           + 4 * _tiled_bytes((rows, tp), jnp.int32))
   if tp2 != t:
     temps += _tiled_bytes((b, h, tp2), beta.dtype)  # beta padded along T
   if not lane_dense or kp != kd or tp != t:

@@ -161,7 +161,8 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
   Args:
     q2, k2, g2: `[B, Tp, H*Kp]`; v2: `[B, Tp, H*Vp]` (Kp, Vp multiples of 128, Tp of 64).
     beta_t: `[B, H, Tp2]` (Tp2 = Tp rounded up to 128), float32 or bfloat16.
-    table: int32 `[B, NC, ss.chunk_table_words(N)]` from `ss.build_chunk_table`.
+    table: int32 `[B or 1, NC, ss.chunk_table_words(N)]` from `ss.build_chunk_table` (one row when
+      every batch row shares the segment map).
     a_exp, dt_bias: float32 `[H, 1, Kp]` (in-kernel gate) or None.
     initial_state: float32 `[B, N, H, Kp, Vp]` or None.
     interpret: False, or a `pltpu.InterpretParams` to simulate the TPU on CPU.
@@ -176,6 +177,7 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
   gate = a_exp is not None
   has_h0 = initial_state is not None
   words = table.shape[2]
+  shared = table.shape[0] == 1  # one segment map for every row: one table row
   # one step's entry as a 1-D SMEM block: 1-D blocks need a multiple of 128 words
   words_p = -(-words // LANE) * LANE
   table = jnp.pad(table, ((0, 0), (0, 0), (0, words_p - words))).reshape(-1)
@@ -183,7 +185,8 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
   blk_k = pl.BlockSpec((None, C, kp), lambda b, h, c: (b, c, h))
   blk_v = pl.BlockSpec((None, C, vp), lambda b, h, c: (b, c, h))
   in_specs = [
-      pl.BlockSpec((words_p,), lambda b, h, c: (b * nc + c,), memory_space=pltpu.SMEM),
+      pl.BlockSpec((words_p,), lambda b, h, c: ((0 if shared else b) * nc + c,),
+                   memory_space=pltpu.SMEM),
       blk_k, blk_k, blk_v, blk_k,
       pl.BlockSpec((None, num_heads, LANE), lambda b, h, c: (b, 0, c // PAIR))]
   operands = [table, q2, k2, v2, g2, beta_t]

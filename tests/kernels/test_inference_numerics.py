@@ -162,3 +162,20 @@ def test_lane_dense_layout(implementation):
   np.testing.assert_allclose(np.asarray(o).reshape(ref_o.shape), ref_o, atol=1e-4, rtol=0)
   np.testing.assert_allclose(np.asarray(s), ref_s, atol=1e-4, rtol=0)
   assert np.all(np.asarray(o)[:, case.seg == 0] == 0.0)
+
+
+def test_per_row_segment_maps_tpu_kernel():
+  """A `[B, T]` map with a different packing per row (the TPU kernel then reads one chunk-table row
+  per batch row; a shared `[T]` map uses one row for all) against the oracle."""
+  rng = np.random.default_rng(21)
+  seg = np.stack([_random_layout(rng, 200, 10) for _ in range(3)])
+  case = Case("per_row", seg[0], batch=3, num_segments=10)
+  x = make_inputs(case, seed=31)
+  ref_o, ref_s = oracle(x["q"], x["k"], x["v"], x["g"], x["beta"], seg, x["h0"], 16 ** -0.5)
+  o, s = kda_inference(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")),
+                       segment_ids=jnp.asarray(seg), initial_state=jnp.asarray(x["h0"]),
+                       output_final_state=True, max_num_segments=10, implementation="pallas_tpu",
+                       interpret=True)
+  np.testing.assert_allclose(np.asarray(o), ref_o, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(np.asarray(s), ref_s, atol=1e-4, rtol=0)
+  assert np.all(np.asarray(o)[seg == 0] == 0.0)
