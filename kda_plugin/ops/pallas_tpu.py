@@ -1,6 +1,8 @@
 """Pallas TPU (Mosaic) kernel for packed-sequence KDA inference with native segment IDs.
 
-Grid `(B, H, NC)`: batch and head are parallel, the chunk axis is sequential ("arbitrary"). Every
+Grid `(B, H / HG, NC)`: batch and head group are parallel, the chunk axis is sequential
+("arbitrary"); each step takes HG heads (`heads_per_step`: 4 when H allows), whose work is
+independent, so the compiler overlaps their dependency chains and the step count drops HG-fold. Every
 block index is arithmetic in the grid position, so nothing about the packing steers a DMA: one grid
 step per 64-row chunk builds the chunk's matrices once (cumulative gate, masked Akk / Aqk, the UT
 inverse, U), then loops over the chunk's pieces (the runs of one document inside it, from the
@@ -52,8 +54,8 @@ def _chunk_rows(row, c):
   return jnp.where(c % PAIR == 0, col[:C], col[C:])
 
 
-def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, use_l2norm, gate,
-            lower_bound, has_h0, want_final, key_dim, out_dtype):
+def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_step, scale, use_l2norm,
+            gate, lower_bound, has_h0, want_final, key_dim, out_dtype):
   it = iter(refs)
   aexp_ref, dtb_ref = (next(it), next(it)) if gate else (None, None)
   h0_ref = next(it) if has_h0 else None
@@ -62,9 +64,12 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, use_l
   o_ref = next(it)
   fs_ref = next(it) if want_final else None
   (carry_ref, g_scr, q_scr, k_scr, tinv_scr, aqk_scr, u_scr, vacc_scr, oacc_scr,
-   beta_scr, state_scr) = it
+   beta_scr, state_scr) = it  # each with a leading dim: the step's heads
+  hg = heads_per_step
+  kp, vp = carry_ref.shape[1], carry_ref.shape[2]
+  cols = lambda i, d: slice(i * d, (i + 1) * d)  # head i's lanes of a [C, hg * d] block
 
-  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  b, hb, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   count = table_ref[0]
 
   def label_rows(i, seg_col):  # the chunk's segment column, rebuilt from its pieces
@@ -83,74 +88,87 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, use_l
 
   @pl.when(count > 0)
   def _():
-    beta = jnp.where(valid_row, _chunk_rows(cm.row_at(beta_ref[...].astype(jnp.float32), h), c), 0.0)
-    q = q_ref[...].astype(jnp.float32)
-    k = k_ref[...].astype(jnp.float32)
-    if use_l2norm:
-      q, k = cm.l2norm_rows(q), cm.l2norm_rows(k)
-    q = q * scale
-    g = g_ref[...].astype(jnp.float32)
-    if gate:
-      g = cm.activate_gate(g, aexp_ref[...], dtb_ref[...], lower_bound)
-      g = jnp.where(cm.iota(g.shape, 1) < key_dim, g, 0.0)  # padded lanes stay at g = 0
-    g = jnp.where(valid_row, g, 0.0)
     seg_row = cm.col_to_row(seg_col.astype(jnp.float32)).astype(jnp.int32)
-    G, tinv, aqk = cm.chunk_prep(q, k, g, beta, seg_col, seg_row, blocked=True)
-    g_scr[...] = G
-    q_scr[...] = q
-    k_scr[...] = k
-    tinv_scr[...] = tinv
-    aqk_scr[...] = aqk
-    beta_scr[...] = beta
-    u_scr[...] = cm.dot(tinv, beta * v_ref[...].astype(jnp.float32))
+    beta_all = beta_ref[...].astype(jnp.float32)
+    for i in range(hg):  # independent chains: the scheduler interleaves the heads
+      beta = jnp.where(valid_row, _chunk_rows(cm.row_at(beta_all, hb * hg + i), c), 0.0)
+      q = q_ref[:, cols(i, kp)].astype(jnp.float32)
+      k = k_ref[:, cols(i, kp)].astype(jnp.float32)
+      if use_l2norm:
+        q, k = cm.l2norm_rows(q), cm.l2norm_rows(k)
+      q = q * scale
+      g = g_ref[:, cols(i, kp)].astype(jnp.float32)
+      if gate:
+        g = cm.activate_gate(g, aexp_ref[i], dtb_ref[i], lower_bound)
+        g = jnp.where(cm.iota(g.shape, 1) < key_dim, g, 0.0)  # padded lanes stay at g = 0
+      g = jnp.where(valid_row, g, 0.0)
+      G, tinv, aqk = cm.chunk_prep(q, k, g, beta, seg_col, seg_row, blocked=True)
+      g_scr[i] = G
+      q_scr[i] = q
+      k_scr[i] = k
+      tinv_scr[i] = tinv
+      aqk_scr[i] = aqk
+      beta_scr[i] = beta
+      u_scr[i] = cm.dot(tinv, beta * v_ref[:, cols(i, vp)].astype(jnp.float32))
     vacc_scr[...] = jnp.zeros_like(vacc_scr)
     oacc_scr[...] = jnp.zeros_like(oacc_scr)
 
-    def piece(i, carry):
-      label = table_ref[1 + ss.WORDS_PER_PIECE * i]
-      word = table_ref[2 + ss.WORDS_PER_PIECE * i]
+    def piece(p_i, carry):
+      label = table_ref[1 + ss.WORDS_PER_PIECE * p_i]
+      word = table_ref[2 + ss.WORDS_PER_PIECE * p_i]
       first, last = _bits(word, ss.PIECE_FIRST, 8), _bits(word, ss.PIECE_LAST, 8)
       cont, ends = _bits(word, ss.PIECE_CONT, 1), _bits(word, ss.PIECE_ENDS, 1)
       has_state = _bits(word, ss.PIECE_HAS_STATE, 1)
       slot = label - 1
       mask = seg_col == label
 
-      def finish(vnew, s_base):
-        vacc_scr[...] += vnew
-        s_end = s_base + cm.piece_state_update(g_scr[...], k_scr[...], mask, last, vnew)
+      def finish(i, vnew, s_base):
+        vacc_scr[i] = vacc_scr[i] + vnew
+        s_end = s_base + cm.piece_state_update(g_scr[i], k_scr[i], mask, last, vnew)
 
         @pl.when(ends == 0)
         def _():
-          carry_ref[...] = s_end
+          carry_ref[i] = s_end
 
         if want_final:
           @pl.when(ends == 1)
           def _():
-            state_scr[...] = s_end
-            pltpu.sync_copy(state_scr, fs_ref.at[b, slot, h])
+            state_scr[i] = s_end
+            pltpu.sync_copy(state_scr.at[i], fs_ref.at[b, slot, hb * hg + i])
 
       @pl.when(has_state == 1)
       def _():
-        if has_h0:  # a document starting here enters with its slot's initial state
-          @pl.when(cont == 0)
-          def _():
-            pltpu.sync_copy(h0_ref.at[b, slot, h], carry_ref)
+        for i in range(hg):
+          if has_h0:  # a document starting here enters with its slot's initial state
+            @pl.when(cont == 0)
+            def _():
+              pltpu.sync_copy(h0_ref.at[b, slot, hb * hg + i], carry_ref.at[i])
 
-        vnew, o_add, s_base = cm.piece_with_state(
-            g_scr[...], q_scr[...], k_scr[...], beta_scr[...], tinv_scr[...], u_scr[...], mask,
-            first, last, carry_ref[...])
-        oacc_scr[...] += o_add
-        finish(vnew, s_base)
+          vnew, o_add, s_base = cm.piece_with_state(
+              g_scr[i], q_scr[i], k_scr[i], beta_scr[i], tinv_scr[i], u_scr[i], mask, first, last,
+              carry_ref[i])
+          oacc_scr[i] = oacc_scr[i] + o_add
+          finish(i, vnew, s_base)
 
       @pl.when(has_state == 0)
       def _():
-        finish(jnp.where(mask, u_scr[...], 0.0), jnp.zeros(carry_ref.shape, jnp.float32))
+        for i in range(hg):
+          finish(i, jnp.where(mask, u_scr[i], 0.0), jnp.zeros((kp, vp), jnp.float32))
 
       return carry
 
     lax.fori_loop(0, count, piece, 0)
-    o = oacc_scr[...] + cm.dot(aqk_scr[...], vacc_scr[...])
-    o_ref[...] = jnp.where(valid_row, o, 0.0).astype(out_dtype)
+    for i in range(hg):
+      o = oacc_scr[i] + cm.dot(aqk_scr[i], vacc_scr[i])
+      o_ref[:, cols(i, vp)] = jnp.where(valid_row, o, 0.0).astype(out_dtype)
+
+
+def heads_per_step(num_heads: int, kp: int, vp: int) -> int:
+  """Heads one grid step processes (their chains are independent, so the scheduler overlaps them and
+  the step count drops by that factor): the largest of 4, 2, 1 dividing H, 2 at most for K or V of 256
+  (VMEM)."""
+  cap = 2 if max(kp, vp) > LANE else 4
+  return next(d for d in (4, 2, 1) if d <= cap and num_heads % d == 0)
 
 
 def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
@@ -182,8 +200,9 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
   words_p = -(-words // LANE) * LANE
   table = jnp.pad(table, ((0, 0), (0, 0), (0, words_p - words))).reshape(-1)
 
-  blk_k = pl.BlockSpec((None, C, kp), lambda b, h, c: (b, c, h))
-  blk_v = pl.BlockSpec((None, C, vp), lambda b, h, c: (b, c, h))
+  hg = heads_per_step(num_heads, kp, vp)
+  blk_k = pl.BlockSpec((None, C, hg * kp), lambda b, h, c: (b, c, h))
+  blk_v = pl.BlockSpec((None, C, hg * vp), lambda b, h, c: (b, c, h))
   in_specs = [
       pl.BlockSpec((words_p,), lambda b, h, c: ((0 if shared else b) * nc + c,),
                    memory_space=pltpu.SMEM),
@@ -191,7 +210,7 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
       pl.BlockSpec((None, num_heads, LANE), lambda b, h, c: (b, 0, c // PAIR))]
   operands = [table, q2, k2, v2, g2, beta_t]
   if gate:
-    gspec = pl.BlockSpec((None, 1, kp), lambda b, h, c: (h, 0, 0))
+    gspec = pl.BlockSpec((hg, 1, kp), lambda b, h, c: (h, 0, 0))
     in_specs += [gspec, gspec]
     operands += [a_exp, dt_bias]
   aliases = {}
@@ -211,29 +230,31 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
     out_specs.append(pl.BlockSpec(memory_space=pl.ANY))
 
   f32 = jnp.float32
-  scratch = [pltpu.VMEM((kp, vp), f32),  # state of the open document (carried / DMAed in)
-             pltpu.VMEM((C, kp), f32), pltpu.VMEM((C, kp), f32), pltpu.VMEM((C, kp), f32),  # G, q~, k
-             pltpu.VMEM((C, C), f32), pltpu.VMEM((C, C), f32),  # (I + beta Akk)^-1, Aqk
-             pltpu.VMEM((C, vp), f32), pltpu.VMEM((C, vp), f32), pltpu.VMEM((C, vp), f32),  # U, Vnew, O
-             pltpu.VMEM((C, 1), f32),  # beta column
-             pltpu.VMEM((kp, vp), f32)]  # a final state on its way to HBM
+  scratch = [pltpu.VMEM((hg, kp, vp), f32),  # state of the open document (carried / DMAed in)
+             pltpu.VMEM((hg, C, kp), f32), pltpu.VMEM((hg, C, kp), f32),  # G, q~
+             pltpu.VMEM((hg, C, kp), f32),  # k
+             pltpu.VMEM((hg, C, C), f32), pltpu.VMEM((hg, C, C), f32),  # (I + beta Akk)^-1, Aqk
+             pltpu.VMEM((hg, C, vp), f32), pltpu.VMEM((hg, C, vp), f32),  # U, Vnew
+             pltpu.VMEM((hg, C, vp), f32),  # O
+             pltpu.VMEM((hg, C, 1), f32),  # beta column
+             pltpu.VMEM((hg, kp, vp), f32)]  # a final state on its way to HBM
   kernel = functools.partial(
-      _kernel, scale=float(scale), use_l2norm=use_l2norm, gate=gate, lower_bound=lower_bound,
+      _kernel, heads_per_step=hg, scale=float(scale), use_l2norm=use_l2norm, gate=gate, lower_bound=lower_bound,
       has_h0=has_h0, want_final=want_final, key_dim=key_dim, out_dtype=q2.dtype)
   outs = pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(bsz, num_heads, nc), in_specs=in_specs,
+      kernel, out_shape=out_shape, grid=(bsz, num_heads // hg, nc), in_specs=in_specs,
       out_specs=out_specs, scratch_shapes=scratch, input_output_aliases=aliases,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary"),
-          vmem_limit_bytes=vmem_limit_bytes(kp, vp, num_heads)),
+          vmem_limit_bytes=vmem_limit_bytes(kp, vp, num_heads, hg)),
       interpret=interpret, name="kda_inference_tpu")(*operands)
   return outs[0], (outs[1] if want_final else None)
 
 
-def vmem_limit_bytes(kp: int, vp: int, num_heads: int) -> int:
-  """VMEM plan: double-buffered input/output blocks + scratch, with 2x headroom for the kernel's
-  temporaries (score blocks, exponent tiles), at least 32 MiB."""
+def vmem_limit_bytes(kp: int, vp: int, num_heads: int, hg: int = 1) -> int:
+  """VMEM plan for `hg` heads per step: double-buffered input/output blocks + scratch, with 2x
+  headroom for the kernel's temporaries (score blocks, exponent tiles), at least 32 MiB."""
   f4 = 4
-  blocks = 2 * (3 * C * kp + 2 * C * vp + max(num_heads, 16) * LANE) * f4
-  scratch = (3 * C * kp + 2 * C * C + 3 * C * vp + C * LANE + 2 * kp * vp) * f4
+  blocks = 2 * (hg * (3 * C * kp + 2 * C * vp) + max(num_heads, 16) * LANE) * f4
+  scratch = hg * (3 * C * kp + 2 * C * C + 3 * C * vp + C * LANE + 2 * kp * vp) * f4
   return max(32 << 20, 2 * (blocks + scratch) + (8 << 20))
