@@ -36,7 +36,7 @@ check_not_shadowed()  # before the host import below: a foreign `model` package 
 
 from kda_plugin.ops import (activate_gate, kda_chunked as _kda_chunked, kda_decode_step, kda_inference,  # noqa: E402
                             kda_reference as _kda_reference, l2norm, short_conv, short_conv_step)
-from kda_plugin.ops.inference import resolve_backend  # noqa: E402
+from kda_plugin.ops.inference import resolve_implementation  # noqa: E402
 from model.backend import MODES, SEQUENCE_MODES  # noqa: E402
 
 # Route name -> op. The names are what `describe` reports.
@@ -74,7 +74,7 @@ class KDABackend:
     if mode not in self.routes:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     op = self.routes[mode]
-    label = f"{op}[{resolve_backend(implementation)}]" if op == "kda_inference" else op
+    label = f"{op}[{resolve_implementation(implementation)}]" if op == "kda_inference" else op
     return f"{self.name} -> {label}"
 
   @contextlib.contextmanager
@@ -120,12 +120,11 @@ class KDABackend:
     op = self.routes[mode]
     self._traced(mode, implementation)
     if op == "kda_inference":
-      # TODO(merge): the TPU kernel issue renames this keyword to implementation=.
       return kda_inference(
           q, k, v, g_raw, beta, segment_ids=segment_ids, initial_state=initial_state,
           output_final_state=output_final_state, a_log=a_log, dt_bias=dt_bias,
           lower_bound=lower_bound, use_qk_l2norm=True, max_num_segments=max_num_segments,
-          backend=implementation)
+          implementation=implementation)
     g = self.gate(g_raw, a_log, dt_bias, lower_bound)
     o, state = _OPS[op](self.l2norm(q), self.l2norm(k), v, g, beta, initial_state=initial_state,
                         output_final_state=output_final_state, segment_ids=segment_ids,

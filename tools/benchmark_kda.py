@@ -143,7 +143,7 @@ def _make_inference_pallas(backend: str):
     def fn(q, k, v, g, beta, seg, a_log, dt_bias):
       return kda_inference(q, k, v, g, beta, segment_ids=seg, max_num_segments=2, a_log=a_log,
                            dt_bias=dt_bias, lower_bound=LOWER_BOUND, use_qk_l2norm=True,
-                           output_final_state=True, backend=backend)
+                           output_final_state=True, implementation=backend)
 
     a = case.arrays()
     return fn, (a["q"], a["k"], a["v"], a["g"], a["beta"], a["segment_ids"], a["a_log"], a["dt_bias"])
@@ -156,7 +156,7 @@ def _pallas_peak(backend: str):
     a = case.arrays()
     return estimate_peak_memory(a["q"], a["k"], a["v"], a["g"], a["beta"], segment_ids=a["segment_ids"],
                                 max_num_segments=2, a_log=a["a_log"], dt_bias=a["dt_bias"],
-                                output_final_state=True, backend=backend)
+                                output_final_state=True, implementation=backend)
   return peak
 
 

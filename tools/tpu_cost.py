@@ -52,6 +52,8 @@ fitted on three with one held out (`calibrate=1`; frozen in tools/tpu_cost_calib
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import inspect
 import json
 import math
 import os
@@ -60,7 +62,11 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
+
 from model.errors import UsageError
+from tools import tpu_hlo, tpu_llo
+from tools.atomic_file import atomic_writer
 from tools.cli import parse_key_values
 
 CALIBRATION_PATH = pathlib.Path(__file__).with_name("tpu_cost_calibration.json")
@@ -164,7 +170,6 @@ class Dumps:
 
 def load_dumps(mosaic_dir: str | pathlib.Path, xla_dir: str | pathlib.Path) -> Dumps:
   """Parses one compile's Mosaic and XLA dump directories (see tools.tpu_llo, tools.tpu_hlo)."""
-  from tools import tpu_hlo, tpu_llo
   kernels = [tpu_llo.parse_kernel(p) for p in tpu_llo.find_kernel_dumps(mosaic_dir)]
   ops = tpu_hlo.parse_entry(tpu_hlo.find_hlo_dump(xla_dir), [k.name for k in kernels])
   by_name: dict[str, list] = {}
@@ -245,7 +250,6 @@ A_LOG, DT_BIAS, LOWER_BOUND = 0.0, -2.0, -5.0
 def segment_ids(shape: Shape):
   """int32 [B, T] labels of `shape` (None for fixed length): 2 segments split at T/2-17 (the
   seed's, not 64-aligned), or n balanced segments (tokamax's arg spec)."""
-  import numpy as np
   if shape.segments is None:
     return None
   t = shape.seq_len
@@ -263,6 +267,7 @@ def _compile_child(chip: Chip, shape: Shape, impl: str) -> dict:
   """Compiles one forward for `chip` (dumps go where the parent's env says); returns memory stats."""
   if impl == "tokamax_mosaic" and "--tokamax_cross_compile" not in sys.argv:
     sys.argv.append("--tokamax_cross_compile")  # tokamax reads it at import: lets mosaic compile on CPU
+  # jax starts libtpu at import: only the child compiles, after its dump flags are in the environment
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -278,8 +283,8 @@ def _compile_child(chip: Chip, shape: Shape, impl: str) -> dict:
   seg = segment_ids(shape)
   n = shape.segments
   if impl == "ours":
+    # the op imports jax: child process only (the parent stays jax-free; see the module docstring)
     from kda_plugin.ops import inference
-    import inspect
     choice = ({"implementation": "pallas_tpu"} if "implementation" in inspect.signature(inference.kda_inference).parameters
               else {"backend": "pallas_tpu"})
 
@@ -292,6 +297,7 @@ def _compile_child(chip: Chip, shape: Shape, impl: str) -> dict:
     args = [sds((b, t, h, k), bf16), sds((b, t, h, k), bf16), sds((b, t, h, v), bf16), sds((b, t, h, k), bf16),
             sds((b, t, h), bf16), sds((h,), jnp.float32), sds((h * k,), jnp.float32)]
   else:
+    # tokamax reads --tokamax_cross_compile at import: imported only in the child, after it is set
     from tokamax._src.ops.kda.api import kimi_delta_attention
 
     def fn(q, kk, vv, g, beta, a_log, dt_bias, *seg_arg):
@@ -476,7 +482,6 @@ def main(argv: list[str] | None = None) -> int:
   except UsageError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  import importlib.util
   if importlib.util.find_spec("libtpu") is None or importlib.util.find_spec("jax") is None:
     print(f"error: {sys.executable} has no jax + libtpu: run this tool with .venv-tpu-aot/bin/python "
           "(`make install-aot` creates it)", file=sys.stderr)
@@ -485,7 +490,6 @@ def main(argv: list[str] | None = None) -> int:
     chip, shape, impl = args["_child"].split(":")
     print(json.dumps(_compile_child(CHIPS[chip], SHAPES[shape], impl)))
     return 0
-  from tools.atomic_file import atomic_writer
   if args["calibrate"] == "1":
     cal = calibrate(keep_dir=args["keep_dumps"])
     if args["calibration_out"]:

@@ -90,6 +90,13 @@ def row_to_col(x):
   return jnp.sum(jnp.where(eye, jnp.broadcast_to(x, (n, n)), 0.0), axis=1, keepdims=True)
 
 
+def col_to_row(x):
+  """`[n, 1] -> [1, n]` without a transpose op: a masked sublane reduction against the identity."""
+  n = x.shape[0]
+  eye = iota((n, n), 0) == iota((n, n), 1)
+  return jnp.sum(jnp.where(eye, jnp.broadcast_to(x, (n, n)), 0.0), axis=0, keepdims=True)
+
+
 def activate_gate(raw, a_exp, dt_bias, lower_bound):
   """Gate activation of gates.py, in float32: softplus family, or bounded when `lower_bound` is set.
 

@@ -52,7 +52,8 @@ class KDAProblem:
 
 
 def check_kda_inputs(q, k, v, g, beta, *, initial_state=None, segment_ids=None,
-                     max_num_segments=None, scale=None, g_is_raw: bool = False) -> KDAProblem:
+                     max_num_segments=None, scale=None, g_is_raw: bool = False,
+                     num_heads: int | None = None) -> KDAProblem:
   """Validates the arguments of a sequence-level KDA op and infers B, T, H, K, V, N.
 
   Args:
@@ -65,12 +66,14 @@ def check_kda_inputs(q, k, v, g, beta, *, initial_state=None, segment_ids=None,
       `segment_ids` when None.
     scale: optional positive float multiplying q.
     g_is_raw: True when `g` is a raw gate input activated inside the op (no sign check).
+    num_heads: H for the lane-dense layout: q, k, g `[B, T, H*K]` and v `[B, T, H*V]` (the
+      projections' output, before the split into heads); None for the `[B, T, H, D]` layout.
 
   Returns:
     A `KDAProblem` with the normalised `[B, T]` int32 segment map.
 
   Raises:
-    ValueError: mismatched shapes, beta outside [0, 1], g > 0, labels out of range, an
+    ValueError: mismatched shapes (or a lane-dense width not divisible by num_heads), beta outside [0, 1], g > 0, labels out of range, an
       initial_state whose slot count disagrees, or N missing when it cannot be inferred.
     TypeError: integer (non-floating) q, k, v, g, beta or non-integer segment_ids.
   """
@@ -78,16 +81,34 @@ def check_kda_inputs(q, k, v, g, beta, *, initial_state=None, segment_ids=None,
     if x is None:
       raise ValueError(f"{name} is required")
     _require_float(name, x)
-  if len(_shape(q)) != 4:
-    raise ValueError(f"q must have shape [B, T, H, K], got {_shape(q)}")
-  b, t, h, kd = _shape(q)
-  if _shape(k) != (b, t, h, kd):
-    raise ValueError(f"k must have q's shape [B, T, H, K] = {(b, t, h, kd)}, got {_shape(k)}")
-  if _shape(g) != (b, t, h, kd):
-    raise ValueError(f"g must have q's shape [B, T, H, K] = {(b, t, h, kd)}, got {_shape(g)}")
-  if len(_shape(v)) != 4 or _shape(v)[:3] != (b, t, h):
-    raise ValueError(f"v must have shape [B, T, H, V] = {(b, t, h)} + (V,), got {_shape(v)}")
-  vd = _shape(v)[3]
+  if num_heads is None:
+    if len(_shape(q)) != 4:
+      raise ValueError(f"q must have shape [B, T, H, K] (or [B, T, H*K] with num_heads), got {_shape(q)}")
+    b, t, h, kd = _shape(q)
+    if _shape(k) != (b, t, h, kd):
+      raise ValueError(f"k must have q's shape [B, T, H, K] = {(b, t, h, kd)}, got {_shape(k)}")
+    if _shape(g) != (b, t, h, kd):
+      raise ValueError(f"g must have q's shape [B, T, H, K] = {(b, t, h, kd)}, got {_shape(g)}")
+    if len(_shape(v)) != 4 or _shape(v)[:3] != (b, t, h):
+      raise ValueError(f"v must have shape [B, T, H, V] = {(b, t, h)} + (V,), got {_shape(v)}")
+    vd = _shape(v)[3]
+  else:
+    h = int(num_heads)
+    if h < 1:
+      raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    if len(_shape(q)) != 3 or _shape(q)[2] % h:
+      raise ValueError(f"with num_heads={h}, q must have shape [B, T, H*K] (last dim a multiple of "
+                       f"{h}), got {_shape(q)}")
+    b, t, hk = _shape(q)
+    kd = hk // h
+    if _shape(k) != (b, t, hk):
+      raise ValueError(f"k must have q's shape [B, T, H*K] = {(b, t, hk)}, got {_shape(k)}")
+    if _shape(g) != (b, t, hk):
+      raise ValueError(f"g must have q's shape [B, T, H*K] = {(b, t, hk)}, got {_shape(g)}")
+    if len(_shape(v)) != 3 or _shape(v)[:2] != (b, t) or _shape(v)[2] % h:
+      raise ValueError(f"with num_heads={h}, v must have shape [B, T, H*V] = {(b, t)} + (H*V,), "
+                       f"got {_shape(v)}")
+    vd = _shape(v)[2] // h
   if _shape(beta) != (b, t, h):
     raise ValueError(f"beta must have shape [B, T, H] = {(b, t, h)}, got {_shape(beta)}")
   if min(b, t, h, kd, vd) < 1:

@@ -1,13 +1,14 @@
 """`kda_inference`: forward-only KDA over packed sequences with native segment IDs, one pass.
 
-Backends:
-- `pallas_tpu`: the Mosaic megakernel (`kda_plugin.ops.pallas_tpu`).
+Implementations (`implementation=`; the deprecated `backend=` is accepted for one release):
+- `pallas_tpu`: the Mosaic kernel (`kda_plugin.ops.pallas_tpu`).
 - `pallas_gpu`: the Pallas GPU (Triton) kernel (`kda_plugin.ops.pallas_gpu`).
 - `xla`: `kda_plugin.ops.inference_xla.kda_inference_xla`, the XLA lowering of the same algorithm.
 - `auto`: by the target platform (`jax.default_backend()`, or the abstract device's platform under
   `jax.sharding.use_abstract_mesh` when exporting ahead of time): tpu -> pallas_tpu,
   gpu -> pallas_gpu, anything else -> xla.
-Nothing falls back silently: a backend that cannot run the call raises and names the limit.
+Nothing falls back silently: an implementation that cannot run the call raises and names the limit.
+The arguments are validated once per call, here (the XLA path is entered past its own checks).
 
 Math: ../shared/docs/kda.md sections 1-3 and ../shared/docs/segment_native_chunk.md. Every 64-token
 chunk is solved in place whatever it holds (padding, one document, several documents); documents that
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +28,10 @@ import numpy as np
 from kda_plugin.ops import _segment_schedule as ss
 from kda_plugin.ops._contract import check_kda_inputs, default_scale, is_concrete
 from kda_plugin.ops.gates import check_lower_bound
+from kda_plugin.ops.pallas_tpu import LANE, MAX_KV as TPU_MAX_KV
 
-BACKENDS = ("auto", "pallas_tpu", "pallas_gpu", "xla")
+IMPLEMENTATIONS = ("auto", "pallas_tpu", "pallas_gpu", "xla")
 C = ss.CHUNK
-TPU_MAX_KV = 256  # Kp, Vp (after padding to 128 lanes) at most this: the VMEM plan holds [Kp, Vp] states
-GPU_MAX_KV = 128  # K, V at most this: the Triton kernel keeps the [K, V] state in registers
 
 
 def target_platform() -> str:
@@ -43,59 +44,71 @@ def target_platform() -> str:
   return "gpu" if platform in ("cuda", "rocm") else platform
 
 
-def resolve_backend(backend: str) -> str:
-  """Maps `backend` ("auto" included) to a concrete backend name; ValueError for unknown names."""
-  if backend not in BACKENDS:
-    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-  if backend != "auto":
-    return backend
+def resolve_implementation(implementation: str) -> str:
+  """Maps `implementation` ("auto" included) to a concrete kernel name; ValueError for unknown names."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"unknown implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
+  if implementation != "auto":
+    return implementation
   return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(target_platform(), "xla")
+
+
+
+
+def _choose_implementation(implementation, backend) -> str:
+  if backend is not None:
+    warnings.warn("kda_inference(backend=...) is deprecated and will be removed in the next release; "
+                  "use implementation=... (backend also names the model's registry entry)",
+                  DeprecationWarning, stacklevel=3)
+    if implementation not in (None, backend):
+      raise ValueError(f"implementation={implementation!r} and the deprecated backend={backend!r} "
+                       "disagree; pass implementation only")
+    implementation = backend
+  return resolve_implementation("auto" if implementation is None else implementation)
 
 
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def _next_pow2(x: int) -> int:
-  return 1 << max(0, (x - 1).bit_length())
+def lane_padding(implementation: str, key_dim: int, value_dim: int) -> tuple[int, int]:
+  """Padded (Kp, Vp) of a Pallas kernel: multiples of 128 on TPU, powers of two >= 16 on GPU."""
+  if implementation == "pallas_tpu":
+    return _round_up(key_dim, LANE), _round_up(value_dim, LANE)
+  from kda_plugin.ops import pallas_gpu  # noqa: PLC0415  (imports Triton's Pallas lowering: only when chosen)
+  return pallas_gpu.padded_dims(key_dim, value_dim)
 
 
-def lane_padding(backend: str, key_dim: int, value_dim: int) -> tuple[int, int]:
-  """Padded (Kp, Vp) of a Pallas backend: multiples of 128 on TPU, powers of two >= 16 on GPU."""
-  if backend == "pallas_tpu":
-    return _round_up(key_dim, 128), _round_up(value_dim, 128)
-  return max(16, _next_pow2(key_dim)), max(16, _next_pow2(value_dim))
-
-
-def _check_backend_limits(backend: str, key_dim: int, value_dim: int, interpret) -> None:
+def _check_kernel_limits(name: str, key_dim: int, value_dim: int, num_segments: int, interpret) -> None:
   platform = target_platform()
-  if backend == "pallas_tpu":
-    kp, vp = lane_padding(backend, key_dim, value_dim)
+  if name == "pallas_tpu":
+    kp, vp = lane_padding(name, key_dim, value_dim)
     if max(kp, vp) > TPU_MAX_KV:
       raise ValueError(
-          f"backend 'pallas_tpu' supports K and V up to {TPU_MAX_KV} (after padding to 128 lanes); "
-          f"got K={key_dim}, V={value_dim}")
+          f"implementation 'pallas_tpu' supports K and V up to {TPU_MAX_KV} (after padding to "
+          f"{LANE} lanes); got K={key_dim}, V={value_dim}")
     if not interpret and platform != "tpu":
       raise RuntimeError(
-          f"backend 'pallas_tpu' needs a TPU, but the target platform is {platform!r}; pass "
-          "interpret=True to simulate the kernel on CPU, or use backend='xla'")
-  elif backend == "pallas_gpu":
-    if max(key_dim, value_dim) > GPU_MAX_KV:
-      raise ValueError(
-          f"backend 'pallas_gpu' supports K and V up to {GPU_MAX_KV}; got K={key_dim}, V={value_dim}")
+          f"implementation 'pallas_tpu' needs a TPU, but the target platform is {platform!r}; pass "
+          "interpret=True to simulate the kernel on CPU, or use implementation='xla'")
+  elif name == "pallas_gpu":
+    from kda_plugin.ops import pallas_gpu  # noqa: PLC0415  (imports Triton's Pallas lowering: only when chosen)
+    pallas_gpu.check_limits(key_dim, value_dim, num_segments)
     if not interpret and platform != "gpu":
       raise RuntimeError(
-          f"backend 'pallas_gpu' needs a CUDA GPU, but the target platform is {platform!r}; pass "
-          "interpret=True to run the kernel in interpret mode, or use backend='xla'")
+          f"implementation 'pallas_gpu' needs a CUDA GPU, but the target platform is {platform!r}; "
+          "pass interpret=True to run the kernel in interpret mode, or use implementation='xla'")
 
 
-def _check_gate_args(g_is_raw, dt_bias, lower_bound, num_heads, key_dim):
+def _check_gate_args(g_is_raw, a_log, dt_bias, lower_bound, num_heads, key_dim):
   if not g_is_raw:
     if dt_bias is not None or lower_bound is not None:
       raise ValueError("dt_bias and lower_bound are gate parameters: they need a_log (raw g input)")
     return None
   if lower_bound is not None:
     lower_bound = check_lower_bound(lower_bound)
+  if np.size(a_log) != num_heads:
+    raise ValueError(f"a_log must have H={num_heads} values (shape [H]), got shape {np.shape(a_log)}")
   if dt_bias is not None and np.size(dt_bias) != num_heads * key_dim:
     raise ValueError(f"dt_bias must have H*K={num_heads * key_dim} values (shape [H*K] or [H, K]), "
                      f"got shape {np.shape(dt_bias)}")
@@ -104,14 +117,17 @@ def _check_gate_args(g_is_raw, dt_bias, lower_bound, num_heads, key_dim):
 
 def kda_inference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, output_final_state=False,
                   scale=None, a_log=None, dt_bias=None, lower_bound=None, use_qk_l2norm=False,
-                  max_num_segments=None, backend="auto", interpret=False):
+                  max_num_segments=None, num_heads=None, implementation=None, backend=None,
+                  interpret=False):
   """KDA forward over (packed) sequences, equal to `kda_reference`.
 
   Args:
-    q, k: `[B, T, H, K]` float32 or bfloat16.
-    v: `[B, T, H, V]`.
-    g: `[B, T, H, K]`: the log-space decay (<= 0), or, when `a_log` is given, the raw gate input
-      activated in the kernel (`kda_gate_softplus`, or `kda_gate_bounded` with `lower_bound`).
+    q, k: `[B, T, H, K]`, or lane-dense `[B, T, H*K]` with `num_heads=H` (the layout the model's
+      projections produce; the TPU kernel reads it without a copy when K is a multiple of 128 and T
+      of 64); float32 or bfloat16.
+    v: `[B, T, H, V]`, or `[B, T, H*V]` with `num_heads`.
+    g: like q: the log-space decay (<= 0), or, when `a_log` is given, the raw gate input activated
+      in the kernel (`kda_gate_softplus`, or `kda_gate_bounded` with `lower_bound`).
     beta: `[B, T, H]` in [0, 1].
     segment_ids: int32 `[B, T]` or `[T]` (shared by every row); 0 = padding, label n uses slot n-1.
     initial_state: float32 `[B, N, H, K, V]` with segment_ids, else `[B, H, K, V]`; zeros if None.
@@ -121,34 +137,41 @@ def kda_inference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, out
     lower_bound: static float in [-5, 0) selecting the bounded gate family.
     use_qk_l2norm: L2-normalise q and k per head inside the kernel (eps 1e-6 inside the sqrt).
     max_num_segments: N, static; needed under jit when no initial_state gives it.
-    backend: "auto", "pallas_tpu", "pallas_gpu" or "xla".
-    interpret: run a Pallas backend in interpret mode (TPU: `pltpu.InterpretParams()`, or pass one).
+    num_heads: H, static; given exactly when q, k, v, g come in the lane-dense 3-D layout.
+    implementation: the kernel: "auto" (default: by the target platform, see the module
+      docstring), "pallas_tpu", "pallas_gpu" or "xla".
+    backend: deprecated alias of `implementation` (DeprecationWarning; removed next release).
+    interpret: run a Pallas kernel in interpret mode (TPU: `pltpu.InterpretParams()`, or pass one).
 
   Returns:
-    `(o, final_state)`: o `[B, T, H, V]` in q's dtype (exactly 0 on padding); final_state float32 in
-    initial_state's layout, or None.
+    `(o, final_state)`: o in q's layout (`[B, T, H, V]`, or `[B, T, H*V]` with `num_heads`) and
+    dtype, exactly 0 on padding; final_state float32 in initial_state's layout, or None.
 
   Raises:
     ValueError / TypeError: invalid inputs (see `check_kda_inputs`), gate parameters without a_log,
-      an unknown backend, or a shape beyond the chosen backend's limit.
-    RuntimeError: a Pallas backend requested on a platform that cannot run it (without interpret).
+      an unknown implementation, or a shape beyond the chosen kernel's limit.
+    RuntimeError: a Pallas kernel requested on a platform that cannot run it (without interpret).
   """
-  name = resolve_backend(backend)
+  name = _choose_implementation(implementation, backend)
   g_is_raw = a_log is not None
   p = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
-                       max_num_segments=max_num_segments, scale=scale, g_is_raw=g_is_raw)
-  lower_bound = _check_gate_args(g_is_raw, dt_bias, lower_bound, p.num_heads, p.key_dim)
+                       max_num_segments=max_num_segments, scale=scale, g_is_raw=g_is_raw,
+                       num_heads=num_heads)
+  lower_bound = _check_gate_args(g_is_raw, a_log, dt_bias, lower_bound, p.num_heads, p.key_dim)
+  lane_dense = num_heads is not None
   if name == "xla":
     if interpret:
-      raise ValueError("interpret=True applies to the Pallas backends only, not to backend='xla'")
-    from kda_plugin.ops.inference_xla import kda_inference_xla  # lazy: lands separately
-    return kda_inference_xla(q, k, v, g, beta, segment_ids=segment_ids, initial_state=initial_state,
-                             output_final_state=output_final_state, scale=scale, a_log=a_log,
-                             dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
-                             max_num_segments=max_num_segments)
-  _check_backend_limits(name, p.key_dim, p.value_dim, interpret)
+      raise ValueError("interpret=True applies to the Pallas kernels only, not to implementation='xla'")
+    from kda_plugin.ops.inference_xla import run_validated  # noqa: PLC0415
+    split = lambda x: x.reshape(*x.shape[:2], p.num_heads, -1) if lane_dense else x
+    o, final = run_validated(p, split(q), split(k), split(v), split(g), beta,
+                             initial_state=initial_state, output_final_state=output_final_state,
+                             scale=scale, a_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                             use_qk_l2norm=use_qk_l2norm)
+    return (o.reshape(*o.shape[:2], -1) if lane_dense else o), final
+  _check_kernel_limits(name, p.key_dim, p.value_dim, p.num_segments, interpret)
   if scale is not None and not is_concrete(scale):
-    raise ValueError("scale must be a static Python float for the Pallas backends, not a traced value")
+    raise ValueError("scale must be a static Python float for the Pallas kernels, not a traced value")
   scale = float(default_scale(scale, p.key_dim))
   packed = segment_ids is not None
   n = p.num_segments if packed else 1
@@ -156,7 +179,7 @@ def kda_inference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, out
   if h0 is not None and not packed:
     h0 = jnp.asarray(h0)[:, None]
   if interpret is True and name == "pallas_tpu":
-    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
     interpret = pltpu.InterpretParams()
   gate = None
   if g_is_raw:
@@ -164,86 +187,129 @@ def kda_inference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, out
     dt_bias = (jnp.zeros((p.num_heads, p.key_dim), jnp.float32) if dt_bias is None
                else jnp.asarray(dt_bias, jnp.float32).reshape(p.num_heads, p.key_dim))
     gate = (a_log, dt_bias)
-  o, final = _forward(q, k, v, g, beta, p.segment_ids if packed else None, h0, gate,
-                      backend=name, num_segments=n, scale=scale, lower_bound=lower_bound,
-                      use_l2norm=bool(use_qk_l2norm), want_final=bool(output_final_state),
-                      interpret=interpret)
+  seg = None
+  if packed:  # a shared [T] map stays one row: the TPU kernel builds its chunk table once
+    seg = (jnp.asarray(segment_ids, jnp.int32)[None] if np.ndim(segment_ids) == 1
+           else p.segment_ids)
+  o, final = _forward(q, k, v, g, beta, seg, h0, gate,
+                      implementation=name, num_heads=p.num_heads, num_segments=n, scale=scale,
+                      lower_bound=lower_bound, use_l2norm=bool(use_qk_l2norm),
+                      want_final=bool(output_final_state), interpret=interpret)
   if not output_final_state:
     return o, None
   return o, (final if packed else final[:, 0])
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "num_segments", "scale", "lower_bound",
-                                             "use_l2norm", "want_final", "interpret"))
-def _forward(q, k, v, g, beta, seg, h0, gate, *, backend, num_segments, scale, lower_bound,
-             use_l2norm, want_final, interpret):
-  """Pads and lays out the operands, builds the schedule, runs the kernel, unpads."""
-  if backend == "pallas_gpu":  # the GPU kernel owns its layout (kda_plugin.ops.pallas_gpu)
-    from kda_plugin.ops.pallas_gpu import kda_inference_gpu
-    return kda_inference_gpu(q, k, v, g, beta, seg, h0, gate, num_segments=num_segments, scale=scale,
-                             lower_bound=lower_bound, use_l2norm=use_l2norm, want_final=want_final,
-                             interpret=interpret)
-  b, t, h, kd = q.shape
-  vd = v.shape[3]
-  kp, vp = lane_padding(backend, kd, vd)
+@functools.partial(jax.jit, static_argnames=("implementation", "num_heads", "num_segments", "scale",
+                                             "lower_bound", "use_l2norm", "want_final", "interpret"))
+def _forward(q, k, v, g, beta, seg, h0, gate, *, implementation, num_heads, num_segments, scale,
+             lower_bound, use_l2norm, want_final, interpret):
+  """Pads and lays out the operands, builds the chunk table, runs the kernel, unpads.
+
+  q, k, v, g come as `[B, T, H, D]` or lane-dense `[B, T, H*D]`; o leaves in the same layout.
+  """
+  lane_dense = q.ndim == 3
+  b, t = q.shape[:2]
+  h = num_heads
+  if implementation == "pallas_gpu":  # the GPU kernel owns its layout (kda_plugin.ops.pallas_gpu)
+    from kda_plugin.ops.pallas_gpu import kda_inference_gpu  # noqa: PLC0415
+    if seg is not None:
+      seg = jnp.broadcast_to(seg, (b, t))
+    split = lambda x: x.reshape(b, t, h, -1) if lane_dense else x
+    o, final = kda_inference_gpu(split(q), split(k), split(v), split(g), beta, seg, h0, gate,
+                                 num_segments=num_segments, scale=scale, lower_bound=lower_bound,
+                                 use_l2norm=use_l2norm, want_final=want_final, interpret=interpret)
+    return (o.reshape(b, t, -1) if lane_dense else o), final
+  kd = q.shape[-1] // h if lane_dense else q.shape[-1]
+  vd = v.shape[-1] // h if lane_dense else v.shape[-1]
+  kp, vp = lane_padding(implementation, kd, vd)
   tp = _round_up(t, C)
-  nc = tp // C
+  tp2 = _round_up(tp, LANE)
   if seg is None:
-    seg = jnp.ones((b, t), jnp.int32)
-  seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, tp - t)))
-  pad4 = lambda x, last: jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, last - x.shape[3])))
-  q2 = pad4(q, kp).reshape(b, tp, h * kp)
-  k2 = pad4(k, kp).reshape(b, tp, h * kp)
-  g2 = pad4(g, kp).reshape(b, tp, h * kp)
-  v2 = pad4(v, vp).reshape(b, tp, h * vp)
-  # beta as a float32 column per head: a [C, 1] block of a 32-bit type is a plain sublane tile.
-  beta4 = jnp.pad(jnp.swapaxes(beta, 1, 2).astype(jnp.float32), ((0, 0), (0, 0), (0, tp - t)))[..., None]
-  segc = seg[:, :, None]
-  segr = seg.reshape(b, nc, 1, C)
-  n_steps = ss.num_steps(tp, num_segments)
-  sched = ss.build_schedule(seg, n_steps, has_initial_state=h0 is not None)
+    seg = jnp.ones((1, t), jnp.int32)
+  seg = seg.astype(jnp.int32)
+
+  def dense(x, d, dp):  # -> [B, Tp, H*Dp]: a no-op for aligned lane-dense inputs
+    x = x.reshape(b, t, h, d)
+    if dp != d or tp != t:
+      x = jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, dp - d)))
+    return x.reshape(b, tp, h * dp)
+
+  q2, k2, g2, v2 = dense(q, kd, kp), dense(k, kd, kp), dense(g, kd, kp), dense(v, vd, vp)
+  # beta lane-dense along T: [B, H, Tp2] (a free transpose of XLA's T-minor layout of [B, T, H])
+  beta_t = jnp.swapaxes(beta, 1, 2)
+  if tp2 != t:
+    beta_t = jnp.pad(beta_t, ((0, 0), (0, 0), (0, tp2 - t)))
+  seg_p = jnp.pad(seg, ((0, 0), (0, tp - t))) if tp != t else seg
+  table = ss.build_chunk_table(seg_p, num_segments, has_initial_state=h0 is not None)
   if h0 is not None:
-    h0 = jnp.pad(h0.astype(jnp.float32), ((0, 0),) * 3 + ((0, kp - kd), (0, vp - vd)))
+    h0 = h0.astype(jnp.float32)
+    if (kp, vp) != (kd, vd):
+      h0 = jnp.pad(h0, ((0, 0),) * 3 + ((0, kp - kd), (0, vp - vd)))
   a_exp = dt_row = None
   if gate is not None:
     a_log, dt_bias = gate
     a_exp = jnp.broadcast_to(jnp.exp(a_log)[:, None, None], (h, 1, kp))
     dt_row = jnp.pad(dt_bias, ((0, 0), (0, kp - kd)))[:, None, :]
-  kwargs = dict(num_heads=h, key_dim=kd, num_segments=num_segments, n_steps=n_steps, scale=scale,
-                use_l2norm=use_l2norm, a_exp=a_exp, dt_bias=dt_row, lower_bound=lower_bound,
-                initial_state=h0, want_final=want_final, interpret=interpret)
-  from kda_plugin.ops.pallas_tpu import kda_pallas_tpu as run
-  sched = sched.reshape(-1)
-  o2, final = run(q2, k2, v2, g2, beta4, segc, segr, sched, **kwargs)
-  o = o2.reshape(b, tp, h, vp)[:, :t, :, :vd]
-  if final is not None:
+  from kda_plugin.ops.pallas_tpu import kda_pallas_tpu  # noqa: PLC0415
+  o2, final = kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, num_heads=h, key_dim=kd,
+                             scale=scale, use_l2norm=use_l2norm, a_exp=a_exp, dt_bias=dt_row,
+                             lower_bound=lower_bound, initial_state=h0, num_segments=num_segments,
+                             want_final=want_final, interpret=interpret)
+  if (vp, tp) != (vd, t):
+    o2 = o2.reshape(b, tp, h, vp)[:, :t, :, :vd].reshape(b, t, h * vd)
+  o = o2 if lane_dense else o2.reshape(b, t, h, vd)
+  if final is not None and (kp, vp) != (kd, vd):
     final = final[..., :kd, :vd]
   return o, final
 
 
+def _tiled_bytes(shape, dtype) -> int:
+  """HBM bytes of an array in TPU's default tiled layout: the last dim padded to 128 lanes and the
+  second-to-last to the sublane tile (8 rows of 32 bits: 8 float32, 16 bfloat16, 32 int8)."""
+  item = jnp.dtype(dtype).itemsize
+  shape = tuple(shape) or (1,)
+  if len(shape) == 1:
+    return _round_up(shape[0], LANE) * item
+  sub = 8 * max(1, 4 // item)
+  return math.prod(shape[:-2]) * _round_up(shape[-2], sub) * _round_up(shape[-1], LANE) * item
+
+
 def estimate_peak_memory(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
                          output_final_state=False, max_num_segments=None, a_log=None, dt_bias=None,
-                         backend="auto", **unused) -> int:
+                         num_heads=None, implementation=None, backend=None, **unused) -> int:
   """Estimated peak device memory (bytes) of one `kda_inference` call; arrays or ShapeDtypeStructs.
 
-  Pallas backends, documented formula (HBM buffers alive during the kernel):
-    inputs   = bytes of q, k, v, g, beta, segment_ids, initial_state, a_log, dt_bias
-    outputs  = o [B, T, H, V] in q's dtype + final states B*N*H*K*V*4 when requested
-               (the kernel writes them in place of a copy of the initial states / of zeros)
-    temporaries = padded copies of q, k, g, v and o when K, V or T are not already aligned
-               (K, V to 128 lanes on TPU, powers of two on GPU; T to 64), the padded state
-               buffer when K or V are padded, beta transposed to float32 [B, H, Tp], the
-               segment map as column and row (2 * B * Tp int32) and the step schedule
-               (B * S * 15 int32).
-  VMEM scratch (per core, `pallas_tpu.vmem_limit_bytes`) is on-chip and not counted.
-  backend "xla": measured from the compiled executable (`memory_analysis()` arguments + outputs +
+  "pallas_tpu": a closed form (nothing is compiled), the HBM buffers alive during the kernel in
+  TPU's tiled layout (last dim padded to 128 lanes, second-to-last to the sublane tile):
+    arguments = q, k, v, g, beta, segment_ids, initial_state, a_log, dt_bias as passed
+    outputs   = o in q's layout and dtype + final states B*N*H*K*V*4 when requested (the kernel
+                writes them into a copy of the initial states, or into zeros)
+    temporaries = the chunk table (B*NC entries of 1 + 2 min(64, N) int32 words padded to a
+               multiple of 128, built then flattened) and 4 int32 [B, Tp] working arrays of its
+               construction; beta `[B, H, Tp2]` when T needs padding (otherwise a free transpose);
+               plus, only when K, V or T are not aligned (K, V to 128, T to 64) or q comes as
+               [B, T, H, K], padded / relaid copies of q, k, g and v and the padded state buffer.
+  The table has one row for a shared `[T]` map (or no map), B rows for a `[B, T]` map.
+  Tp = T rounded up to 64, Tp2 = Tp rounded up to 128. VMEM (on-chip) is not counted. Checked
+  against `compiled.memory_analysis()` (arguments + outputs + temporaries) on v5e, v6e and TPU7x by
+  tests/aot/test_tpu_kernel_compile.py.
+  "pallas_gpu": inputs and outputs as passed (GPU buffers are row-major, untiled) plus
+    `pallas_gpu.workspace_bytes` (the chunk kernel's outputs read by the state pass, the zero-filled
+    padded output and the per-row tables).
+  "xla": measured from the compiled executable (`memory_analysis()` arguments + outputs +
   temporaries - aliased bytes) on the current platform.
   """
-  name = resolve_backend(backend)
+  name = _choose_implementation(implementation, backend)
   shp = lambda x: tuple(np.shape(x))
-  nbytes = lambda x: 0 if x is None else math.prod(shp(x)) * jnp.dtype(x.dtype).itemsize
-  b, t, h, kd = shp(q)
-  vd = shp(v)[3]
+  lane_dense = num_heads is not None
+  if lane_dense:
+    b, t, hk = shp(q)
+    h = int(num_heads)
+    kd, vd = hk // h, shp(v)[2] // h
+  else:
+    b, t, h, kd = shp(q)
+    vd = shp(v)[3]
   n = 1
   if segment_ids is not None:
     if max_num_segments is not None:
@@ -253,30 +319,51 @@ def estimate_peak_memory(q, k, v, g, beta, *, segment_ids=None, initial_state=No
     else:
       n = max(1, int(np.max(np.asarray(segment_ids))))
   if name == "xla":
-    from kda_plugin.ops.inference_xla import kda_inference_xla
+    from kda_plugin.ops.inference_xla import kda_inference_xla  # noqa: PLC0415
+    split = (lambda x: jax.ShapeDtypeStruct((b, t, h, shp(x)[2] // h), x.dtype)) if lane_dense else (
+        lambda x: jax.ShapeDtypeStruct(shp(x), x.dtype))
     fn = functools.partial(kda_inference_xla, output_final_state=output_final_state,
-                           max_num_segments=max_num_segments if segment_ids is not None else None)
-    args = [jax.ShapeDtypeStruct(shp(x), x.dtype) for x in (q, k, v, g, beta)]
+                           max_num_segments=n if segment_ids is not None else None)
+    args = [split(x) for x in (q, k, v, g)] + [jax.ShapeDtypeStruct(shp(beta), beta.dtype)]
     kw = {name_: jax.ShapeDtypeStruct(shp(x), x.dtype) for name_, x in
           (("segment_ids", segment_ids), ("initial_state", initial_state), ("a_log", a_log),
            ("dt_bias", dt_bias)) if x is not None}
-    if segment_ids is not None and max_num_segments is None:
-      fn = functools.partial(fn, max_num_segments=n)
     ma = jax.jit(lambda *a, **k_: fn(*a, **k_)).lower(*args, **kw).compile().memory_analysis()
     return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
                - ma.alias_size_in_bytes)
+  if name == "pallas_gpu":
+    from kda_plugin.ops import pallas_gpu  # noqa: PLC0415  (imports Triton's Pallas lowering: only when chosen)
+    plain = lambda x: math.prod(shp(x)) * jnp.dtype(x.dtype).itemsize
+    inputs = sum(plain(x) for x in (q, k, v, g, beta, segment_ids, initial_state, a_log, dt_bias)
+                 if x is not None)
+    outputs = b * t * h * vd * jnp.dtype(q.dtype).itemsize + (
+        b * n * h * kd * vd * 4 if output_final_state else 0)
+    return int(inputs + outputs + pallas_gpu.workspace_bytes(b, t, h, kd, vd, q.dtype))
   kp, vp = lane_padding(name, kd, vd)
   tp = _round_up(t, C)
-  item = jnp.dtype(q.dtype).itemsize
-  inputs = sum(nbytes(x) for x in (q, k, v, g, beta, segment_ids, initial_state, a_log, dt_bias))
-  outputs = b * t * h * vd * item + (b * n * h * kd * vd * 4 if output_final_state else 0)
-  temps = 0
-  if kp != kd or tp != t:
-    temps += b * tp * h * kp * (2 * item + jnp.dtype(g.dtype).itemsize)
-  if vp != vd or tp != t:
-    temps += 2 * b * tp * h * vp * item  # padded v and the padded o before slicing
-  if output_final_state and (kp != kd or vp != vd):
-    temps += b * n * h * kp * vp * 4
-  temps += b * h * tp * 4 + 2 * b * tp * 4
-  temps += b * ss.num_steps(tp, n) * ss.NUM_FIELDS * 4
+  tp2 = _round_up(tp, LANE)
+  nc = tp // C
+  dt = jnp.dtype(q.dtype)
+  arrays = [x for x in (q, k, v, g, beta, segment_ids, initial_state, a_log, dt_bias) if x is not None]
+  # XLA lays entry arguments out compactly (beta [B, T, H] with T minor); a 1-D array still takes
+  # at least one 128-element tile
+  inputs = sum(math.prod(shp(x)) * jnp.dtype(x.dtype).itemsize if len(shp(x)) > 1
+               else _tiled_bytes(shp(x), x.dtype) for x in arrays)
+  o_shape = (b, t, h * vd) if lane_dense else (b, t, h, vd)
+  state = b * n * h * kp * vp * 4
+  outputs = _tiled_bytes(o_shape, dt) + (
+      _tiled_bytes((b, n, h, kd, vd), jnp.float32) if output_final_state else 0)
+  rows = b if segment_ids is not None and len(shp(segment_ids)) == 2 else 1
+  temps = (2 * rows * nc * _round_up(ss.chunk_table_words(n), LANE) * 4
+           + 4 * _tiled_bytes((rows, tp), jnp.int32))
+  if tp2 != t:
+    temps += _tiled_bytes((b, h, tp2), beta.dtype)  # beta padded along T
+  if not lane_dense or kp != kd or tp != t:
+    temps += b * tp * h * kp * (2 * dt.itemsize + jnp.dtype(g.dtype).itemsize)
+  if not lane_dense or vp != vd or tp != t:
+    # v in the kernel layout; the kernel's padded o is not counted: XLA's buffer assignment gives it
+    # no extra peak (measured with K=V=64 on TPU7x: temporaries = the four padded inputs)
+    temps += b * tp * h * vp * dt.itemsize
+  if (kp, vp) != (kd, vd) and (output_final_state or initial_state is not None):
+    temps += state
   return int(inputs + outputs + temps)

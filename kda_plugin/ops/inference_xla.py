@@ -19,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kda_plugin.ops._contract import check_kda_inputs
 from kda_plugin.ops.chunked import CHUNK, FACTOR_LIMIT, SUB, kda_chunk_core, run_with_slots
@@ -64,19 +65,30 @@ def kda_inference_xla(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
   if not g_is_raw and (dt_bias is not None or lower_bound is not None):
     raise ValueError("dt_bias and lower_bound configure the in-kernel gate and require a_log "
                      "(without a_log, g must already be the activated log-space decay)")
-  lb = None if lower_bound is None else check_lower_bound(lower_bound)
-  gate = None
   if g_is_raw:
-    a_log = jnp.asarray(a_log, jnp.float32)
-    if a_log.size != p.num_heads:
-      raise ValueError(f"a_log must have H={p.num_heads} values (shape [H]), got shape {a_log.shape}")
-    if dt_bias is None:
-      dt_bias = jnp.zeros((p.num_heads, p.key_dim), jnp.float32)
-    dt_bias = jnp.asarray(dt_bias, jnp.float32)
-    if dt_bias.size != p.num_heads * p.key_dim:
+    if np.size(a_log) != p.num_heads:
+      raise ValueError(f"a_log must have H={p.num_heads} values (shape [H]), got shape {np.shape(a_log)}")
+    if dt_bias is not None and np.size(dt_bias) != p.num_heads * p.key_dim:
       raise ValueError(f"dt_bias must have H*K={p.num_heads * p.key_dim} values (shape [H*K] or "
-                       f"[H, K]), got shape {dt_bias.shape}")
-    gate = (a_log.reshape(p.num_heads), dt_bias.reshape(p.num_heads, p.key_dim))
+                       f"[H, K]), got shape {np.shape(dt_bias)}")
+  lb = None if lower_bound is None else check_lower_bound(lower_bound)
+  return run_validated(p, q, k, v, g, beta, initial_state=initial_state,
+                       output_final_state=output_final_state, scale=scale, a_log=a_log,
+                       dt_bias=dt_bias, lower_bound=lb, use_qk_l2norm=use_qk_l2norm)
+
+
+def run_validated(p, q, k, v, g, beta, *, initial_state, output_final_state, scale, a_log, dt_bias,
+                  lower_bound, use_qk_l2norm):
+  """`kda_inference_xla` on arguments already validated by `check_kda_inputs` (whose `KDAProblem` is
+  `p`) and the gate checks: `kda_inference` validates once and calls this directly. Shapes as
+  `kda_inference_xla` ([B, T, H, D] layout); `lower_bound` already checked."""
+  gate = None
+  if a_log is not None:
+    a_log = jnp.asarray(a_log, jnp.float32).reshape(p.num_heads)
+    dt_bias = (jnp.zeros((p.num_heads, p.key_dim), jnp.float32) if dt_bias is None
+               else jnp.asarray(dt_bias, jnp.float32).reshape(p.num_heads, p.key_dim))
+    gate = (a_log, dt_bias)
+  lb = lower_bound
   # A bounded gate decays by less than |lower_bound| nats per token, so every 16-row sub-block stays
   # inside the range where the midpoint factorisation is exact: no run-time check is needed.
   diag_mode = "factor" if (lb is not None and SUB * abs(lb) <= FACTOR_LIMIT) else "auto"

@@ -46,10 +46,10 @@ def check_limits(key_dim: int, value_dim: int, num_segments: int) -> None:
   Limits: K and V at most `MAX_KV` (128), num_segments at most `MAX_SEGMENTS` (a CUDA grid axis).
   """
   if max(key_dim, value_dim) > MAX_KV:
-    raise ValueError(f"backend 'pallas_gpu' supports K and V up to {MAX_KV} (the state tile lives in "
+    raise ValueError(f"implementation 'pallas_gpu' supports K and V up to {MAX_KV} (the state tile lives in "
                      f"registers); got K={key_dim}, V={value_dim}")
   if num_segments > MAX_SEGMENTS:
-    raise ValueError(f"backend 'pallas_gpu' supports at most {MAX_SEGMENTS} segments per row (one grid "
+    raise ValueError(f"implementation 'pallas_gpu' supports at most {MAX_SEGMENTS} segments per row (one grid "
                      f"axis of the state pass); got max_num_segments={num_segments}")
 
 

@@ -1,19 +1,28 @@
-"""Pallas TPU (Mosaic) megakernel for packed-sequence KDA inference with native segment IDs.
+"""Pallas TPU (Mosaic) kernel for packed-sequence KDA inference with native segment IDs.
 
-Grid `(B, H, S)`: batch and head are parallel; the step axis is sequential ("arbitrary") and walks the
-pieces of the packed row in order (schedule: `_segment_schedule`). All steps of one chunk share the
-chunk's input blocks; the chunk matrices are built on its first step, each piece then applies its own
-incoming state (the carried state in VMEM scratch when it continues the previous chunk, its slot's
-`initial_state` block otherwise), and the chunk's output block is written on its last step.
+Grid `(B, H / HG, NC)`: batch and head group are parallel, the chunk axis is sequential
+("arbitrary"); each step takes HG heads (`heads_per_step`: 4 when H allows), whose work is
+independent, so the compiler overlaps their dependency chains and the step count drops HG-fold. Every
+block index is arithmetic in the grid position, so nothing about the packing steers a DMA: one grid
+step per 64-row chunk builds the chunk's matrices once (cumulative gate, masked Akk / Aqk, the UT
+inverse, U), then loops over the chunk's pieces (the runs of one document inside it, from the
+per-chunk table of `_segment_schedule.build_chunk_table`, delivered as a per-step SMEM block: SMEM
+use does not grow with B or T). Each piece applies its incoming state: the carried state in VMEM
+scratch when it continues the previous chunk's open document, its slot's initial state (copied
+from HBM by a synchronous DMA) when one is given, none otherwise.
 
-Per-slot final states: the final-state output is aliased to the initial states (zeros when none),
-and its block index is the scalar-prefetched slot of the next piece that ends a document; the block
-stays resident (no write-back) until that step writes it, and slots that never appear are never
-visited, so they keep their initial state. No dynamic slicing happens inside the kernel.
+Per-slot final states live in HBM (`memory_space=ANY`): the output is aliased to the initial states
+(zeros when none are given) and each document's final state is DMAed into its slot at the step where
+the document ends, so slots that never appear keep their initial state.
 
 Layouts (prepared by `kda_plugin.ops.inference`): q, k, g `[B, Tp, H*Kp]`, v and o `[B, Tp, H*Vp]`
-(free reshapes of `[B, T, H, K]`, with K, V padded to multiples of 128 and T to a multiple of 64),
-beta `[B, H, Tp, 1]`, segment map as a column `[B, Tp, 1]` and a row `[B, NC, 1, C]`.
+(the lane-dense layout of the model's projections, K and V multiples of 128, T of 64: no copy when
+already aligned); beta `[B, H, Tp2]` (Tp2 = Tp rounded up to 128; XLA keeps a `[B, T, H]` beta
+with T minor, so this is a free transpose), one block holding every head's rows of two chunks,
+lane-dense. The segment map never enters the kernel as a vector: each step rebuilds its chunk's
+label column from the piece table.
+
+Math: `_chunk_math` (../shared/docs/kda.md section 2, ../shared/docs/segment_native_chunk.md).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -30,103 +40,147 @@ from kda_plugin.ops import _segment_schedule as ss
 
 C = ss.CHUNK
 LANE = 128
+PAIR = LANE // C  # chunks per lane-dense row of beta / segment ids
 MAX_KV = 256  # K and V padded above this would overflow the VMEM plan (states are [Kp, Vp] float32)
 
 
-def _kernel(sched_ref, *refs, n_steps, scale, use_l2norm, gate, lower_bound, has_h0, want_final,
-            key_dim, out_dtype):
-  r = cm.unpack_refs(refs, gate=gate, has_h0=has_h0, want_final=want_final)
-  q_ref, k_ref, v_ref, g_ref, beta_ref, segc_ref, segr_ref = r[:7]
-  aexp_ref, dtb_ref, h0_ref, o_ref, fs_ref = r.a_exp, r.dt_bias, r.h0, r.o, r.final
-  carry_ref, g_scr, q_scr, k_scr, tinv_scr, aqk_scr, u_scr, vacc_scr, oacc_scr = r.rest
+def _bits(word, offset, width):
+  return lax.shift_right_logical(word, offset) & ((1 << width) - 1)
 
-  b, s = pl.program_id(0), pl.program_id(2)
-  base = (b * n_steps + s) * ss.NUM_FIELDS
-  fld = lambda f: sched_ref[base + f]
-  label, first, last = fld(ss.F_LABEL), fld(ss.F_FIRST), fld(ss.F_LAST)
-  live = label != 0
 
-  @pl.when(fld(ss.F_FIRST_OF_CHUNK) == 1)
+def _chunk_rows(row, c):
+  """This chunk's half of a `[1, 128]` lane-dense row (two chunks) as a float32 `[C, 1]` column."""
+  col = cm.row_to_col(row.astype(jnp.float32))
+  return jnp.where(c % PAIR == 0, col[:C], col[C:])
+
+
+def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_step, scale, use_l2norm,
+            gate, lower_bound, has_h0, want_final, key_dim, out_dtype):
+  it = iter(refs)
+  aexp_ref, dtb_ref = (next(it), next(it)) if gate else (None, None)
+  h0_ref = next(it) if has_h0 else None
+  if want_final and not has_h0:
+    next(it)  # the zeros aliased to the final states: never read
+  o_ref = next(it)
+  fs_ref = next(it) if want_final else None
+  (carry_ref, g_scr, q_scr, k_scr, tinv_scr, aqk_scr, u_scr, vacc_scr, oacc_scr,
+   beta_scr, state_scr) = it  # each with a leading dim: the step's heads
+  hg = heads_per_step
+  kp, vp = carry_ref.shape[1], carry_ref.shape[2]
+  cols = lambda i, d: slice(i * d, (i + 1) * d)  # head i's lanes of a [C, hg * d] block
+
+  b, hb, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  count = table_ref[0]
+
+  def label_rows(i, seg_col):  # the chunk's segment column, rebuilt from its pieces
+    label = table_ref[1 + ss.WORDS_PER_PIECE * i]
+    word = table_ref[2 + ss.WORDS_PER_PIECE * i]
+    r = cm.iota(seg_col.shape, 0)
+    inside = (r >= _bits(word, ss.PIECE_FIRST, 8)) & (r <= _bits(word, ss.PIECE_LAST, 8))
+    return jnp.where(inside, label, seg_col)
+
+  seg_col = lax.fori_loop(0, count, label_rows, jnp.zeros((C, 1), jnp.int32))   # [C, 1]
+  valid_row = seg_col != 0
+
+  @pl.when(count == 0)
   def _():
+    o_ref[...] = jnp.zeros(o_ref.shape, out_dtype)
+
+  @pl.when(count > 0)
+  def _():
+    seg_row = cm.col_to_row(seg_col.astype(jnp.float32)).astype(jnp.int32)
+    beta_all = beta_ref[...].astype(jnp.float32)
+    for i in range(hg):  # independent chains: the scheduler interleaves the heads
+      beta = jnp.where(valid_row, _chunk_rows(cm.row_at(beta_all, hb * hg + i), c), 0.0)
+      q = q_ref[:, cols(i, kp)].astype(jnp.float32)
+      k = k_ref[:, cols(i, kp)].astype(jnp.float32)
+      if use_l2norm:
+        q, k = cm.l2norm_rows(q), cm.l2norm_rows(k)
+      q = q * scale
+      g = g_ref[:, cols(i, kp)].astype(jnp.float32)
+      if gate:
+        g = cm.activate_gate(g, aexp_ref[i], dtb_ref[i], lower_bound)
+        g = jnp.where(cm.iota(g.shape, 1) < key_dim, g, 0.0)  # padded lanes stay at g = 0
+      g = jnp.where(valid_row, g, 0.0)
+      G, tinv, aqk = cm.chunk_prep(q, k, g, beta, seg_col, seg_row, blocked=True)
+      g_scr[i] = G
+      q_scr[i] = q
+      k_scr[i] = k
+      tinv_scr[i] = tinv
+      aqk_scr[i] = aqk
+      beta_scr[i] = beta
+      u_scr[i] = cm.dot(tinv, beta * v_ref[:, cols(i, vp)].astype(jnp.float32))
     vacc_scr[...] = jnp.zeros_like(vacc_scr)
     oacc_scr[...] = jnp.zeros_like(oacc_scr)
 
-  @pl.when((fld(ss.F_FIRST_OF_CHUNK) == 1) & live)
-  def _():
-    seg_col = segc_ref[...]
-    valid_row = seg_col != 0
-    q = q_ref[...].astype(jnp.float32)
-    k = k_ref[...].astype(jnp.float32)
-    if use_l2norm:
-      q, k = cm.l2norm_rows(q), cm.l2norm_rows(k)
-    q = q * scale
-    g = g_ref[...].astype(jnp.float32)
-    if gate:
-      g = cm.activate_gate(g, aexp_ref[...], dtb_ref[...], lower_bound)
-      g = jnp.where(cm.iota(g.shape, 1) < key_dim, g, 0.0)  # padded lanes stay at g = 0
-    g = jnp.where(valid_row, g, 0.0)
-    beta = jnp.where(valid_row, beta_ref[...].astype(jnp.float32), 0.0)
-    G, tinv, aqk = cm.chunk_prep(q, k, g, beta, seg_col, segr_ref[...], blocked=True)
-    g_scr[...] = G
-    q_scr[...] = q
-    k_scr[...] = k
-    tinv_scr[...] = tinv
-    aqk_scr[...] = aqk
-    u_scr[...] = cm.dot(tinv, beta * v_ref[...].astype(jnp.float32))
+    def piece(p_i, carry):
+      label = table_ref[1 + ss.WORDS_PER_PIECE * p_i]
+      word = table_ref[2 + ss.WORDS_PER_PIECE * p_i]
+      first, last = _bits(word, ss.PIECE_FIRST, 8), _bits(word, ss.PIECE_LAST, 8)
+      cont, ends = _bits(word, ss.PIECE_CONT, 1), _bits(word, ss.PIECE_ENDS, 1)
+      has_state = _bits(word, ss.PIECE_HAS_STATE, 1)
+      slot = label - 1
+      mask = seg_col == label
 
-  mask = segc_ref[...] == label
+      def finish(i, vnew, s_base):
+        vacc_scr[i] = vacc_scr[i] + vnew
+        s_end = s_base + cm.piece_state_update(g_scr[i], k_scr[i], mask, last, vnew)
 
-  def finish(vnew, s_base):
-    vacc_scr[...] += vnew
-    need_state = (fld(ss.F_ENDS) == 1) | (fld(ss.F_OPEN_END) == 1)
-
-    @pl.when(need_state)
-    def _():
-      s_end = s_base + cm.piece_state_update(g_scr[...], k_scr[...], mask, last, vnew)
-      if want_final:
-        @pl.when(fld(ss.F_ENDS) == 1)
+        @pl.when(ends == 0)
         def _():
-          fs_ref[...] = s_end
+          carry_ref[i] = s_end
 
-      @pl.when(fld(ss.F_OPEN_END) == 1)
+        if want_final:
+          @pl.when(ends == 1)
+          def _():
+            state_scr[i] = s_end
+            pltpu.sync_copy(state_scr.at[i], fs_ref.at[b, slot, hb * hg + i])
+
+      @pl.when(has_state == 1)
       def _():
-        carry_ref[...] = s_end
+        for i in range(hg):
+          if has_h0:  # a document starting here enters with its slot's initial state
+            @pl.when(cont == 0)
+            def _():
+              pltpu.sync_copy(h0_ref.at[b, slot, hb * hg + i], carry_ref.at[i])
 
-  @pl.when(live & (fld(ss.F_HAS_STATE) == 1))
-  def _():
-    if has_h0:
-      s_in = jnp.where(fld(ss.F_CONT) == 1, carry_ref[...], h0_ref[...])
-    else:
-      s_in = carry_ref[...]
-    beta = jnp.where(segc_ref[...] != 0, beta_ref[...].astype(jnp.float32), 0.0)
-    vnew, o_add, s_base = cm.piece_with_state(g_scr[...], q_scr[...], k_scr[...], beta, tinv_scr[...],
-                                              u_scr[...], mask, first, last, s_in)
-    oacc_scr[...] += o_add
-    finish(vnew, s_base)
+          vnew, o_add, s_base = cm.piece_with_state(
+              g_scr[i], q_scr[i], k_scr[i], beta_scr[i], tinv_scr[i], u_scr[i], mask, first, last,
+              carry_ref[i])
+          oacc_scr[i] = oacc_scr[i] + o_add
+          finish(i, vnew, s_base)
 
-  @pl.when(live & (fld(ss.F_HAS_STATE) == 0))
-  def _():
-    finish(jnp.where(mask, u_scr[...], 0.0), jnp.zeros(carry_ref.shape, jnp.float32))
+      @pl.when(has_state == 0)
+      def _():
+        for i in range(hg):
+          finish(i, jnp.where(mask, u_scr[i], 0.0), jnp.zeros((kp, vp), jnp.float32))
 
-  if want_final:
-    @pl.when(fld(ss.F_PASSTHROUGH) == 1)
-    def _():
-      fs_ref[...] = h0_ref[...] if has_h0 else jnp.zeros(fs_ref.shape, jnp.float32)
+      return carry
 
-  @pl.when(fld(ss.F_LAST_OF_CHUNK) == 1)
-  def _():
-    o = oacc_scr[...] + cm.dot(aqk_scr[...], vacc_scr[...])
-    o_ref[...] = jnp.where(segc_ref[...] != 0, o, 0.0).astype(out_dtype)
+    lax.fori_loop(0, count, piece, 0)
+    for i in range(hg):
+      o = oacc_scr[i] + cm.dot(aqk_scr[i], vacc_scr[i])
+      o_ref[:, cols(i, vp)] = jnp.where(valid_row, o, 0.0).astype(out_dtype)
 
 
-def kda_pallas_tpu(q2, k2, v2, g2, beta4, segc, segr, sched, *, num_heads, key_dim, num_segments,
-                   n_steps, scale, use_l2norm, a_exp=None, dt_bias=None, lower_bound=None,
-                   initial_state=None, want_final=False, interpret=False):
+def heads_per_step(num_heads: int, kp: int, vp: int) -> int:
+  """Heads one grid step processes (their chains are independent, so the scheduler overlaps them and
+  the step count drops by that factor): the largest of 4, 2, 1 dividing H, 2 at most for K or V of 256
+  (VMEM)."""
+  cap = 2 if max(kp, vp) > LANE else 4
+  return next(d for d in (4, 2, 1) if d <= cap and num_heads % d == 0)
+
+
+def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
+                   use_l2norm, a_exp=None, dt_bias=None, lower_bound=None, initial_state=None,
+                   num_segments=1, want_final=False, interpret=False):
   """Runs the Mosaic kernel on prepared operands (see the module docstring for layouts).
 
   Args:
-    q2, k2, g2: `[B, Tp, H*Kp]`; v2: `[B, Tp, H*Vp]`; beta4: `[B, H, Tp, 1]`.
-    segc: int32 `[B, Tp, 1]`; segr: int32 `[B, NC, 1, C]`; sched: int32 `[B * S * NUM_FIELDS]`.
+    q2, k2, g2: `[B, Tp, H*Kp]`; v2: `[B, Tp, H*Vp]` (Kp, Vp multiples of 128, Tp of 64).
+    beta_t: `[B, H, Tp2]` (Tp2 = Tp rounded up to 128), float32 or bfloat16.
+    table: int32 `[B or 1, NC, ss.chunk_table_words(N)]` from `ss.build_chunk_table` (one row when
+      every batch row shares the segment map).
     a_exp, dt_bias: float32 `[H, 1, Kp]` (in-kernel gate) or None.
     initial_state: float32 `[B, N, H, Kp, Vp]` or None.
     interpret: False, or a `pltpu.InterpretParams` to simulate the TPU on CPU.
@@ -137,71 +191,70 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta4, segc, segr, sched, *, num_heads, key_d
   bsz, tp, hk = q2.shape
   kp = hk // num_heads
   vp = v2.shape[2] // num_heads
-  nsl = num_segments
+  nc = tp // C
   gate = a_exp is not None
   has_h0 = initial_state is not None
-  nf = ss.NUM_FIELDS
+  words = table.shape[2]
+  shared = table.shape[0] == 1  # one segment map for every row: one table row
+  # one step's entry as a 1-D SMEM block: 1-D blocks need a multiple of 128 words
+  words_p = -(-words // LANE) * LANE
+  table = jnp.pad(table, ((0, 0), (0, 0), (0, words_p - words))).reshape(-1)
 
-  def at(f):
-    return lambda b, h, s, sc: sc[(b * n_steps + s) * nf + f]
-
-  chunk = at(ss.F_CHUNK)
-  h0_slot = at(ss.F_H0_SLOT)
-  out_slot = at(ss.F_OUT_SLOT)
-  blk_k = pl.BlockSpec((None, C, kp), lambda b, h, s, sc: (b, chunk(b, h, s, sc), h))
-  blk_v = pl.BlockSpec((None, C, vp), lambda b, h, s, sc: (b, chunk(b, h, s, sc), h))
-  in_specs = [blk_k, blk_k, blk_v, blk_k,
-              pl.BlockSpec((None, None, C, 1), lambda b, h, s, sc: (b, h, chunk(b, h, s, sc), 0)),
-              pl.BlockSpec((None, C, 1), lambda b, h, s, sc: (b, chunk(b, h, s, sc), 0)),
-              pl.BlockSpec((None, None, 1, C), lambda b, h, s, sc: (b, chunk(b, h, s, sc), 0, 0))]
-  operands = [q2, k2, v2, g2, beta4, segc, segr]
+  hg = heads_per_step(num_heads, kp, vp)
+  blk_k = pl.BlockSpec((None, C, hg * kp), lambda b, h, c: (b, c, h))
+  blk_v = pl.BlockSpec((None, C, hg * vp), lambda b, h, c: (b, c, h))
+  in_specs = [
+      pl.BlockSpec((words_p,), lambda b, h, c: ((0 if shared else b) * nc + c,),
+                   memory_space=pltpu.SMEM),
+      blk_k, blk_k, blk_v, blk_k,
+      pl.BlockSpec((None, num_heads, LANE), lambda b, h, c: (b, 0, c // PAIR))]
+  operands = [table, q2, k2, v2, g2, beta_t]
   if gate:
-    gspec = pl.BlockSpec((None, 1, kp), lambda b, h, s, sc: (h, 0, 0))
+    gspec = pl.BlockSpec((hg, 1, kp), lambda b, h, c: (h, 0, 0))
     in_specs += [gspec, gspec]
     operands += [a_exp, dt_bias]
-  state_blk = (None, None, None, kp, vp)
   aliases = {}
   if has_h0:
-    in_specs.append(pl.BlockSpec(state_blk, lambda b, h, s, sc: (b, h0_slot(b, h, s, sc), h, 0, 0)))
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     operands.append(initial_state)
   elif want_final:
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-    operands.append(jnp.zeros((bsz, nsl, num_heads, kp, vp), jnp.float32))
+    operands.append(jnp.zeros((bsz, num_segments, num_heads, kp, vp), jnp.float32))
   if want_final:
-    aliases = {len(operands): 1}  # operand index counts the scalar-prefetch array first
+    aliases = {len(operands) - 1: 1}
 
   out_shape = [jax.ShapeDtypeStruct((bsz, tp, num_heads * vp), q2.dtype)]
-  out_specs = [pl.BlockSpec((None, C, vp), lambda b, h, s, sc: (b, chunk(b, h, s, sc), h))]
+  out_specs = [blk_v]
   if want_final:
-    out_shape.append(jax.ShapeDtypeStruct((bsz, nsl, num_heads, kp, vp), jnp.float32))
-    out_specs.append(pl.BlockSpec(state_blk, lambda b, h, s, sc: (b, out_slot(b, h, s, sc), h, 0, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((bsz, num_segments, num_heads, kp, vp), jnp.float32))
+    out_specs.append(pl.BlockSpec(memory_space=pl.ANY))
 
   f32 = jnp.float32
-  scratch = [pltpu.VMEM((kp, vp), f32),  # carried state of the document open at the chunk's end
-             pltpu.VMEM((C, kp), f32), pltpu.VMEM((C, kp), f32), pltpu.VMEM((C, kp), f32),  # G, q~, k
-             pltpu.VMEM((C, C), f32), pltpu.VMEM((C, C), f32),  # (I + beta Akk)^-1, Aqk
-             pltpu.VMEM((C, vp), f32), pltpu.VMEM((C, vp), f32), pltpu.VMEM((C, vp), f32)]  # U, Vnew, O
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1, grid=(bsz, num_heads, n_steps), in_specs=in_specs,
-      out_specs=out_specs, scratch_shapes=scratch)
+  scratch = [pltpu.VMEM((hg, kp, vp), f32),  # state of the open document (carried / DMAed in)
+             pltpu.VMEM((hg, C, kp), f32), pltpu.VMEM((hg, C, kp), f32),  # G, q~
+             pltpu.VMEM((hg, C, kp), f32),  # k
+             pltpu.VMEM((hg, C, C), f32), pltpu.VMEM((hg, C, C), f32),  # (I + beta Akk)^-1, Aqk
+             pltpu.VMEM((hg, C, vp), f32), pltpu.VMEM((hg, C, vp), f32),  # U, Vnew
+             pltpu.VMEM((hg, C, vp), f32),  # O
+             pltpu.VMEM((hg, C, 1), f32),  # beta column
+             pltpu.VMEM((hg, kp, vp), f32)]  # a final state on its way to HBM
   kernel = functools.partial(
-      _kernel, n_steps=n_steps, scale=float(scale), use_l2norm=use_l2norm, gate=gate,
-      lower_bound=lower_bound, has_h0=has_h0, want_final=want_final, key_dim=key_dim,
-      out_dtype=q2.dtype)
+      _kernel, heads_per_step=hg, scale=float(scale), use_l2norm=use_l2norm, gate=gate, lower_bound=lower_bound,
+      has_h0=has_h0, want_final=want_final, key_dim=key_dim, out_dtype=q2.dtype)
   outs = pl.pallas_call(
-      kernel, out_shape=out_shape, grid_spec=grid_spec, input_output_aliases=aliases,
+      kernel, out_shape=out_shape, grid=(bsz, num_heads // hg, nc), in_specs=in_specs,
+      out_specs=out_specs, scratch_shapes=scratch, input_output_aliases=aliases,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary"),
-          vmem_limit_bytes=vmem_limit_bytes(kp, vp)),
-      interpret=interpret, name="kda_inference_tpu")(sched, *operands)
+          vmem_limit_bytes=vmem_limit_bytes(kp, vp, num_heads, hg)),
+      interpret=interpret, name="kda_inference_tpu")(*operands)
   return outs[0], (outs[1] if want_final else None)
 
 
-def vmem_limit_bytes(kp: int, vp: int) -> int:
-  """VMEM plan: double-buffered input/output blocks + state blocks + scratch, with 2x headroom
-  for the kernel's temporaries (score blocks, exponent tiles), at least 32 MiB."""
+def vmem_limit_bytes(kp: int, vp: int, num_heads: int, hg: int = 1) -> int:
+  """VMEM plan for `hg` heads per step: double-buffered input/output blocks + scratch, with 2x
+  headroom for the kernel's temporaries (score blocks, exponent tiles), at least 32 MiB."""
   f4 = 4
-  blocks = 2 * (3 * C * kp + 2 * C * vp + 3 * C * LANE) * f4
-  states = 2 * 2 * kp * vp * f4 + kp * vp * f4
-  scratch = (3 * C * kp + 2 * C * C + 3 * C * vp) * f4
-  return max(32 << 20, 2 * (blocks + states + scratch) + (8 << 20))
+  blocks = 2 * (hg * (3 * C * kp + 2 * C * vp) + max(num_heads, 16) * LANE) * f4
+  scratch = hg * (3 * C * kp + 2 * C * C + 3 * C * vp + C * LANE + 2 * kp * vp) * f4
+  return max(32 << 20, 2 * (blocks + scratch) + (8 << 20))

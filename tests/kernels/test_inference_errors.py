@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from kda_plugin.ops.inference import estimate_peak_memory, kda_inference, resolve_backend
+from kda_plugin.ops.inference import estimate_peak_memory, kda_inference, resolve_implementation
 
 
 def _inputs(b=1, t=8, h=1, k=16, v=16):
@@ -14,55 +14,90 @@ def _inputs(b=1, t=8, h=1, k=16, v=16):
 
 
 def test_unknown_backend():
-  with pytest.raises(ValueError, match="unknown backend 'cuda_magic'"):
-    kda_inference(*_inputs(), backend="cuda_magic")
+  with pytest.raises(ValueError, match="unknown implementation .cuda_magic."):
+    kda_inference(*_inputs(), implementation="cuda_magic")
 
 
 def test_auto_on_cpu_is_xla():
-  assert resolve_backend("auto") == "xla"
+  assert resolve_implementation("auto") == "xla"
 
 
 @pytest.mark.parametrize("backend,need", [("pallas_tpu", "needs a TPU"), ("pallas_gpu", "needs a CUDA GPU")])
 def test_pallas_backend_on_cpu_without_interpret(backend, need):
   with pytest.raises(RuntimeError, match=need):
-    kda_inference(*_inputs(), backend=backend)
+    kda_inference(*_inputs(), implementation=backend)
 
 
 @pytest.mark.parametrize("backend,k,limit", [("pallas_tpu", 300, "up to 256"), ("pallas_gpu", 192, "up to 128")])
 def test_key_dim_beyond_backend_limit(backend, k, limit):
-  with pytest.raises(ValueError, match=f"'{backend}' supports K and V {limit}"):
-    kda_inference(*_inputs(k=k), backend=backend, interpret=True)
+  with pytest.raises(ValueError, match=f"implementation .{backend}. supports K and V {limit}"):
+    kda_inference(*_inputs(k=k), implementation=backend, interpret=True)
 
 
 def test_gate_parameters_need_a_log():
   with pytest.raises(ValueError, match="need a_log"):
-    kda_inference(*_inputs(), lower_bound=-2.0, backend="pallas_tpu", interpret=True)
+    kda_inference(*_inputs(), lower_bound=-2.0, implementation="pallas_tpu", interpret=True)
 
 
 def test_lower_bound_range():
   with pytest.raises(ValueError, match="lower_bound must lie in"):
-    kda_inference(*_inputs(), a_log=jnp.zeros(1), lower_bound=-7.0, backend="pallas_gpu", interpret=True)
+    kda_inference(*_inputs(), a_log=jnp.zeros(1), lower_bound=-7.0, implementation="pallas_gpu", interpret=True)
 
 
 def test_interpret_with_xla_is_rejected():
-  with pytest.raises(ValueError, match="Pallas backends only"):
-    kda_inference(*_inputs(), backend="xla", interpret=True)
+  with pytest.raises(ValueError, match="Pallas kernels only"):
+    kda_inference(*_inputs(), implementation="xla", interpret=True)
 
 
 def test_positive_g_is_rejected_without_a_log():
   q, k, v, g, beta = _inputs()
   with pytest.raises(ValueError, match="g is the log-space decay"):
-    kda_inference(q, k, v, g + 1.0, beta, backend="pallas_tpu", interpret=True)
+    kda_inference(q, k, v, g + 1.0, beta, implementation="pallas_tpu", interpret=True)
 
 
 def test_peak_memory_formula_within_ten_percent_of_io():
-  """B=1, H=8, K=V=128, bf16 (the seed's 5.4 MB / 86.2 MB figures): inputs + outputs + <= 10 %."""
+  """B=1, H=8, K=V=128, bf16 in the lane-dense layout: inputs + outputs + <= 10 % (the compiled
+  figures are checked against the formula in tests/aot/test_tpu_kernel_compile.py); the
+  `[B, T, H, K]` layout adds the relayout copies of q, k, g, v and o."""
   for t in (512, 8192):
-    x = [jnp.zeros((1, t, 8, 128), jnp.bfloat16)] * 4 + [jnp.zeros((1, t, 8), jnp.bfloat16)]
+    x = [jnp.zeros((1, t, 8 * 128), jnp.bfloat16)] * 4 + [jnp.zeros((1, t, 8), jnp.bfloat16)]
     seg = jnp.ones((t,), jnp.int32)
-    est = estimate_peak_memory(*x, segment_ids=seg, max_num_segments=2, backend="pallas_tpu")
+    est = estimate_peak_memory(*x, segment_ids=seg, max_num_segments=2, num_heads=8,
+                               implementation="pallas_tpu")
     io = 5 * t * 8 * 128 * 2 + t * 8 * 2 + t * 4
     assert io <= est <= 1.10 * io, (t, est, io)
+    split = [a.reshape(1, t, 8, 128) for a in x[:4]] + [x[4]]
+    est4 = estimate_peak_memory(*split, segment_ids=seg, max_num_segments=2, implementation="pallas_tpu")
+    assert est4 - est >= 5 * t * 8 * 128 * 2, (t, est4, est)
+
+
+def test_implementation_keyword_and_deprecated_backend():
+  x = _inputs()
+  o_new, _ = kda_inference(*x, implementation="xla")
+  with pytest.warns(DeprecationWarning, match="use implementation="):
+    o_old, _ = kda_inference(*x, backend="xla")
+  assert jnp.array_equal(o_new, o_old)
+  with pytest.raises(ValueError, match="disagree"):
+    kda_inference(*x, implementation="xla", backend="pallas_tpu")
+
+
+def test_validates_once_per_call(monkeypatch):
+  """The XLA path does not re-run the contract checks kda_inference already ran."""
+  from kda_plugin.ops import _contract, inference
+  calls = []
+  real = _contract.check_kda_inputs
+  monkeypatch.setattr(inference, "check_kda_inputs", lambda *a, **k: calls.append(1) or real(*a, **k))
+  import kda_plugin.ops.inference_xla as ix
+  monkeypatch.setattr(ix, "check_kda_inputs", lambda *a, **k: calls.append(2) or real(*a, **k))
+  kda_inference(*_inputs(), implementation="xla")
+  assert calls == [1]
+
+
+def test_lane_dense_width_must_split_into_heads():
+  z = lambda *s: jnp.zeros(s, jnp.float32)
+  with pytest.raises(ValueError, match=r"with num_heads=3, q must have shape \[B, T, H\*K\]"):
+    kda_inference(z(1, 8, 16), z(1, 8, 16), z(1, 8, 16), z(1, 8, 16), z(1, 8, 3), num_heads=3,
+                  implementation="xla")
 
 
 # pallas_gpu's own limits (kda_plugin.ops.pallas_gpu.check_limits), checked before any kernel is built.
@@ -81,4 +116,4 @@ def test_pallas_gpu_limits_raise_before_lowering(monkeypatch, k, v, segments, li
   seg = jnp.ones((1, 8), jnp.int32)
   with pytest.raises(ValueError, match=limit):
     kda_inference(q, kk, vv, g, beta, segment_ids=seg, max_num_segments=segments,
-                  backend="pallas_gpu", interpret=True)
+                  implementation="pallas_gpu", interpret=True)

@@ -50,7 +50,7 @@ def _export(backend, platform, mesh, *, with_h0, want_final, gate, dtype):
       kw = dict(a_log=rest[0], dt_bias=rest[1], lower_bound=-3.0 if gate == "bounded" else None)
     return kda_inference(q, k, v, g, beta, segment_ids=seg, initial_state=h0,
                          output_final_state=want_final, max_num_segments=N, use_qk_l2norm=True,
-                         backend=backend, **kw)
+                         implementation=backend, **kw)
 
   with jax.sharding.use_abstract_mesh(mesh):
     exported = jax.export.export(

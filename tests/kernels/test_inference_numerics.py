@@ -49,7 +49,7 @@ def _run(case: Case, backend, interpret, x):
       jnp.asarray(x["q"]), jnp.asarray(x["k"]), jnp.asarray(x["v"]), jnp.asarray(x["g"]),
       jnp.asarray(x["beta"]), segment_ids=seg, initial_state=h0 if case.with_h0 else None,
       output_final_state=True, use_qk_l2norm=case.l2norm, max_num_segments=case.num_segments,
-      backend=backend, interpret=interpret, **kw)
+      implementation=backend, interpret=interpret, **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -104,7 +104,7 @@ def test_document_split_matches_unsplit():
   case = Case("one_doc", np.ones(100, np.int32), num_segments=1)
   x = make_inputs(case, seed=5)
   args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")]
-  kw = dict(output_final_state=True, backend="pallas_tpu", interpret=True)
+  kw = dict(output_final_state=True, implementation="pallas_tpu", interpret=True)
   o_all, s_all = kda_inference(*args, initial_state=jnp.asarray(x["h0"][:, 0]), **kw)
   cut = 37
   o1, s1 = kda_inference(*[a[:, :cut] for a in args], initial_state=jnp.asarray(x["h0"][:, 0]), **kw)
@@ -138,3 +138,44 @@ def test_random_layouts_tpu_kernel():
     np.testing.assert_allclose(np.asarray(o), ref_o, atol=1e-4, rtol=0, err_msg=str(case.seg))
     np.testing.assert_allclose(np.asarray(s), ref_s, atol=1e-4, rtol=0, err_msg=str(case.seg))
     assert np.all(np.asarray(o)[:, case.seg == 0] == 0.0)
+
+
+@pytest.mark.parametrize("implementation", [("pallas_tpu", True), ("xla", False)], ids=["pallas_tpu_interpret", "xla"])
+def test_lane_dense_layout(implementation):
+  """q, k, v, g as `[B, T, H*D]` with num_heads (the projections' layout, K = V = 128 and T a multiple
+  of 64: the TPU kernel's no-copy path; 3 chunks, so the last beta / segment row is half padding)
+  give the oracle's result in `[B, T, H*V]`."""
+  name, interpret = implementation
+  case = Case("lane_dense", _random_layout(np.random.default_rng(4), 192, 4), num_segments=4,
+              key_dim=128, value_dim=128, gate="bounded", l2norm=True)
+  x = make_inputs(case, seed=9)
+  b, t, h = x["beta"].shape
+  ref_o, ref_s = oracle(x["q"], x["k"], x["v"], x["g"], x["beta"], case.seg, x["h0"], 128 ** -0.5,
+                        a_log=x["a_log"], dt_bias=x["dt_bias"], lower_bound=-4.0, l2norm=True)
+  flat = lambda a: jnp.asarray(a).reshape(b, t, -1)
+  o, s = kda_inference(flat(x["q"]), flat(x["k"]), flat(x["v"]), flat(x["g"]), jnp.asarray(x["beta"]),
+                       segment_ids=jnp.asarray(case.seg), initial_state=jnp.asarray(x["h0"]),
+                       output_final_state=True, max_num_segments=4, a_log=jnp.asarray(x["a_log"]),
+                       dt_bias=jnp.asarray(x["dt_bias"]), lower_bound=-4.0, use_qk_l2norm=True,
+                       num_heads=h, implementation=name, interpret=interpret)
+  assert o.shape == (b, t, h * 128)
+  np.testing.assert_allclose(np.asarray(o).reshape(ref_o.shape), ref_o, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(np.asarray(s), ref_s, atol=1e-4, rtol=0)
+  assert np.all(np.asarray(o)[:, case.seg == 0] == 0.0)
+
+
+def test_per_row_segment_maps_tpu_kernel():
+  """A `[B, T]` map with a different packing per row (the TPU kernel then reads one chunk-table row
+  per batch row; a shared `[T]` map uses one row for all) against the oracle."""
+  rng = np.random.default_rng(21)
+  seg = np.stack([_random_layout(rng, 200, 10) for _ in range(3)])
+  case = Case("per_row", seg[0], batch=3, num_segments=10)
+  x = make_inputs(case, seed=31)
+  ref_o, ref_s = oracle(x["q"], x["k"], x["v"], x["g"], x["beta"], seg, x["h0"], 16 ** -0.5)
+  o, s = kda_inference(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")),
+                       segment_ids=jnp.asarray(seg), initial_state=jnp.asarray(x["h0"]),
+                       output_final_state=True, max_num_segments=10, implementation="pallas_tpu",
+                       interpret=True)
+  np.testing.assert_allclose(np.asarray(o), ref_o, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(np.asarray(s), ref_s, atol=1e-4, rtol=0)
+  assert np.all(np.asarray(o)[seg == 0] == 0.0)
