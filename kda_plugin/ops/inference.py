@@ -169,7 +169,7 @@ def kda_inference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, out
                              scale=scale, a_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound,
                              use_qk_l2norm=use_qk_l2norm)
     return (o.reshape(*o.shape[:2], -1) if lane_dense else o), final
-  _check_kernel_limits(name, p.key_dim, p.value_dim, p.num_segments, interpret)
+  _check_kernel_limits(name, p.key_dim, p.value_dim, p.num_segments or 1, interpret)
   if scale is not None and not is_concrete(scale):
     raise ValueError("scale must be a static Python float for the Pallas kernels, not a traced value")
   scale = float(default_scale(scale, p.key_dim))
