@@ -6,7 +6,8 @@ protos that the jax CUDA plugin embeds in `xla_cuda_plugin.so` (e.g. "NVIDIA H20
 `compile_kda` must be the only compile of its process (the environment below is read once by XLA).
 
 Reported per KDA kernel (PTX `.entry`): the PTX text, its tensor-core (`mma.sync`, `wgmma`),
-`fma.rn.f32` and `cp.async` (software-pipelined loads) instruction counts, and ptxas' registers, stack frame and spill bytes.
+`fma.rn.f32`, `cp.async` (software-pipelined loads) and `ex2.approx` (static: loop bodies
+count once) instruction counts, and ptxas' registers, stack frame and spill bytes.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class KernelReport:
   wgmma: int
   fma_f32: int
   cp_async: int
+  ex2: int
   registers: int | None = None
   stack_bytes: int | None = None
   spill_store_bytes: int | None = None
@@ -122,7 +124,8 @@ def count_instructions(ptx: str) -> dict[str, int]:
   return {"mma": len(re.findall(r"\bmma\.sync\.", ptx)),
           "wgmma": len(re.findall(r"\bwgmma\.mma_async\.", ptx)),
           "fma_f32": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
-          "cp_async": len(re.findall(r"\bcp\.async\.", ptx))}
+          "cp_async": len(re.findall(r"\bcp\.async\.", ptx)),
+          "ex2": len(re.findall(r"\bex2\.approx\.", ptx))}
 
 
 _PTXAS_FN = re.compile(r"Function properties for ([\w$]+)\s*\n?.*?(\d+) bytes stack frame, (\d+) bytes "

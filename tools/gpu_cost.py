@@ -14,11 +14,12 @@ FP32 vector 66.9 TFLOP/s (128 FP32 lanes x 132 SMs x 1.98 GHz x 2), SFU (exp2) 1
 figures (4.8 -> 3.35 TB/s, same SM count and clocks for these purposes) apply with device=h100.
 
 Formula, per kernel:
-  programs per SM  = floor(65536 / (registers x 32 x warps)) (ptxas registers; at least 1)
-  waves            = ceil(programs / (132 x programs per SM))
+  programs per SM  = floor(65536 / (registers x 32 x warps)) (ptxas registers; at least 1; reported)
+  waves            = ceil(programs / (132 x programs per SM))   (reported)
   program time     = tensor_flops / (TF32 rate / 132) + vector_ops / (FP32 lanes rate / 132)
                      + exps / (SFU rate / 132)   (the phases of one program are serial: summed)
-  chunk prep       = max(waves x program time, bytes / HBM bandwidth)
+  chunk prep       = max(ceil(programs / 132) x program time, bytes / HBM bandwidth)
+                     (programs sharing an SM share its rates, so more programs per SM earn nothing)
   state pass       = steps of the longest document chain x step time, with step memory = step bytes
                      / (HBM bandwidth / active programs); when the PTX shows software-pipelined loads
                      (`cp.async`, num_stages=2) the next chunk's loads overlap this chunk's matmuls:
@@ -54,6 +55,7 @@ CHAIN_LATENCY_S = 0.3e-6  # dependent matmul chain of one step (assumed)
 LOAD_LATENCY_S = 0.3e-6  # a global-load round trip not hidden by pipelining (assumed)
 DEFAULTS = dict(seq_len=8192, batch=1, heads=8, key_dim=128, value_dim=128, dtype="bfloat16",
                 num_segments=2, device="h200", output_json=None)
+LOWER_BOUND = -5.0  # the bounded gate that tools/gpu_compile.compile_kda compiles (its default)
 INTS = ("seq_len", "batch", "heads", "key_dim", "value_dim", "num_segments")
 C = 64
 
@@ -101,16 +103,22 @@ def _pow2(x):
   return max(16, 1 << (x - 1).bit_length())
 
 
-def _chunk_prep_work(kp, vp, item, passes) -> Work:
-  """One program of kda_gpu_chunk_prep (one chunk of one head)."""
+def _chunk_prep_work(kp, vp, item, passes, factored) -> Work:
+  """One program of kda_gpu_chunk_prep (one chunk of one head). factored: the diagonal 16x16 blocks
+  are two full [C, C] tensor-core matmuls around the blocks' middle rows (bounded gate,
+  `_gpu_chunk_math.factored_diagonal`) instead of 16 masked elementwise iterations."""
   below = 3 * 2 * C * C * kp  # three below-diagonal block matmuls, Akk and again Aqk
+  diag = 2 * 2 * C * C * kp if factored else 0  # Akk and Aqk over all four blocks at once
   inverse = 5 * 2 * 2 * C ** 3 if passes == 1 else 0  # doubling; float32 uses row substitution
-  tensor = passes * (2 * below + inverse + 2 * C * C * vp + 2 * C * C * kp)
-  diag_ops = 16 * C * kp * 10  # diagonal blocks: 16 masked iterations, ~10 ops per element (Akk+Aqk)
+  tensor = passes * (2 * below + diag + inverse + 2 * C * C * vp + 2 * C * C * kp)
+  # diagonal blocks: 16 masked iterations, ~10 ops per element (Akk+Aqk); factored: the middle-row
+  # pick (a masked 16-row reduction), two exponent differences, three scalings (~10 per element) and
+  # the two block-diagonal selections of the [C, C] products
+  diag_ops = C * kp * 10 + 2 * C * C if factored else 16 * C * kp * 10
   inverse_ops = 0 if passes == 1 else 63 * C * C * 4
   gates_ops = 2 * C * kp * 30  # gate activation, cumsum, masks, boundary picks; recomputed in 2 passes
   # diagonal blocks, below-diagonal row/column factors, the gate (x2 passes), dec/qg/kg/w decays
-  exps = 16 * C * kp + 3 * 2 * C * kp + 2 * 2 * C * kp + 4 * C * kp
+  exps = (2 if factored else 16) * C * kp + 3 * 2 * C * kp + 2 * 2 * C * kp + 4 * C * kp
   read = C * (3 * kp * item + 4 * kp + vp * item + item + 12)  # q, k (+ the re-read of k), g, v, beta, ids
   write = C * (3 * kp * item + vp * item + C * item + 4 * kp)
   return Work(tensor, diag_ops + inverse_ops + gates_ops, exps, read + write)
@@ -137,6 +145,7 @@ def estimate(args, kernels) -> dict:
   b, t, h = args["batch"], args["seq_len"], args["heads"]
   kp, vp = _pow2(args["key_dim"]), _pow2(args["value_dim"])
   item = 2 if args["dtype"] == "bfloat16" else 4
+  from kda_plugin.ops import _gpu_chunk_math as gm  # noqa: PLC0415
   from kda_plugin.ops import pallas_gpu as pg  # noqa: PLC0415
   passes = 1 if item == 2 else 3
   bv = min(pg.BLOCK_V[passes], vp)
@@ -150,16 +159,20 @@ def estimate(args, kernels) -> dict:
   per_sm = max(1, 65536 // (prep_k["registers"] * 32 * warps))
   programs = nc * b * h
   waves = math.ceil(programs / (rates["sms"] * per_sm))
-  work = _chunk_prep_work(kp, vp, item, passes)
+  work = _chunk_prep_work(kp, vp, item, passes, gm.factored_diagonal(LOWER_BOUND))
   tc = prep_k["mma"] + prep_k["wgmma"] > 0
-  compute_s = waves * _program_seconds(work, rates, tc)
+  # Co-resident programs share their SM's rates: an SM's time is the programs it runs times one
+  # program's time at the full SM rates, however many run at once (residency only hides latency,
+  # which this model does not credit).
+  compute_s = math.ceil(programs / rates["sms"]) * _program_seconds(work, rates, tc)
   memory_s = programs * work.bytes / rates["hbm"]
   out["chunk_prep"] = dict(programs=programs, programs_per_sm=per_sm, waves=waves,
                            program_tensor_flops=work.tensor_flops, program_vector_ops=work.vector_ops,
                            program_exps=work.exps, bytes=programs * work.bytes,
                            compute_ms=compute_s * 1e3, memory_ms=memory_s * 1e3,
                            estimated_ms=max(compute_s, memory_s) * 1e3, tensor_cores=tc,
-                           ptx=dict(mma=prep_k["mma"], wgmma=prep_k["wgmma"], fma_f32=prep_k["fma_f32"]),
+                           ptx=dict(mma=prep_k["mma"], wgmma=prep_k["wgmma"], fma_f32=prep_k["fma_f32"],
+                                    ex2_static=prep_k.get("ex2", 0)),
                            registers=prep_k["registers"])
   # state pass: the seed-style layout, num_segments documents of equal length per row
   steps = math.ceil(nc / n) + (1 if n > 1 else 0)
