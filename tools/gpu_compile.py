@@ -6,7 +6,8 @@ protos that the jax CUDA plugin embeds in `xla_cuda_plugin.so` (e.g. "NVIDIA H20
 `compile_kda` must be the only compile of its process (the environment below is read once by XLA).
 
 Reported per KDA kernel (PTX `.entry`): the PTX text, its tensor-core (`mma.sync`, `wgmma`),
-`fma.rn.f32` and `cp.async` (software-pipelined loads) instruction counts, and ptxas' registers, stack frame and spill bytes.
+`fma.rn.f32`, `cp.async` (software-pipelined loads) and `ex2.approx` (static: loop bodies
+count once) instruction counts, and ptxas' registers, stack frame and spill bytes.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class KernelReport:
   wgmma: int
   fma_f32: int
   cp_async: int
+  ex2: int
   registers: int | None = None
   stack_bytes: int | None = None
   spill_store_bytes: int | None = None
@@ -122,7 +124,8 @@ def count_instructions(ptx: str) -> dict[str, int]:
   return {"mma": len(re.findall(r"\bmma\.sync\.", ptx)),
           "wgmma": len(re.findall(r"\bwgmma\.mma_async\.", ptx)),
           "fma_f32": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
-          "cp_async": len(re.findall(r"\bcp\.async\.", ptx))}
+          "cp_async": len(re.findall(r"\bcp\.async\.", ptx)),
+          "ex2": len(re.findall(r"\bex2\.approx\.", ptx))}
 
 
 _PTXAS_FN = re.compile(r"Function properties for ([\w$]+)\s*\n?.*?(\d+) bytes stack frame, (\d+) bytes "
@@ -215,3 +218,126 @@ def compile_kda(*, device="h200", batch=1, seq_len=8192, heads=8, key_dim=128, v
   if missing:
     raise RuntimeError(f"no PTX found for {missing} in {dump} (entries: {sorted(entries)})")
   return reports, seconds, log
+
+
+# --- fla's chunk_kda, compiled by Triton for sm_90a without a device ------------------------------
+# Run in a scratch venv OUTSIDE the repo with torch (CPU wheel), triton and flash-linear-attention:
+#   python -m tools.gpu_compile fla_out=DIR
+# then `.venv-gpu-aot/bin/python -m tools.gpu_cost ptx_dir=DIR ptxas=<triton>/backends/nvidia/bin/ptxas-blackwell`.
+FLA_SEED = dict(batch=1, seq_len=8192, heads=8, key_dim=128, value_dim=128, split=8192 // 2 - 17,
+                lower_bound=-5.0)
+
+
+def capture_fla_launches(out_dir: str) -> dict:
+  """Runs fla `chunk_kda`'s forward (seed shape FLA_SEED, bf16, two documents through cu_seqlens,
+  in-kernel bounded gate with safe_gate, in-kernel q/k L2 norm, final state) on CPU tensors under a
+  stand-in CUDA driver whose target is GPUTarget("cuda", 90, 32): every Triton kernel it launches is
+  compiled by Triton's own pipeline with that launch's specialisation and constexprs, and instead of
+  launching, the grid, warps, stages, hash and bytes of its tensor arguments are recorded. Autotuned
+  kernels cannot be timed here: every candidate config is compiled (recorded with its `config`) and
+  the first is launched (recorded with config None). Writes DIR/<name>.<hash[:10]>.ptx and
+  DIR/launches.json; returns counts."""
+  import json  # noqa: PLC0415
+  import types  # noqa: PLC0415
+
+  import torch  # noqa: PLC0415
+  from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+  from triton.backends.nvidia.driver import CudaDriver  # noqa: PLC0415
+  from triton.compiler.compiler import CompiledKernel  # noqa: PLC0415
+  from triton.runtime import driver  # noqa: PLC0415
+  from triton.runtime.autotuner import Autotuner  # noqa: PLC0415
+
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  target = GPUTarget("cuda", 90, 32)
+
+  class StandInDriver:  # what Triton's JIT and fla's hardware probe ask of a CUDA driver
+    utils = types.SimpleNamespace(get_device_properties=lambda i: dict(
+        max_shared_mem=232448, multiprocessor_count=132, max_num_regs=65536, warpSize=32))
+    is_active = staticmethod(lambda: True)
+    get_current_device = staticmethod(lambda: 0)
+    set_current_device = staticmethod(lambda d: None)
+    get_current_stream = staticmethod(lambda d=None: 0)
+    get_current_target = staticmethod(lambda: target)
+    get_active_torch_device = staticmethod(lambda: torch.device("cpu"))
+    get_device_interface = staticmethod(lambda: torch.cuda)
+
+    def map_python_to_cpp_type(self, ty):
+      return CudaDriver.map_python_to_cpp_type(self, ty)
+
+  driver.set_active(StandInDriver())
+  props = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132,
+                                total_memory=141 << 30, shared_memory_per_block_optin=232448,
+                                max_shared_memory_per_block_optin=232448)
+  torch.cuda.get_device_name = lambda *a, **k: props.name
+  torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+  torch.cuda.current_device = lambda: 0
+  torch.cuda.device_count = lambda: 1
+  torch.cuda.get_device_properties = lambda *a, **k: props
+
+  class NoDevice:
+    def __init__(self, *a, **k):
+      pass
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *a):
+      return False
+
+  torch.cuda.device = NoDevice
+  launches, seen, tuning = [], set(), {"config": None}
+
+  def record_launch(kernel):
+    def run(g0, g1, g2, stream, fn, packed, meta, enter, exit_, *args):
+      launches.append(dict(name=kernel.name, grid=[g0, g1, g2], num_warps=kernel.metadata.num_warps,
+                           num_stages=kernel.metadata.num_stages, hash=kernel.hash,
+                           config=tuning["config"], tensor_bytes=sum(
+                               a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))))
+    return run
+
+  CompiledKernel.run = property(record_launch)
+  CompiledKernel.launch_metadata = lambda self, grid, stream, *a: None
+  init = CompiledKernel.__init__
+
+  def keep_ptx(self, *a, **k):
+    init(self, *a, **k)
+    if self.hash not in seen:
+      seen.add(self.hash)
+      (out / f"{self.name}.{self.hash[:10]}.ptx").write_text(self.asm["ptx"])
+
+  CompiledKernel.__init__ = keep_ptx
+
+  def compile_candidate(self, *args, config, **meta):
+    tuning["config"] = str(config)
+    try:
+      self.fn.run(*args, **dict(meta, **config.all_kwargs()))
+    finally:
+      tuning["config"] = None
+    return [1.0, 1.0, 1.0]  # equal "timings": the first config is the one launched
+
+  Autotuner._bench = compile_candidate
+  from fla.ops.kda import chunk_kda  # noqa: PLC0415
+
+  s = FLA_SEED
+  b, t, h, k, v = s["batch"], s["seq_len"], s["heads"], s["key_dim"], s["value_dim"]
+  bf = torch.bfloat16
+  with torch.no_grad():
+    chunk_kda(torch.randn(b, t, h, k, dtype=bf), torch.randn(b, t, h, k, dtype=bf),
+              torch.randn(b, t, h, v, dtype=bf), torch.randn(b, t, h, k, dtype=bf),
+              torch.rand(b, t, h, dtype=bf), A_log=torch.zeros(h), dt_bias=torch.zeros(h * k),
+              use_gate_in_kernel=True, safe_gate=True, lower_bound=s["lower_bound"],
+              use_qk_l2norm_in_kernel=True, output_final_state=True,
+              cu_seqlens=torch.tensor([0, s["split"], t], dtype=torch.int32))
+  (out / "launches.json").write_text(json.dumps(launches, indent=1))
+  return dict(launches=sum(1 for l in launches if l["config"] is None), compiled=len(seen))
+
+
+if __name__ == "__main__":
+  import json as _json
+  _args = dict(a.partition("=")[::2] for a in sys.argv[1:])
+  if set(_args) != {"fla_out"}:
+    print("error: usage: python -m tools.gpu_compile fla_out=DIR (in a venv with torch, triton, "
+          "flash-linear-attention)", file=sys.stderr)
+    sys.exit(2)
+  print(_json.dumps(capture_fla_launches(_args["fla_out"])))

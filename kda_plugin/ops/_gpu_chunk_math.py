@@ -149,15 +149,47 @@ def _own_block_row(x, j):
   return jnp.broadcast_to(jnp.sum(jnp.where(pick, x3, 0.0), axis=1, keepdims=True), x3.shape).reshape(c, d)
 
 
-def chunk_scores(q, k, G, dots: Dots):
+# Largest |exponent| the factored diagonal blocks may meet (`factored_diagonal`). exp(60) ~ 1e26 keeps
+# every matmul operand (that factor times a key or query entry) finite for entries up to ~1e12; the
+# products that are kept are <= |k_r| |k_i| whatever the factors.
+MAX_FACTORED_EXPONENT = 60.0
+
+
+def _factored_shift(lower_bound) -> float:
+  """d = (SUB - 1) / 2 * |lower_bound|: the reference C = G_first - d of a block sits half way down the
+  steepest decay the gate allows, so both factors exp(G_r - C) and exp(C - G_i) of rows r, i in the
+  block lie in [exp(-d), exp(d)]."""
+  return (SUB - 1) / 2 * abs(float(lower_bound))
+
+
+def factored_diagonal(lower_bound) -> bool:
+  """Whether `chunk_scores` builds the diagonal blocks on the tensor cores: only for the bounded gate
+  family (every per-row log decay in [lower_bound, 0], a static bound) with `_factored_shift` <=
+  MAX_FACTORED_EXPONENT. Other gates (softplus, a raw log decay) have no bound, so their diagonal
+  blocks keep the masked elementwise exponents."""
+  return lower_bound is not None and _factored_shift(lower_bound) <= MAX_FACTORED_EXPONENT
+
+
+def chunk_scores(q, k, G, dots: Dots, *, lower_bound=None):
   """`(Akk, Aqk)` `[C, C]`: sum_d {k, q}_r[d] k_i[d] exp(G_r[d] - G_i[d]) for i <= r, before masking.
 
-  Entries inside the diagonal 16x16 blocks: elementwise, one exponent per (row, channel) in 16
-  iterations that fill column `16 * (r // 16) + j` of every row at once (the exponent is shared by
-  Akk and Aqk). Entries below them: for row block R, the exponent is split around the block's first
-  row n = 16 R (i < n <= r), so that both factors exp(G_r - G_n) and exp(G_n - G_i) are <= 1, and
-  each product is one tensor-core matmul per block (3 for C = 64). Entries above the diagonal are
-  finite and masked by the caller.
+  lower_bound: the bounded gate's static bound when every per-row log decay lies in [lower_bound, 0]
+  (then `factored_diagonal` may hold), else None.
+  Entries inside the diagonal 16x16 blocks, two ways:
+  - factored (`factored_diagonal(lower_bound)`): exp(G_r - G_i) = exp(G_r - C) exp(C - G_i) with
+    C = G_first - d (`_factored_shift`), G_first the block's first row: both factors lie in
+    [exp(-d), exp(d)], finite without masking; one tensor-core matmul per score for all four blocks
+    (2 C K exponents instead of 16 C K). The products across blocks are discarded by `where` (which
+    never reads them: they may overflow). The reference is a row at or before every row of its block,
+    so no entry's rounding depends on a later row's gate (fla's bounded-gate path documents that
+    leak for a middle-row reference and uses a shifted first row too). The factors' TF32 rounding is
+    relative to each term, as for the blocks below the diagonal.
+  - elementwise (any gate): one masked exponent per (row, channel) in 16 iterations that fill column
+    `16 * (r // 16) + j` of every row at once (the exponent is shared by Akk and Aqk).
+  Entries below them: for row block R, the exponent is split around the block's first row n = 16 R
+  (i < n <= r), so that both factors exp(G_r - G_n) and exp(G_n - G_i) are <= 1, and each product is
+  one tensor-core matmul per block (3 for C = 64). Entries above the diagonal are finite and masked by
+  the caller.
   """
   c, d = G.shape
   rows = iota((c, d), 0)
@@ -165,16 +197,24 @@ def chunk_scores(q, k, G, dots: Dots):
   cols = iota((c, c), 1)
   col_block_first = jnp.left_shift(jnp.right_shift(iota((c, c), 0), _SUB_SHIFT), _SUB_SHIFT)
 
-  def diag_body(j, acc):
-    akk, aqk = acc
-    f = jnp.exp(jnp.where(rows >= block_first + j, G - _own_block_row(G, j), NEG_INF))
-    f = f * _own_block_row(k, j)
-    hit = cols == col_block_first + j
-    return (jnp.where(hit, jnp.sum(f * k, axis=1, keepdims=True), akk),
-            jnp.where(hit, jnp.sum(f * q, axis=1, keepdims=True), aqk))
+  if lower_bound is not None and factored_diagonal(lower_bound):
+    ref = _own_block_row(G, 0) - _factored_shift(lower_bound)
+    row_f = jnp.exp(G - ref)
+    k_col = k * jnp.exp(ref - G)
+    same_block = jnp.right_shift(cols, _SUB_SHIFT) == jnp.right_shift(iota((c, c), 0), _SUB_SHIFT)
+    acc = (jnp.where(same_block, dots.nt(k * row_f, k_col), 0.0),
+           jnp.where(same_block, dots.nt(q * row_f, k_col), 0.0))
+  else:
+    def diag_body(j, acc):
+      akk, aqk = acc
+      f = jnp.exp(jnp.where(rows >= block_first + j, G - _own_block_row(G, j), NEG_INF))
+      f = f * _own_block_row(k, j)
+      hit = cols == col_block_first + j
+      return (jnp.where(hit, jnp.sum(f * k, axis=1, keepdims=True), akk),
+              jnp.where(hit, jnp.sum(f * q, axis=1, keepdims=True), aqk))
 
-  zero = jnp.zeros((c, c), jnp.float32)
-  acc = lax.fori_loop(0, SUB, diag_body, (zero, zero))
+    zero = jnp.zeros((c, c), jnp.float32)
+    acc = lax.fori_loop(0, SUB, diag_body, (zero, zero))
   row_block = jnp.right_shift(rows, _SUB_SHIFT)
 
   def below_body(blk, acc):

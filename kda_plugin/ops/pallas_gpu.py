@@ -36,7 +36,7 @@ MAX_SEGMENTS = 65535  # grid dimension limit of CUDA (y and z axes)
 # Tile sizes by matmul passes (1: bf16 inputs, TF32; 3: float32 inputs, TF32x3), the largest that
 # compile without register spills for K = V = 128 on sm_90a (tests/aot/test_gpu_kernel_compile.py).
 BLOCK_V = {1: 32, 3: 16}  # V columns of the state per program of the state pass
-KEY_BLOCK = {1: 64, 3: 16}  # key channels per block of the chunk kernel
+KEY_BLOCK = {1: 32, 3: 16}  # key channels per block of the chunk kernel
 STATE_KEY_BLOCK = {1: 128, 3: 64}  # key channels per row block of the state in the state pass
 
 
@@ -123,7 +123,7 @@ def _chunk_kernel(count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, segr
     dec_ref[:, ch] = jnp.exp(jnp.where(valid, ge - ga, gm.NEG_INF))
     qg_ref[:, ch] = (q * jnp.exp(jnp.where(valid, G - ga, gm.NEG_INF))).astype(store)
     kg_ref[:, ch] = (k * jnp.exp(jnp.where(valid, ge - G, gm.NEG_INF))).astype(store)
-    a_kk, a_qk = gm.chunk_scores(q, k, G, dots)
+    a_kk, a_qk = gm.chunk_scores(q, k, G, dots, lower_bound=lower_bound if gate else None)
     return acc[0] + a_kk, acc[1] + a_qk
 
   zero = jnp.zeros((C, C), jnp.float32)

@@ -33,7 +33,8 @@ def test_estimate_from_a_small_compile(gpu_aot, tmp_path):
 
 @pytest.mark.parametrize("arg,message", [("seq_len=zero", "seq_len must be an integer"),
                                           ("dtype=int8", "dtype must be bfloat16 or float32"),
-                                          ("key_dim=256", "<= 128"), ("bogus=1", "unknown argument")])
+                                          ("key_dim=256", "<= 128"), ("bogus=1", "unknown argument"),
+                                          ("ptx_dir=/nonexistent", "cannot read launches.json")])
 def test_bad_input_exits_2(arg, message):
   proc = subprocess.run([sys.executable, "-m", "tools.gpu_cost", arg], cwd=ROOT, capture_output=True,
                         text=True, timeout=60)
