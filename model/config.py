@@ -176,7 +176,10 @@ def _check_layers(cfg) -> None:
   for name, lst in (("kda_layers", kda), ("full_attn_layers", mla)):
     bad = [i for i in lst if not 1 <= i <= n]
     if bad:
-      raise ConfigError(f"{name} holds {bad}, outside 1..num_hidden_layers={n} (layer lists are 1-indexed)")
+      # The usual cause is a changed num_hidden_layers: both layer lists must then change with it.
+      raise ConfigError(f"{name} holds {bad}, outside 1..num_hidden_layers={n} (layer lists are 1-indexed); "
+                        f"kda_layers and full_attn_layers together must cover exactly 1..{n}: set both with "
+                        f"num_hidden_layers (now kda_layers={kda}, full_attn_layers={mla})")
     dup = sorted({i for i in lst if lst.count(i) > 1})
     if dup:
       raise ConfigError(f"{name} lists layers {dup} more than once")
@@ -186,7 +189,7 @@ def _check_layers(cfg) -> None:
   missing = sorted(set(range(1, n + 1)) - set(kda) - set(mla))
   if missing:
     raise ConfigError(f"layers {missing} are in neither kda_layers nor full_attn_layers; together they must "
-                      f"cover exactly 1..num_hidden_layers={n}")
+                      f"cover exactly 1..num_hidden_layers={n}: set both with num_hidden_layers")
 
 
 def validate_config(cfg) -> None:

@@ -1,12 +1,13 @@
 """Build a Kimi-Linear model from a config, run packed forwards and report who served them.
 
-    python -m tools.forward_check <model config> [key=value ...] [--batch B] [--seq T] [--docs N]
+    python -m tools.forward_check [model config] [key=value ...] [--batch B] [--seq T] [--docs N]
                                   [--decode-steps n] [--repeats r]
 
 Builds the model with random weights (seed `init_seed`), runs a packed forward in each mode
 (train, eval, prefill, then decode steps) and prints, per mode, the attention backend and the op it
 called (e.g. "kda_native -> kda_inference[xla]"), a logits checksum and timings (first call with
-compilation, then the median of the repeats). Config keys: see configs/base.py.
+compilation, then the median of the repeats). Config keys: see configs/base.py. Without a model
+config name it uses `tiny` and says so in one line (the base config is the 48B model).
 
 Exit status: 0; 1 when a mode failed (each is reported); 2 for a bad argument or when XLA runs out of
 memory (one `error:` line naming --seq and --batch).
@@ -43,7 +44,7 @@ def _parser():
       prog="python -m tools.forward_check",
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="Example: python -m tools.forward_check tiny attention=kda_reference dtype=bfloat16")
-  p.add_argument("config", nargs="*", help="[model config name or .py/.json path] then key=value overrides")
+  p.add_argument("config", nargs="*", help="[model config name or .py/.json path; default tiny] then key=value overrides")
   p.add_argument("--batch", type=int, default=2, help="packed rows B (default 2)")
   p.add_argument("--seq", type=int, default=64, help="tokens per row T (default 64)")
   p.add_argument("--docs", type=int, default=3, help="documents packed per row (default 3, <= max_num_segments)")
@@ -92,6 +93,23 @@ def _checksum(x):
   return f"sum={x.sum():+.6e} mean|x|={np.abs(x).mean():.6e}"
 
 
+DEFAULT_CONFIG = "tiny"
+
+
+def config_argv(config: list[str]) -> list[str]:
+  """`config` with the model-config name `tiny` put first when none is given (announced in one line).
+
+  The base config is the 48B model: built at random it needs ~100 GB and would be killed by the kernel
+  without a word, which is no default for a smoke tool; an explicit name (`demo`, `kimi-linear-48b-a3b`,
+  a .py/.json path) is used as given.
+  """
+  if config and "=" not in config[0]:
+    return list(config)
+  print(f"no model config given: using {DEFAULT_CONFIG!r} (name one first, e.g. demo or kimi-linear-48b-a3b, "
+        f"for another)", flush=True)
+  return [DEFAULT_CONFIG, *config]
+
+
 def run(argv: list[str]) -> int:
   """Builds the model, runs each mode and prints who served it; raises on bad input."""
   args = _parser().parse_args(argv)
@@ -104,7 +122,7 @@ def run(argv: list[str]) -> int:
   unknown = sorted(set(modes) - {"train", "eval", "prefill"})
   if unknown or not modes:
     raise UsageError(f"--modes: unknown {unknown}; choose from train, eval, prefill")
-  cfg = load_config(args.config)
+  cfg = load_config(config_argv(args.config))
   partitioning.mesh_shape(cfg, jax.device_count())  # the ici_* keys must fit the devices, even one
   if args.docs > cfg.max_num_segments:
     raise UsageError(f"--docs={args.docs} exceeds max_num_segments={cfg.max_num_segments}")

@@ -21,7 +21,7 @@ Keys:
   max_new_tokens        tokens to generate per prompt; a sequence stops earlier at EOS when
                         decode_stop_at_eos is true (the EOS token is part of its output).
   decode_sampling_strategy   greedy (argmax) | weighted (softmax draw) | topk | nucleus.
-  decode_sampling_temperature  > 0, divides the logits before a draw (not used by greedy).
+  decode_sampling_temperature  > 0, divides the logits before a draw (ignored by greedy, where 0 is accepted).
   decode_sampling_top_k       candidates of topk.   decode_sampling_nucleus_p  mass of nucleus, (0, 1].
   seed                  PRNG seed of the random strategies (each prompt draws with its own key).
   generate_batch_size   prompts packed into one prefill row and decoded together (default 8).
@@ -49,6 +49,7 @@ import sys
 
 from model import partitioning
 from model.data.pipeline import DataFormatError, parse_ids_documents, read_text_file
+from model.engine import sampling
 from model.engine.serving import GenerationError, Generator, SamplingParams, check_max_new_tokens
 from model.data.tokenizer import TokenizerError
 from model.errors import UsageError
@@ -59,16 +60,22 @@ _PROMPT_KEYS = ("prompt", "prompts_file", "prompt_ids")
 MEMORY_KEYS = "generate_batch_size, max_new_tokens or the prompt length"
 
 
+# The config key behind each argument of `sampling.check_sampling_args`.
+SAMPLING_KEYS = {"strategy": "decode_sampling_strategy", "temperature": "decode_sampling_temperature",
+                 "top_k": "decode_sampling_top_k", "top_p": "decode_sampling_nucleus_p"}
+
+
 def sampling_params(cfg, vocab_size: int | None = None) -> SamplingParams:
   """The `SamplingParams` of the decode_sampling_* keys, checked against `vocab_size` (the model's,
   when known: top_k may not exceed it). Raises GenerationError naming the bad key."""
   strategy = cfg.decode_sampling_strategy
   top_k = cfg.decode_sampling_top_k if strategy == "topk" else None
   top_p = cfg.decode_sampling_nucleus_p if strategy == "nucleus" else None
-  try:
-    params = SamplingParams(strategy, cfg.decode_sampling_temperature, top_k=top_k, top_p=top_p)
-  except GenerationError as e:
-    raise GenerationError(f"decode_sampling_*: {e}") from None
+  try:  # validated here first so that the error names the config key, not the library argument
+    sampling.check_sampling_args(strategy, cfg.decode_sampling_temperature, top_k, top_p, names=SAMPLING_KEYS)
+  except ValueError as e:
+    raise GenerationError(str(e)) from None
+  params = SamplingParams(strategy, cfg.decode_sampling_temperature, top_k=top_k, top_p=top_p)
   if top_k is not None and vocab_size is not None and top_k > int(vocab_size):
     raise GenerationError(f"decode_sampling_top_k={top_k} exceeds the model's vocabulary size {int(vocab_size)}; "
                           f"pass decode_sampling_top_k <= {int(vocab_size)}")
@@ -91,7 +98,8 @@ def read_prompts(cfg, given: set[str], tokenizer, vocab_size: int) -> tuple[list
   bos = [tokenizer.bos_id] if cfg.generate_add_bos and tokenizer.bos_id is not None else []
   if key == "prompt":
     if not cfg.prompt.strip():
-      raise GenerationError("prompt is empty: give some text, e.g. prompt=\"Once upon a time\"")
+      what = "is empty" if not cfg.prompt else "is whitespace only"
+      raise GenerationError(f"prompt {what}: give some text, e.g. prompt=\"Once upon a time\"")
     if tokenizer.ids_only:
       raise TokenizerError("prompt= (text) needs a tokenizer: pass tokenizer_path=FILE, or give token ids "
                            "with prompt_ids=")
@@ -183,8 +191,9 @@ def run(argv: list[str]) -> int:
     common.check_output_path(cfg.output_json, overwrite=cfg.overwrite)  # before any work, not after it
   params = sampling_params(cfg)
   check_max_new_tokens(cfg.max_new_tokens)
-  if cfg.generate_batch_size < 1 or cfg.prefill_length_multiple < 1:
-    raise UsageError("generate_batch_size and prefill_length_multiple must be >= 1")
+  for key in ("generate_batch_size", "prefill_length_multiple"):
+    if cfg[key] < 1:
+      raise UsageError(f"{key} must be an integer >= 1, got {cfg[key]}")
   # Checks that need the model's config (vocabulary size) but not its parameters: before the load.
   stored = common.checkpoint_config(cfg, overrides)  # config.json read and validated once
   params = sampling_params(cfg, vocab_size=stored.vocab_size)

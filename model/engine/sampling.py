@@ -28,29 +28,42 @@ STRATEGIES = ("greedy", "weighted", "topk", "nucleus")
 
 
 def check_sampling_args(strategy: str, temperature: float = 1.0, top_k: int | None = None,
-                        top_p: float | None = None, vocab_size: int | None = None) -> None:
+                        top_p: float | None = None, vocab_size: int | None = None,
+                        names: dict[str, str] | None = None) -> None:
   """Validates a sampling configuration.
 
+  `names` maps the argument names ("strategy", "temperature", "top_k", "top_p") to the names the
+  caller's user typed (a tool's config keys, e.g. "decode_sampling_nucleus_p"), so the error names
+  the key to change.
+
   Raises:
-    ValueError: unknown strategy; temperature <= 0 or not finite; top_k missing for "topk", < 1 or
+    ValueError: unknown strategy; temperature < 0 or not finite, or 0 for a random strategy (greedy
+      ignores the temperature, so 0 is accepted there); top_k missing for "topk", < 1 or
       > vocab_size; top_p missing for "nucleus" or outside (0, 1].
   """
+  n = {"strategy": "strategy", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+       **(names or {})}
   if strategy not in STRATEGIES:
-    raise ValueError(f"unknown sampling strategy {strategy!r}; expected one of {STRATEGIES}")
-  if temperature is None or not math.isfinite(float(temperature)) or float(temperature) <= 0:
-    raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    key = f" ({n['strategy']})" if n["strategy"] != "strategy" else ""
+    raise ValueError(f"unknown sampling strategy {strategy!r}{key}; expected one of {STRATEGIES}")
+  if temperature is None or not math.isfinite(float(temperature)) or float(temperature) < 0:
+    raise ValueError(f"{n['temperature']} must be a finite number >= 0, got {temperature}")
+  # Greedy never divides by the temperature, and 0 is the usual way to ask for it: accepted there.
+  if strategy != "greedy" and float(temperature) == 0:
+    raise ValueError(f"{n['temperature']} must be a finite number > 0 for {strategy!r}, got 0 (0 only fits "
+                     f"greedy: pass {n['strategy']}=greedy)")
   if strategy == "topk":
     if top_k is None:
-      raise ValueError("strategy 'topk' needs top_k (an integer >= 1)")
+      raise ValueError(f"strategy 'topk' needs {n['top_k']} (an integer >= 1)")
     if int(top_k) != top_k or int(top_k) < 1:
-      raise ValueError(f"top_k must be an integer >= 1, got {top_k}")
+      raise ValueError(f"{n['top_k']} must be an integer >= 1, got {top_k}")
     if vocab_size is not None and int(top_k) > vocab_size:
-      raise ValueError(f"top_k={top_k} exceeds the vocabulary size {vocab_size}")
+      raise ValueError(f"{n['top_k']}={top_k} exceeds the vocabulary size {vocab_size}")
   if strategy == "nucleus":
     if top_p is None:
-      raise ValueError("strategy 'nucleus' needs top_p in (0, 1]")
+      raise ValueError(f"strategy 'nucleus' needs {n['top_p']} in (0, 1]")
     if not 0.0 < float(top_p) <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+      raise ValueError(f"{n['top_p']} must be in (0, 1], got {top_p}")
 
 
 def _check_logits(logits) -> None:
@@ -93,7 +106,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, strategy: str = "
   check_sampling_args(strategy, temperature, top_k, top_p, vocab_size=logits.shape[-1])
   if strategy != "greedy" and key is None:
     raise ValueError(f"strategy {strategy!r} needs a PRNG key")
-  return _sample(logits, key, strategy, float(temperature),
+  return _sample(logits, key, strategy, 1.0 if strategy == "greedy" else float(temperature),
                  None if top_k is None else int(top_k), None if top_p is None else float(top_p))
 
 
@@ -129,7 +142,7 @@ def make_sampler(strategy: str = "greedy", *, temperature: float = 1.0, top_k: i
     ValueError: see `check_sampling_args`.
   """
   check_sampling_args(strategy, temperature, top_k, top_p)
-  temperature = float(temperature)
+  temperature = 1.0 if strategy == "greedy" else float(temperature)  # unused by greedy
   top_k = None if top_k is None else int(top_k)
   top_p = None if top_p is None else float(top_p)
 

@@ -65,7 +65,7 @@ class SamplingParams:
 
   Attributes:
     strategy: "greedy", "weighted", "topk" or "nucleus".
-    temperature: > 0 (ignored by greedy). top_k: candidates for "topk". top_p: mass for "nucleus".
+    temperature: > 0 (ignored by greedy, which accepts 0). top_k: candidates for "topk". top_p: mass for "nucleus".
   """
 
   strategy: str = "greedy"

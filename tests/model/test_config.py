@@ -54,6 +54,10 @@ def test_wrong_type_names_key_and_type(override, pattern):
     (["num_hidden_layers=5"], r"layers \[5\] are in neither"),
     (["kda_layers=[1,2,3]"], r"layers \[2\] are in both"),
     (["kda_layers=[1,3,5]"], r"kda_layers holds \[5\], outside 1..num_hidden_layers=4"),
+    # Only num_hidden_layers changed: the error names both lists to change with it.
+    (["num_hidden_layers=2"], r"outside 1..num_hidden_layers=2 .*kda_layers and full_attn_layers together must "
+                              r"cover exactly 1..2: set both with num_hidden_layers"),
+    (["num_hidden_layers=5"], r"neither kda_layers nor full_attn_layers.*set both with num_hidden_layers"),
     (["kda_layers=[0,1,3]"], r"kda_layers holds \[0\]"),
     (["kda_layers=[1,1,3]"], r"kda_layers lists layers \[1\] more than once"),
 ])

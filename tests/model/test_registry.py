@@ -106,6 +106,35 @@ def test_forward_check_is_served_by_the_plugin_through_entry_points():
   assert "[decode ] kda_native -> kda_decode_step" in out
 
 
+@pytest.mark.parametrize("config, expect", [
+    ([], ["tiny"]),
+    (["hidden_size=64"], ["tiny", "hidden_size=64"]),
+    (["demo", "hidden_size=64"], ["demo", "hidden_size=64"]),
+])
+def test_forward_check_without_config_uses_tiny_and_says_so(config, expect, capsys):
+  """Was: no config built the 48B base at random and the kernel killed it (exit 137) without a word."""
+  from tools import forward_check
+  assert forward_check.config_argv(config) == expect
+  out = capsys.readouterr().out.strip().splitlines()
+  assert out == ([] if config[:1] == ["demo"] else
+                 ["no model config given: using 'tiny' (name one first, e.g. demo or kimi-linear-48b-a3b, for another)"])
+
+
+def test_forward_check_without_config_runs_tiny(capsys, monkeypatch):
+  """End to end in process: the model that gets built is tiny (the build is stopped right after the config)."""
+  from model import loading
+  from tools import forward_check
+  built = []
+
+  def create(cfg):
+    built.append(cfg.model_name)
+    raise forward_check.UsageError("stop after the config")
+  monkeypatch.setattr(loading, "create", create)
+  assert forward_check.main(["--seq", "8"]) == 2
+  assert built == ["tiny"], built
+  assert "using 'tiny'" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["tiny", "--batch", "0"], "error: --batch must be >= 1, got 0"),
     (["tiny", "--seq", "-1"], "error: --seq must be >= 1, got -1"),

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model.engine import sampling
 from model.engine.sampling import make_sampler, sample_tokens
 
 N_DRAWS = 40_000
@@ -110,6 +111,18 @@ def test_same_key_same_tokens_and_eager_equals_jit():
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(a, sample_tokens(logits, key, strategy=strategy, **kw))
     assert not np.array_equal(a, np.asarray(s(logits, jax.random.key(13))))
+
+
+def test_greedy_accepts_temperature_zero():
+  """Greedy ignores the temperature; 0 (the common spelling of "greedy") is accepted, not refused."""
+  logits = jnp.asarray([[0.1, 2.0, -1.0, 2.0]])
+  assert int(make_sampler("greedy", temperature=0.0)(logits)[0]) == 1
+  assert int(sample_tokens(logits, None, strategy="greedy", temperature=0.0)[0]) == 1
+
+
+def test_errors_name_the_callers_keys():
+  with pytest.raises(ValueError, match=r"^decode_sampling_nucleus_p must be in \(0, 1\], got 1.5$"):
+    sampling.check_sampling_args("nucleus", 1.0, None, 1.5, names={"top_p": "decode_sampling_nucleus_p"})
 
 
 @pytest.mark.parametrize("kwargs,needle", [

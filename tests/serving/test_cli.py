@@ -54,6 +54,20 @@ def test_generate_ids_prompt(checkpoints, reference, tmp_path, capsys):
   assert list(tmp_path.iterdir()) == [out]    # no temporary left behind
 
 
+def test_greedy_accepts_temperature_zero(checkpoints, reference, tmp_path, capsys):
+  """--help says greedy ignores the temperature, so 0 (a common way to ask for greedy) is accepted and the
+  continuation is the greedy golden."""
+  ref = reference("dense")
+  out = tmp_path / "gen.json"
+  status = _gen([f"load_parameters_path={checkpoints['dense']}", "attention=kda_reference",
+                 f"prompt_ids={_ids(ref['prompt_ids'][0])}", "max_new_tokens=12", "decode_stop_at_eos=false",
+                 "decode_sampling_strategy=greedy", "decode_sampling_temperature=0", f"output_json={out}"])
+  err = capsys.readouterr().err
+  assert status == 0, err
+  (r,) = json.loads(out.read_text())["results"]
+  assert r["generated_ids"] == ref["greedy_ids"][0].tolist()
+
+
 def test_generate_text_prompts(checkpoints, tokenizer_file, tmp_path, capsys):
   tok = SentencePieceTokenizer(tokenizer_file)
   base = [f"load_parameters_path={checkpoints['dense']}", "attention=kda_reference", f"tokenizer_path={tokenizer_file}",
@@ -135,7 +149,7 @@ def test_clear_errors(checkpoints, tokenizer_file, bad_files, tmp_path, capsys):
       (_gen, ["load_parameters_path=/nonexistent/ckpt", "prompt_ids=3"], "checkpoint '/nonexistent/ckpt' does not exist"),
       (_gen, [ck, "tokenizer_path=/nonexistent/tok.model", "prompt=hi"], "tokenizer file not found"),
       (_gen, [ck, f"tokenizer_path={tokenizer_file}", "prompt=", *FITS], "prompt is empty"),
-      (_gen, [ck, f"tokenizer_path={tokenizer_file}", "prompt=   ", *FITS], "prompt is empty"),
+      (_gen, [ck, f"tokenizer_path={tokenizer_file}", "prompt=   ", *FITS], "prompt is whitespace only"),
       (_gen, [ck, "prompt_ids="], "prompt_ids is empty"),
       (_gen, [ck, f"prompts_file={bad_files['blank']}"], "holds no prompt"),
       (_gen, [ck, "prompt_ids=" + ",".join(["3"] * 300)], "longer than the model's limit max_cache_length=256"),
@@ -143,7 +157,16 @@ def test_clear_errors(checkpoints, tokenizer_file, bad_files, tmp_path, capsys):
       (_gen, [ck, f"prompts_file={bad_files['latin1']}"], "prompts_file: .*latin1.txt:1: not valid UTF-8"),
       (_gen, [ck, "prompt_ids=3,512"], r"prompt_ids:1: token id 512 \(field 2\) is outside \[0, 512\)"),
       (_gen, [ck, "prompt_ids=3", "decode_sampling_strategy=beam"], "unknown sampling strategy 'beam'"),
-      (_gen, [ck, "prompt_ids=3", "decode_sampling_strategy=topk", "decode_sampling_top_k=0"], "top_k must be"),
+      (_gen, [ck, "prompt_ids=3", "decode_sampling_strategy=topk", "decode_sampling_top_k=0"],
+       r"^error: decode_sampling_top_k must be an integer >= 1, got 0$"),
+      (_gen, [ck, "prompt_ids=3", "decode_sampling_strategy=nucleus", "decode_sampling_nucleus_p=1.5"],
+       r"^error: decode_sampling_nucleus_p must be in \(0, 1\], got 1.5$"),
+      (_gen, [ck, "prompt_ids=3", "decode_sampling_strategy=weighted", "decode_sampling_temperature=0"],
+       r"^error: decode_sampling_temperature must be a finite number > 0 for 'weighted', got 0 \(0 only fits "
+       r"greedy: pass decode_sampling_strategy=greedy\)$"),
+      (_gen, [ck, "prompt_ids=3", "generate_batch_size=0"], r"^error: generate_batch_size must be an integer >= 1, got 0$"),
+      (_gen, [ck, "prompt_ids=3", "prefill_length_multiple=0"],
+       r"^error: prefill_length_multiple must be an integer >= 1, got 0$"),
       (_gen, [ck, "prompt=hello"], "needs a tokenizer"),
       (_gen, [ck], "give exactly one of prompt=, prompts_file= or prompt_ids="),
       (_gen, ["prompt_ids=3"], "load_parameters_path is required"),
