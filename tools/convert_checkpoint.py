@@ -17,10 +17,13 @@ Keys:
   load_parameters_path  to_hf input: a project checkpoint directory.
   output_path           the directory to create; written in a hidden temporary sibling and renamed into
                         place at the end, so a failure leaves nothing there.
-  weight_dtype          auto (default): keep every tensor's stored dtype (bit-exact both ways); the
-                        config's weight_dtype is the source's (config.json `dtype`/`torch_dtype`).
+  weight_dtype          auto (default): keep every tensor's stored dtype, F16, BF16, F32 or F64 (bit-exact
+                        both ways); the config's weight_dtype (the compute dtype the model casts the
+                        parameters to when it loads them) is the source's config.json `dtype`/`torch_dtype`
+                        when that is float32 or bfloat16, else bfloat16 for mostly-BF16 weights and float32
+                        otherwise (F16 and F64 are cast to it at load time, never on disk).
                         float32 / bfloat16: cast the weights to it; A_log, dt_bias and the router (weight, bias)
-                        stay float32, as in the model.
+                        stay float32, as in the model. The summary line says how many tensors were cast.
   overwrite             true: replace an existing output directory of the same kind (a project
                         checkpoint, an HF directory with config.json, or an empty directory).
   tokenizer_path        to_orbax: a sentencepiece .model file to copy into the checkpoint (optional).
@@ -133,8 +136,11 @@ def _summary_line(s: dict) -> str:
   gb = s["bytes_read"] / 1e9
   rate = gb / s["seconds"] if s["seconds"] > 0 else float("inf")
   extra = f", {s['shards']} shard(s)" if "shards" in s else ""
+  casts = s.get("casts") or {}
+  dtypes = ("cast " + ", ".join(f"{n} tensor(s) {k.replace('->', ' -> ')}" for k, n in casts.items())
+            if casts else "every tensor in its stored dtype")
   return (f"{s['direction']}: {s['tensors']} HF tensors <-> {s['parameters']} parameters, {gb:.3f} GB "
-          f"({s['weight_dtype']}{extra}) in {s['seconds']:.1f} s ({rate:.2f} GB/s) -> {s['output']}")
+          f"({s['weight_dtype']}{extra}; {dtypes}) in {s['seconds']:.1f} s ({rate:.2f} GB/s) -> {s['output']}")
 
 
 def out_of_memory_advice() -> str:
