@@ -117,10 +117,15 @@ def restore(path: str | os.PathLike, cfg, mesh: Mesh | None = None) -> KimiLinea
   layout: written by training, `save_parameters` or the converter), restored on one device or
   straight into `mesh`'s shardings, whatever mesh wrote them (each host reads only its chunks).
 
+  Before the restore every stored parameter is read once on the host and refused if it holds a
+  NaN or an infinity (`ckpt.check_parameters`; `allow_non_finite=true` in `cfg` skips that, for
+  debugging); a non-finite weight otherwise yields pad-only generations or `perplexity nan`.
+
   Raises:
-    CheckpointError: missing checkpoint or a mismatch with the model. ConfigError: a parameter
-      that cannot be split on this mesh.
+    CheckpointError: missing checkpoint, a mismatch with the model, or a non-finite parameter (one
+      line naming it). ConfigError: a parameter that cannot be split on this mesh.
   """
+  ckpt.check_parameters(path, allow_non_finite=bool(cfg.get("allow_non_finite", False)))
   if mesh is None:
     graphdef, state = nnx.split(abstract_model(cfg))
   else:

@@ -52,6 +52,7 @@ class ConvertArgs:
   overwrite: bool = False
   tokenizer_path: str = ""
   max_shard_size: int = 5 * 10**9
+  allow_non_finite: bool = False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,14 +133,24 @@ class SafetensorsSource:
       if self.info[key].file.name != name:
         raise ConversionError(f"{index.name} lists tensor {key} in {name}, but it is in {self.info[key].file.name}")
 
-  def read(self, name: str) -> np.ndarray:
-    """One tensor as a NumPy array (a copy; the file is unmapped again afterwards)."""
+  def read(self, name: str, *, allow_non_finite: bool = False) -> np.ndarray:
+    """One tensor as a NumPy array (a copy; the file is unmapped again afterwards).
+
+    Raises:
+      ConversionError: unreadable data, or (unless `allow_non_finite`) a NaN or an infinity in
+        the tensor (one line naming the tensor, its file, the count and the first index).
+    """
     info = self.info[name]
     with _safe_open(info.file) as h:
       try:
-        return h.get_tensor(name)
+        arr = h.get_tensor(name)
       except Exception as e:
         raise ConversionError(f"{info.file}: cannot read tensor {name} ({e})") from None
+    bad = None if allow_non_finite else ck.non_finite(arr)
+    if bad:
+      raise ConversionError(f"tensor {name} in {info.file.name} holds {bad}; refusing to convert it "
+                            f"(allow_non_finite=true converts it anyway, for debugging)")
+    return arr
 
 
 def _resolve(entries: list[hl.Entry], src: SafetensorsSource) -> dict[str, str]:
@@ -277,10 +288,10 @@ def hf_to_orbax(args: ConvertArgs) -> dict:
       if e.kind == hl.EXPERTS:  # stack expert by expert: only the stack and one expert are in memory
         arr = np.empty(e.shape, dtype)
         for i, n in enumerate(names):
-          hl.stack_expert(arr, i, src.read(n))
+          hl.stack_expert(arr, i, src.read(n, allow_non_finite=args.allow_non_finite))
           bar.update(src.info[n].nbytes)
       else:
-        arr = hl.to_model(e, src.read(names[0]), dtype)
+        arr = hl.to_model(e, src.read(names[0], allow_non_finite=args.allow_non_finite), dtype)
         bar.update(src.info[names[0]].nbytes)
       n_tensors += len(names)
       _nest(piece, e.path, arr)
@@ -392,6 +403,11 @@ def orbax_to_hf(args: ConvertArgs) -> dict:
     writer, left = None, 0
     for group in _read_groups(entries):
       arrays = ck.read_parameters(args.load_parameters_path, [e.name for e in group])
+      for name, arr in arrays.items():
+        bad = None if args.allow_non_finite else ck.non_finite(arr)
+        if bad:
+          raise ConversionError(f"parameter {name} of {args.load_parameters_path} holds {bad}; refusing to "
+                                f"convert it (allow_non_finite=true converts it anyway, for debugging)")
       for e in group:
         for hf_name, arr in hl.to_hf(e, arrays.pop(e.name), out_dtype[e.name]):
           if left == 0:

@@ -399,7 +399,10 @@ def read_parameters(path: str | os.PathLike, names: Sequence[str]) -> dict[str, 
       the first line of TensorStore's error; see `_read_error`).
   """
   p = _check_dir(path)
-  stored = stored_parameters(p)
+  return _read_named(p, stored_parameters(p), names)
+
+
+def _read_named(p: pathlib.Path, stored: dict, names: Sequence[str]) -> dict[str, np.ndarray]:
   unknown = [n for n in names if n not in stored]
   if unknown:
     raise CheckpointError(f"{p}: no parameter(s) {unknown[:3]} in the checkpoint")
@@ -419,6 +422,61 @@ def read_parameters(path: str | os.PathLike, names: Sequence[str]) -> dict[str, 
   except Exception as e:
     raise _read_error(p, e) from None
   return {k: np.asarray(v) for k, v in flatten(out).items()}
+
+
+def non_finite(array) -> str | None:
+  """None when every value of `array` (a NumPy float array, bfloat16 included) is finite; else a
+  phrase for an error line: '3 non-finite value(s) (the first, nan, at index (0, 5))'."""
+  a = np.asarray(array)
+  bad = ~np.isfinite(a)
+  if not bad.any():
+    return None
+  first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), a.shape))
+  return f"{int(bad.sum())} non-finite value(s) (the first, {a[first]}, at index {first})"
+
+
+SCAN_PIECE_BYTES = 256 * 2**20  # parameters read per piece by `check_parameters` (bounded host memory)
+
+
+def check_parameters(path: str | os.PathLike, *, allow_non_finite: bool = False) -> int:
+  """Reads every stored parameter once, piece by piece (host memory: about SCAN_PIECE_BYTES or the
+  largest parameter), and refuses non-finite values: the load-time check of `model.loading.restore`
+  (and of `tools.verify_checkpoint`). Values are checked in their stored dtype.
+
+  Returns:
+    The number of bytes read.
+
+  Raises:
+    CheckpointError: one line naming the first parameter (in stored order) holding a NaN or an
+      infinity, its count and the first index, unless `allow_non_finite`; or unreadable data.
+  """
+  p = _check_dir(path)
+  stored = stored_parameters(p)
+  if allow_non_finite:
+    return 0
+  total = 0
+  for group in _pieces(stored):
+    for name, arr in _read_named(p, stored, group).items():
+      total += arr.nbytes
+      bad = None if allow_non_finite else non_finite(arr)
+      if bad:
+        raise CheckpointError(f"load_parameters_path={os.fspath(p)}: parameter {name} holds {bad}; refusing "
+                              f"to load it (allow_non_finite=true loads it anyway, for debugging)")
+  return total
+
+
+def _pieces(stored: dict):
+  """Stored parameter names in consecutive groups of at most SCAN_PIECE_BYTES (a larger one alone)."""
+  group, size = [], 0
+  for name, (shape, dtype) in stored.items():
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if group and size + n > SCAN_PIECE_BYTES:
+      yield group
+      group, size = [], 0
+    group.append(name)
+    size += n
+  if group:
+    yield group
 
 
 def _root_cause(e: BaseException) -> BaseException:
