@@ -45,6 +45,8 @@ MESH_KEYS = (
     "ici_data_parallelism", "ici_fsdp_parallelism", "ici_expert_parallelism",
     "ici_tensor_parallelism", "logical_axis_rules", "distributed_init", "coordinator_address",
     "num_processes", "process_id",
+) + (  # how this job loads a checkpoint (model/loading.py): job keys too, never stored
+    "allow_non_finite", "verify_checksums",
 )
 TOOL_KEYS = SERVING_KEYS + TRAIN_KEYS + MESH_KEYS
 
@@ -119,6 +121,9 @@ def get_config() -> ml_collections.ConfigDict:
   # ---- Checkpoint and tokenizer -------------------------------------------------------------------
   c.load_parameters_path = ""  # parameters to load instead of random init ("" = random)
   c.tokenizer_path = ""  # tokenizer model file or directory ("" = none)
+  # How a checkpoint is loaded (model/loading.py; job keys, never stored in a checkpoint):
+  c.allow_non_finite = False  # true: load parameters holding NaN/Inf (for debugging); default refuses them
+  c.verify_checksums = True  # check each parameter's CRC-32 against DIR/checksums.json; false skips it
 
   # ---- Serving: generation and perplexity (tools.generate, tools.perplexity; model/engine/serving.py,
   # model/engine/scoring.py). The model config comes from the checkpoint; these keys only steer the tools.

@@ -2,7 +2,7 @@ r"""Converts Hugging Face Kimi-Linear safetensors checkpoints to the project's c
 
 Usage:
   python -m tools.convert_checkpoint hf_model_path=HF_DIR output_path=DIR \
-      [weight_dtype=auto|float32|bfloat16] [overwrite=false] [tokenizer_path=FILE]
+      [weight_dtype=auto|float32|bfloat16] [overwrite=false] [tokenizer_path=FILE] [allow_non_finite=false]
   python -m tools.convert_checkpoint direction=to_hf load_parameters_path=DIR output_path=HF_DIR \
       [weight_dtype=auto|float32|bfloat16] [max_shard_size=5GB] [overwrite=false]
 
@@ -17,14 +17,19 @@ Keys:
   load_parameters_path  to_hf input: a project checkpoint directory.
   output_path           the directory to create; written in a hidden temporary sibling and renamed into
                         place at the end, so a failure leaves nothing there.
-  weight_dtype          auto (default): keep every tensor's stored dtype (bit-exact both ways); the
-                        config's weight_dtype is the source's (config.json `dtype`/`torch_dtype`).
+  weight_dtype          auto (default): keep every tensor's stored dtype, F16, BF16, F32 or F64 (bit-exact
+                        both ways); the config's weight_dtype (the compute dtype the model casts the
+                        parameters to when it loads them) is the source's config.json `dtype`/`torch_dtype`
+                        when that is float32 or bfloat16, else bfloat16 for mostly-BF16 weights and float32
+                        otherwise (F16 and F64 are cast to it at load time, never on disk).
                         float32 / bfloat16: cast the weights to it; A_log, dt_bias and the router (weight, bias)
-                        stay float32, as in the model.
+                        stay float32, as in the model. The summary line says how many tensors were cast.
   overwrite             true: replace an existing output directory of the same kind (a project
                         checkpoint, an HF directory with config.json, or an empty directory).
   tokenizer_path        to_orbax: a sentencepiece .model file to copy into the checkpoint (optional).
   max_shard_size        to_hf: bytes per safetensors shard (units B, KB, MB, GB; decimal); default 5GB.
+  allow_non_finite      false (default): a tensor holding a NaN or an infinity is refused (one line naming
+                        the first such tensor); true: convert it anyway, for debugging.
 
 HF config.json: to_orbax stores the source's config.json unchanged as DIR/hf_config.json. to_hf
 writes the keys the model defines (shapes, layer layout, special ids, ...) from DIR/config.json and
@@ -51,7 +56,8 @@ checkpoint piece by piece and streams each safetensors shard to disk the same wa
 
 Errors (a one-line message naming the tensor, file or key; exit status 2; nothing written): a missing or
 unexpected tensor, a wrong shape, a dtype that is not a float (or cannot be cast), a truncated or
-corrupt safetensors file, an unknown, unsupported or self-contradicting config.json.
+corrupt safetensors file, a NaN or infinity in a tensor (unless allow_non_finite=true), an unknown,
+unsupported or self-contradicting config.json.
 Running out of memory (XLA's RESOURCE_EXHAUSTED) is one line too, `error: out of memory (<XLA's first
 line>): ...`, exit status 2, nothing written.
 """
@@ -68,7 +74,7 @@ from model.checkpoint.convert import DIRECTIONS, WEIGHT_DTYPES, ConversionError,
 from tools import cli
 
 KEYS = ("direction", "hf_model_path", "load_parameters_path", "output_path", "weight_dtype", "overwrite",
-        "tokenizer_path", "max_shard_size")
+        "tokenizer_path", "max_shard_size", "allow_non_finite")
 
 
 def _parse_size(text: str) -> int:
@@ -94,6 +100,9 @@ def parse_args(argv: Sequence[str]) -> ConvertArgs:
   ow = raw.get("overwrite", "false").lower()
   if ow not in ("true", "false"):
     raise ConversionError(f"overwrite must be true or false, got {raw['overwrite']!r}")
+  anf = raw.get("allow_non_finite", "false").lower()
+  if anf not in ("true", "false"):
+    raise ConversionError(f"allow_non_finite must be true or false, got {raw['allow_non_finite']!r}")
   if not raw.get("output_path"):
     raise ConversionError("missing required argument output_path=DIR (see --help)")
   if direction == "to_orbax":
@@ -114,7 +123,7 @@ def parse_args(argv: Sequence[str]) -> ConvertArgs:
   return ConvertArgs(direction=direction, hf_model_path=raw.get("hf_model_path", ""),
               load_parameters_path=raw.get("load_parameters_path", ""), output_path=raw["output_path"],
               weight_dtype=wd, overwrite=ow == "true", tokenizer_path=raw.get("tokenizer_path", ""),
-              max_shard_size=size)
+              max_shard_size=size, allow_non_finite=anf == "true")
 
 
 
@@ -133,8 +142,11 @@ def _summary_line(s: dict) -> str:
   gb = s["bytes_read"] / 1e9
   rate = gb / s["seconds"] if s["seconds"] > 0 else float("inf")
   extra = f", {s['shards']} shard(s)" if "shards" in s else ""
+  casts = s.get("casts") or {}
+  dtypes = ("cast " + ", ".join(f"{n} tensor(s) {k.replace('->', ' -> ')}" for k, n in casts.items())
+            if casts else "every tensor in its stored dtype")
   return (f"{s['direction']}: {s['tensors']} HF tensors <-> {s['parameters']} parameters, {gb:.3f} GB "
-          f"({s['weight_dtype']}{extra}) in {s['seconds']:.1f} s ({rate:.2f} GB/s) -> {s['output']}")
+          f"({s['weight_dtype']}{extra}; {dtypes}) in {s['seconds']:.1f} s ({rate:.2f} GB/s) -> {s['output']}")
 
 
 def out_of_memory_advice() -> str:

@@ -171,6 +171,7 @@ def run(argv: list[str]) -> int:
         f"{len(docs)} documents, {sum(d.size for d in docs)} tokens, windows of {cfg.eval_batch_size} x "
         f"{cfg.max_target_length}", file=sys.stderr)
   res = score(model, cfg, mcfg, docs, mcfg.attention, mesh)
+  refuse_non_finite(res, mcfg.attention)
   figs = _figures(res, num_bytes)
   _report(mcfg.attention, figs)
   result = {"checkpoint": str(mcfg.load_parameters_path), "eval_data": cfg.eval_data, "eval_format": cfg.eval_format,
@@ -180,6 +181,7 @@ def run(argv: list[str]) -> int:
   if cfg.compare_attention:
     other, ocfg, omesh = common.load(stored, [f"attention={cfg.compare_attention}"])
     ores = score(other, cfg, ocfg, docs, cfg.compare_attention, omesh)
+    refuse_non_finite(ores, cfg.compare_attention)
     ofigs = _figures(ores, num_bytes)
     _report(cfg.compare_attention, ofigs)
     a = np.concatenate([lp for lp in res.logprobs] + [np.zeros(0)])
@@ -199,6 +201,19 @@ def run(argv: list[str]) -> int:
     common.write_json_atomic(cfg.output_json, result, overwrite=cfg.overwrite)
     print(f"wrote {cfg.output_json}", file=sys.stderr)
   return status
+
+
+def refuse_non_finite(res, attention: str) -> None:
+  """Raises UsageError naming the first document and token whose log-probability is NaN or
+  infinite (a perplexity computed from it would print `nan` or `inf`, with exit status 0)."""
+  for i, lp in enumerate(res.logprobs):
+    bad = np.flatnonzero(~np.isfinite(lp))
+    if bad.size:
+      t = int(bad[0]) + 1  # entry t-1 scores token t
+      raise UsageError(f"perplexity is not finite: the log-probability of token {t} of document {i} (0-based) is "
+                       f"{lp[bad[0]]} with attention={attention} ({bad.size} such token(s) in that document); "
+                       f"the model's logits are not finite there (`python -m tools.verify_checkpoint` checks the "
+                       f"weights)")
 
 
 main = common.tool_main(run, __doc__)

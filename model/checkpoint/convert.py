@@ -52,6 +52,7 @@ class ConvertArgs:
   overwrite: bool = False
   tokenizer_path: str = ""
   max_shard_size: int = 5 * 10**9
+  allow_non_finite: bool = False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,14 +133,24 @@ class SafetensorsSource:
       if self.info[key].file.name != name:
         raise ConversionError(f"{index.name} lists tensor {key} in {name}, but it is in {self.info[key].file.name}")
 
-  def read(self, name: str) -> np.ndarray:
-    """One tensor as a NumPy array (a copy; the file is unmapped again afterwards)."""
+  def read(self, name: str, *, allow_non_finite: bool = False) -> np.ndarray:
+    """One tensor as a NumPy array (a copy; the file is unmapped again afterwards).
+
+    Raises:
+      ConversionError: unreadable data, or (unless `allow_non_finite`) a NaN or an infinity in
+        the tensor (one line naming the tensor, its file, the count and the first index).
+    """
     info = self.info[name]
     with _safe_open(info.file) as h:
       try:
-        return h.get_tensor(name)
+        arr = h.get_tensor(name)
       except Exception as e:
         raise ConversionError(f"{info.file}: cannot read tensor {name} ({e})") from None
+    bad = None if allow_non_finite else ck.non_finite(arr)
+    if bad:
+      raise ConversionError(f"tensor {name} in {info.file.name} holds {bad}; refusing to convert it "
+                            f"(allow_non_finite=true converts it anyway, for debugging)")
+    return arr
 
 
 def _resolve(entries: list[hl.Entry], src: SafetensorsSource) -> dict[str, str]:
@@ -193,12 +204,25 @@ def _source_weight_dtype(hf_cfg: dict, src: SafetensorsSource) -> str:
 
 
 def _stored_dtype(entry: hl.Entry, src_dtype: str, explicit: bool) -> np.dtype:
-  """Explicit weight_dtype: the model's dtype. auto: the source's (float16/float64 widen/narrow to
-  float32, since only float32/bfloat16 are model dtypes)."""
-  if explicit:
-    return entry.dtype
-  d = hl.ST_TO_NP[src_dtype]
-  return d if d in (np.dtype(np.float32), hl.MODEL_DTYPES["bfloat16"]) else np.dtype(np.float32)
+  """Explicit weight_dtype: the model's dtype (a cast). auto: exactly the source's dtype (F16, BF16,
+  F32 or F64 are stored as such, bit for bit; loading casts them to the configured compute dtype,
+  `weight_dtype`, see `model.checkpoint.format.restore_parameters`)."""
+  return entry.dtype if explicit else hl.ST_TO_NP[src_dtype]
+
+
+def _casts(pairs) -> dict[str, int]:
+  """`{"F16->float32": n, ...}`: how many tensors an explicit weight_dtype changed, by (from, to)."""
+  out: dict[str, int] = {}
+  for src, dst in pairs:
+    if np.dtype(src) != np.dtype(dst):
+      key = f"{hl.NP_TO_ST[np.dtype(src)]}->{_dtype_name(dst)}"
+      out[key] = out.get(key, 0) + 1
+  return out
+
+
+def _dtype_name(d) -> str:
+  d = np.dtype(d)
+  return "bfloat16" if d == hl.MODEL_DTYPES["bfloat16"] else d.name
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,7 +273,7 @@ def hf_to_orbax(args: ConvertArgs) -> dict:
   use = _resolve(entries, src)
   total = sum(src.info[use[n]].nbytes for e in entries for n in e.hf_names)
 
-  n_tensors = 0
+  n_tensors, cast_pairs = 0, []
   with ck.ParameterWriter(args.output_path, cfg, tokenizer_path=args.tokenizer_path or None,
                           overwrite=args.overwrite) as writer, _progress(total, "to_orbax") as bar:
     (writer.tmp / HF_CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2) + "\n")
@@ -260,13 +284,14 @@ def hf_to_orbax(args: ConvertArgs) -> dict:
         piece, piece_bytes = {}, 0
       names = [use[n] for n in e.hf_names]
       dtype = _stored_dtype(e, src.info[names[0]].dtype, explicit)
+      cast_pairs += [(hl.ST_TO_NP[src.info[n].dtype], dtype) for n in names]
       if e.kind == hl.EXPERTS:  # stack expert by expert: only the stack and one expert are in memory
         arr = np.empty(e.shape, dtype)
         for i, n in enumerate(names):
-          hl.stack_expert(arr, i, src.read(n))
+          hl.stack_expert(arr, i, src.read(n, allow_non_finite=args.allow_non_finite))
           bar.update(src.info[n].nbytes)
       else:
-        arr = hl.to_model(e, src.read(names[0]), dtype)
+        arr = hl.to_model(e, src.read(names[0], allow_non_finite=args.allow_non_finite), dtype)
         bar.update(src.info[names[0]].nbytes)
       n_tensors += len(names)
       _nest(piece, e.path, arr)
@@ -276,7 +301,7 @@ def hf_to_orbax(args: ConvertArgs) -> dict:
   seconds = time.perf_counter() - t0
   return {"direction": "to_orbax", "tensors": n_tensors, "parameters": len(entries), "bytes_read": total,
           "bytes_written": writer.bytes_written, "seconds": seconds, "output": os.fspath(writer.path),
-          "weight_dtype": wd}
+          "weight_dtype": wd, "casts": _casts(cast_pairs)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -360,6 +385,7 @@ def orbax_to_hf(args: ConvertArgs) -> dict:
       raise ConversionError(f"parameter {e.name} has dtype {out_dtype[e.name]}, which safetensors output does "
                             f"not support here")
   tensors = [(n, e.hf_shape, out_dtype[e.name]) for e in entries for n in e.hf_names]
+  casts = _casts((stored[e.name][1], out_dtype[e.name]) for e in entries for _ in e.hf_names)
   label = majority_dtype(tensors)
   hf_cfg = merge_hf_config(hl.config_to_hf(cfg, dtype=label),
                            _stored_hf_config(pathlib.Path(args.load_parameters_path)), label)
@@ -377,6 +403,11 @@ def orbax_to_hf(args: ConvertArgs) -> dict:
     writer, left = None, 0
     for group in _read_groups(entries):
       arrays = ck.read_parameters(args.load_parameters_path, [e.name for e in group])
+      for name, arr in arrays.items():
+        bad = None if args.allow_non_finite else ck.non_finite(arr)
+        if bad:
+          raise ConversionError(f"parameter {name} of {args.load_parameters_path} holds {bad}; refusing to "
+                                f"convert it (allow_non_finite=true converts it anyway, for debugging)")
       for e in group:
         for hf_name, arr in hl.to_hf(e, arrays.pop(e.name), out_dtype[e.name]):
           if left == 0:
@@ -395,7 +426,7 @@ def orbax_to_hf(args: ConvertArgs) -> dict:
   seconds = time.perf_counter() - t0
   return {"direction": "to_hf", "tensors": len(tensors), "parameters": len(entries), "bytes_read": total,
           "bytes_written": total, "seconds": seconds, "output": os.fspath(pathlib.Path(args.output_path).absolute()),
-          "shards": nshard, "weight_dtype": label}
+          "shards": nshard, "weight_dtype": label, "casts": casts}
 
 
 def majority_dtype(tensors: Sequence[tuple[str, tuple, np.dtype]]) -> str:
@@ -405,7 +436,7 @@ def majority_dtype(tensors: Sequence[tuple[str, tuple, np.dtype]]) -> str:
   for _, shape, dtype in tensors:
     size[dtype] = size.get(dtype, 0) + int(np.prod(shape)) * dtype.itemsize
   best = max(size, key=size.get)
-  return "bfloat16" if best == np.dtype(hl.MODEL_DTYPES["bfloat16"]) else np.dtype(best).name
+  return _dtype_name(best)
 
 
 def merge_hf_config(ours: dict, source: dict | None, dtype: str) -> dict:

@@ -11,6 +11,11 @@ Layout of a checkpoint directory `DIR` (what `load_parameters_path=DIR` points a
                         "norm": {...}}, "lm_head": {"kernel": ...}}` of arrays; every nnx Variable is
                         included (`nnx.Param` and the router's `RouterBias`). Names and shapes are the
                         model's own (see model/nn/kda.py, model/nn/mla.py, model/nn/moe.py docstrings).
+  DIR/checksums.json    one CRC-32 (zlib's, of the C-order bytes in the stored dtype) per parameter,
+                        `{"format": 1, "algorithm": "crc32", "parameters": {name: {"crc32": "1a2b3c4d",
+                        "dtype": "float32", "shape": [..]}}}`; written with params/, inside the same
+                        atomic rename. Loading verifies it (`check_parameters`); a checkpoint written
+                        before checksums were recorded has none and loads with a one-line notice.
   DIR/tokenizer.model   a copy of the tokenizer file, when one was given (optional).
 
 Saving goes through `ParameterWriter`, which writes into a hidden temporary sibling of DIR and renames
@@ -29,12 +34,14 @@ checkpoint loads with `weight_dtype=bfloat16`.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import pathlib
 import shutil
 import sys
 import uuid
+import zlib
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -47,6 +54,7 @@ from model.config import ConfigError, apply_overrides, checkpoint_json, config_f
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
 TOKENIZER_FILE = "tokenizer.model"
+CHECKSUMS_FILE = "checksums.json"
 # Chunks of at most this many bytes in the stored zarr arrays, so that a sharded restore reads
 # about its own shard rather than whole multi-GB tensors.
 _CHUNK_BYTES = 64 * 2**20
@@ -203,6 +211,7 @@ class ParameterWriter:
     self.config = config
     self.tmp: pathlib.Path | None = None
     self._written: set[str] = set()
+    self._checksums: dict[str, dict] = {}
     self.bytes_written = 0
 
   def __enter__(self):
@@ -236,6 +245,8 @@ class ParameterWriter:
       raise CheckpointError(f"parameter {dup[0]} written twice to {self.path}")
     if not names:
       return
+    for name, leaf in names.items():
+      self._checksums[name] = checksum_entry(leaf)
     with _context():
       _ocp().partial.save(self.tmp / PARAMS_DIR, tree)
     self._written |= set(names)
@@ -249,6 +260,7 @@ class ParameterWriter:
           raise CheckpointError(f"no parameters were written to {self.path}")
         with _context():
           _ocp().partial.finalize(self.tmp / PARAMS_DIR)
+        write_checksums_file(self.tmp, self._checksums)
     except BaseException:
       remove_tree(partial)
       self._atomic.__exit__(*sys.exc_info())
@@ -399,7 +411,10 @@ def read_parameters(path: str | os.PathLike, names: Sequence[str]) -> dict[str, 
       the first line of TensorStore's error; see `_read_error`).
   """
   p = _check_dir(path)
-  stored = stored_parameters(p)
+  return _read_named(p, stored_parameters(p), names)
+
+
+def _read_named(p: pathlib.Path, stored: dict, names: Sequence[str]) -> dict[str, np.ndarray]:
   unknown = [n for n in names if n not in stored]
   if unknown:
     raise CheckpointError(f"{p}: no parameter(s) {unknown[:3]} in the checkpoint")
@@ -419,6 +434,146 @@ def read_parameters(path: str | os.PathLike, names: Sequence[str]) -> dict[str, 
   except Exception as e:
     raise _read_error(p, e) from None
   return {k: np.asarray(v) for k, v in flatten(out).items()}
+
+
+def non_finite(array) -> str | None:
+  """None when every value of `array` (a NumPy float array, bfloat16 included) is finite; else a
+  phrase for an error line: '3 non-finite value(s) (the first, nan, at index (0, 5))'."""
+  a = np.asarray(array)
+  bad = ~np.isfinite(a)
+  if not bad.any():
+    return None
+  first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), a.shape))
+  return f"{int(bad.sum())} non-finite value(s) (the first, {a[first]}, at index {first})"
+
+
+SCAN_PIECE_BYTES = 256 * 2**20  # parameters read per piece by `check_parameters` (bounded host memory)
+_noticed: set[str] = set()  # checkpoints whose missing checksums.json was already reported
+
+
+def _host_bytes(array) -> np.ndarray:
+  """The C-order bytes of `array` (NumPy or a fully addressable jax.Array) as a flat uint8 view."""
+  if isinstance(array, nnx.Variable):
+    array = array.get_value()
+  return np.ascontiguousarray(np.asarray(array)).reshape(-1).view(np.uint8)
+
+
+def crc32(array) -> str:
+  """zlib's CRC-32 of `array`'s C-order bytes in its own dtype, as 8 hex digits."""
+  return f"{zlib.crc32(_host_bytes(array)) & 0xFFFFFFFF:08x}"
+
+
+def checksum_entry(array) -> dict:
+  """`{"crc32": ..., "dtype": ..., "shape": [...]}` of one parameter, as checksums.json stores it."""
+  a = array.get_value() if isinstance(array, nnx.Variable) else array
+  return {"crc32": crc32(a), "dtype": str(np.dtype(a.dtype)), "shape": [int(d) for d in a.shape]}
+
+
+def write_checksums_file(directory: pathlib.Path, entries: Mapping[str, dict]) -> None:
+  """Writes `directory/checksums.json` atomically (a temporary file renamed into place)."""
+  data = {"format": 1, "algorithm": "crc32", "parameters": dict(sorted(entries.items()))}
+  tmp = directory / f".{CHECKSUMS_FILE}.tmp-{uuid.uuid4().hex[:12]}"
+  tmp.write_text(json.dumps(data, indent=1) + "\n")
+  os.replace(tmp, directory / CHECKSUMS_FILE)
+
+
+def read_checksums(path: str | os.PathLike) -> dict[str, dict] | None:
+  """`{name: {"crc32", "dtype", "shape"}}` of checkpoint `path`, or None when it has no checksums.json.
+
+  Raises:
+    CheckpointError: a checksums.json that is not the format `write_checksums_file` writes.
+  """
+  f = pathlib.Path(path) / CHECKSUMS_FILE
+  if not f.is_file():
+    return None
+  try:
+    data = json.loads(f.read_text())
+    if data.get("algorithm") != "crc32" or not isinstance(data.get("parameters"), dict):
+      raise ValueError("expected {\"algorithm\": \"crc32\", \"parameters\": {...}}")
+    return data["parameters"]
+  except (ValueError, AttributeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{f}: not a valid checksums file ({type(e).__name__}: {e})") from None
+
+
+def check_parameters(path: str | os.PathLike, *, verify_checksums: bool = True,
+                     allow_non_finite: bool = False) -> dict:
+  """Reads every stored parameter once, piece by piece (host memory: about SCAN_PIECE_BYTES or the
+  largest parameter), verifies its CRC-32 against checksums.json and refuses non-finite values: the
+  load-time check of `model.loading.restore` and the work of `tools.verify_checkpoint`. Values are
+  checked in their stored dtype. With both checks off nothing is read.
+
+  A checkpoint without checksums.json (written before checksums were recorded) is not an error:
+  one line `note: ...` goes to stderr, once per checkpoint and process.
+
+  Returns:
+    `{"parameters": n, "bytes": bytes read, "checksums": True (verified) / False (none recorded) /
+    None (not asked)}`.
+
+  Raises:
+    CheckpointError: one line naming the first parameter (in stored order) whose bytes do not match
+      its checksum (stored and computed CRC-32), or which holds a NaN or an infinity (count and
+      first index) unless `allow_non_finite`; a parameter missing from or extra in checksums.json;
+      unreadable data.
+  """
+  p = _check_dir(path)
+  stored = stored_parameters(p)
+  sums = read_checksums(p) if verify_checksums else None
+  if verify_checksums and sums is None and os.fspath(p) not in _noticed:
+    _noticed.add(os.fspath(p))
+    print(f"note: {p} has no {CHECKSUMS_FILE} (written before checksums were recorded): its parameters are "
+          f"not verified; `python -m tools.verify_checkpoint load_parameters_path={p} record_checksums=true` "
+          f"records them", file=sys.stderr)
+  if sums is not None and set(sums) != set(stored):
+    odd = sorted(set(sums) ^ set(stored))
+    raise CheckpointError(f"load_parameters_path={os.fspath(p)}: {CHECKSUMS_FILE} does not list the same "
+                          f"parameters as params/ (e.g. {odd[0]}): the checkpoint is corrupt")
+  out = {"parameters": len(stored), "bytes": 0, "checksums": None if not verify_checksums else sums is not None}
+  if sums is None and allow_non_finite:
+    return out
+  for group in _pieces(stored):
+    for name, arr in _read_named(p, stored, group).items():
+      out["bytes"] += arr.nbytes
+      if sums is not None:
+        want, got = sums[name].get("crc32"), crc32(arr)
+        if want != got:
+          raise CheckpointError(f"load_parameters_path={os.fspath(p)}: parameter {name} does not match its "
+                                f"checksum (crc32 recorded {want}, read {got}): params/ is corrupt; restore "
+                                f"the checkpoint from a good copy (verify_checksums=false loads it anyway)")
+      bad = None if allow_non_finite else non_finite(arr)
+      if bad:
+        raise CheckpointError(f"load_parameters_path={os.fspath(p)}: parameter {name} holds {bad}; refusing "
+                              f"to load it (allow_non_finite=true loads it anyway, for debugging)")
+  return out
+
+
+def record_checksums(path: str | os.PathLike) -> int:
+  """Computes and writes checksums.json for checkpoint `path` from the parameters stored now (for a
+  checkpoint written before checksums were recorded; it blesses whatever params/ holds). Returns the
+  number of parameters. Raises CheckpointError: unreadable data, or checksums.json exists already."""
+  p = _check_dir(path)
+  if (p / CHECKSUMS_FILE).exists():
+    raise CheckpointError(f"{p / CHECKSUMS_FILE} exists already (verify it instead)")
+  stored = stored_parameters(p)
+  entries = {}
+  for group in _pieces(stored):
+    for name, arr in _read_named(p, stored, group).items():
+      entries[name] = checksum_entry(arr)
+  write_checksums_file(p, entries)
+  return len(entries)
+
+
+def _pieces(stored: dict):
+  """Stored parameter names in consecutive groups of at most SCAN_PIECE_BYTES (a larger one alone)."""
+  group, size = [], 0
+  for name, (shape, dtype) in stored.items():
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if group and size + n > SCAN_PIECE_BYTES:
+      yield group
+      group, size = [], 0
+    group.append(name)
+    size += n
+  if group:
+    yield group
 
 
 def _root_cause(e: BaseException) -> BaseException:

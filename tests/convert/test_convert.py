@@ -527,3 +527,74 @@ def test_out_of_memory_is_one_error_line(tmp_path, capsys, monkeypatch):
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
     cc.main([f"hf_model_path={DENSE}", f"output_path={tmp_path / 'out'}"])
   assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# dtype-exact conversion (weight_dtype=auto keeps F16 / BF16 / F32 / F64 bit for bit)
+# ------------------------------------------------------------------------------------------------
+
+def _write_source_in(dst: pathlib.Path, dtype) -> dict[str, np.ndarray]:
+  """The dense fixture with every tensor stored as `dtype`. The float64 copy gets low-order bits a
+  float32 cannot hold (a narrowing on the way is then visible in the bytes)."""
+  dst.mkdir()
+  tensors = {}
+  for k, v in load_file(DENSE / "model.safetensors").items():
+    a = v.astype(dtype)
+    if np.dtype(dtype) == np.float64:
+      a = a * (1.0 + 2.0**-40)
+    tensors[k] = a
+  save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+  (dst / "config.json").write_text((DENSE / "config.json").read_text())
+  return tensors
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64],
+                         ids=["F16", "BF16", "F32", "F64"])
+def test_round_trip_keeps_every_dtype_bit_exact(tmp_path, dtype, capsys):
+  src = _write_source_in(tmp_path / "src", dtype)
+  assert cc.main([f"hf_model_path={tmp_path / 'src'}", f"output_path={tmp_path / 'ck'}"]) == 0
+  assert "every tensor in its stored dtype" in capsys.readouterr().out
+  stored = ck.stored_parameters(tmp_path / "ck")
+  assert {d for _, d in stored.values()} == {np.dtype(dtype)}
+  assert cc.main(["direction=to_hf", f"load_parameters_path={tmp_path / 'ck'}", f"output_path={tmp_path / 'hf'}"]) == 0
+  assert "every tensor in its stored dtype" in capsys.readouterr().out
+  out = _hf_tensors(tmp_path / "hf")
+  src = {_DENSE_ALIAS.get(k, k): v for k, v in src.items()}
+  assert sorted(src) == sorted(out)
+  for k in src:
+    assert (src[k].dtype, src[k].shape) == (out[k].dtype, out[k].shape), k
+    assert src[k].tobytes() == out[k].tobytes(), k
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64], ids=["F16", "F64"])
+def test_f16_and_f64_parameters_load_cast_to_the_compute_dtype(tmp_path, dtype, forward):
+  """An F16/F64-stored checkpoint loads with float32 parameters equal to the stored values cast to
+  float32 (numpy's cast is the oracle), and its logits match the float32 checkpoint of the same values."""
+  src = _write_source_in(tmp_path / "src", dtype)
+  _run([f"hf_model_path={tmp_path / 'src'}", f"output_path={tmp_path / 'ck'}"])
+  model, cfg = loading.load_model(tmp_path / "ck")
+  assert cfg.weight_dtype == "float32"
+  got = np.asarray(model.lm_head.kernel.get_value())
+  assert got.dtype == np.float32
+  np.testing.assert_array_equal(got, src["lm_head.weight"].T.astype(np.float32))
+  # The same values stored as float32: identical parameters, hence identical logits.
+  f32 = tmp_path / "f32"
+  f32.mkdir()
+  save_file({k: v.astype(np.float32) for k, v in src.items()}, f32 / "model.safetensors", metadata={"format": "pt"})
+  (f32 / "config.json").write_text((DENSE / "config.json").read_text())
+  _run([f"hf_model_path={f32}", f"output_path={tmp_path / 'ck32'}"])
+  ref_model, _ = loading.load_model(tmp_path / "ck32")
+  ids = np.load(DENSE / "reference.npz")["input_ids"]
+  np.testing.assert_array_equal(forward(model, ids), forward(ref_model, ids))
+
+
+def test_explicit_weight_dtype_casts_and_says_so(tmp_path, capsys):
+  _write_source_in(tmp_path / "src", np.float16)
+  assert cc.main([f"hf_model_path={tmp_path / 'src'}", f"output_path={tmp_path / 'ck'}", "weight_dtype=float32"]) == 0
+  out = capsys.readouterr().out
+  assert "cast " in out and "F16 -> float32" in out, out
+  assert {d for _, d in ck.stored_parameters(tmp_path / "ck").values()} == {np.dtype(np.float32)}
+  assert cc.main(["direction=to_hf", f"load_parameters_path={tmp_path / 'ck'}", f"output_path={tmp_path / 'hf'}",
+                  "weight_dtype=bfloat16"]) == 0
+  out = capsys.readouterr().out
+  assert "F32 -> bfloat16" in out, out

@@ -50,6 +50,11 @@ TOOLS = {
                                                   ([f"data={MISSING}", f"tokenizer_path={MISSING}",
                                                     "heldout_fraction=half"], "heldout_fraction"),
                                                   ([f"data={MISSING}", "attention=no_such_backend"], "attention")]),
+    "verify_checkpoint": ("kda-verify-checkpoint", [([f"load_parameters_pth={MISSING}"], "load_parameters_pth"),
+                                                    ([f"load_parameters_path={MISSING}", "allow_non_finite=maybe"],
+                                                     "allow_non_finite"),
+                                                    ([f"load_parameters_path={MISSING}", "attention=no_such_backend"],
+                                                     "attention")]),
 }
 CASES = [(tool, argv, key) for tool, (_, cases) in TOOLS.items() for argv, key in cases]
 
