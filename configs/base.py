@@ -43,7 +43,8 @@ TRAIN_KEYS = (
 # The job's mesh and multi-host start-up (a loaded checkpoint takes them from the command line).
 MESH_KEYS = (
     "ici_data_parallelism", "ici_fsdp_parallelism", "ici_expert_parallelism",
-    "ici_tensor_parallelism", "logical_axis_rules", "distributed_init", "coordinator_address",
+    "ici_tensor_parallelism", "dcn_data_parallelism", "dcn_fsdp_parallelism", "dcn_expert_parallelism",
+    "dcn_tensor_parallelism", "logical_axis_rules", "distributed_init", "coordinator_address",
     "num_processes", "process_id",
 ) + (  # how this job loads a checkpoint (model/loading.py): job keys too, never stored
     "allow_non_finite", "verify_checksums",
@@ -196,6 +197,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.ici_fsdp_parallelism = 1  # "fsdp": batch split and parameters sharded on `embed` (ZeRO-3 style)
   c.ici_expert_parallelism = 1  # "expert": MoE experts split; must divide num_experts
   c.ici_tensor_parallelism = 1  # "tensor": KDA/MLA heads, FFN width and vocab split; must divide both head counts
+  # Across slices (multi-slice over DCN, as MaxText): each mesh axis is ici size x dcn size; the dcn
+  # sizes multiply to the number of slices (>= 1 each, no -1). Only `data` is cheap over DCN.
+  c.dcn_data_parallelism = 1  # "data" split across slices
+  c.dcn_fsdp_parallelism = 1  # "fsdp" split across slices
+  c.dcn_expert_parallelism = 1  # "expert" split across slices
+  c.dcn_tensor_parallelism = 1  # "tensor" split across slices (slow: every layer all-reduces over DCN)
   # Logical axis -> mesh axes, one "logical:axis+axis" string per rule ("logical:" = replicated).
   # Logical axes left out are replicated; parameters use embed/heads/kv/mlp/expert/vocab (model/nn/layers.py).
   c.logical_axis_rules = [

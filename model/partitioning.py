@@ -60,6 +60,8 @@ from model.errors import ConfigError
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 PARALLELISM_KEYS = {"data": "ici_data_parallelism", "fsdp": "ici_fsdp_parallelism",
                     "expert": "ici_expert_parallelism", "tensor": "ici_tensor_parallelism"}
+DCN_PARALLELISM_KEYS = {"data": "dcn_data_parallelism", "fsdp": "dcn_fsdp_parallelism",
+                        "expert": "dcn_expert_parallelism", "tensor": "dcn_tensor_parallelism"}
 # Every logical axis name the model uses (parameters: model/nn/layers.py; activations: this module).
 PARAM_AXES = ("embed", "heads", "kv", "mlp", "expert", "vocab")
 ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed", "activation_heads",
@@ -180,6 +182,26 @@ def _raw_sizes(cfg) -> dict[str, int]:
   return sizes
 
 
+def dcn_sizes(cfg) -> dict[str, int]:
+  """The four `dcn_*_parallelism` sizes (mesh axes split across slices; product = number of slices).
+
+  Raises:
+    ConfigError: a size that is not an int >= 1.
+  """
+  sizes = {}
+  for axis, key in DCN_PARALLELISM_KEYS.items():
+    value = cfg[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ConfigError(f"{key} must be an int >= 1 (mesh axis size across slices), got {value!r}")
+    sizes[axis] = value
+  return sizes
+
+
+def _times_dcn(cfg, sizes: dict[str, int]) -> dict[str, int]:
+  dcn = dcn_sizes(cfg)
+  return {a: (v if v == -1 else v * dcn[a]) for a, v in sizes.items()}
+
+
 def validate_mesh_config(cfg, num_devices: int | None = None) -> None:
   """Checks the mesh and sharding keys; `model.config.validate_config` calls it with no devices.
 
@@ -190,7 +212,7 @@ def validate_mesh_config(cfg, num_devices: int | None = None) -> None:
   Raises:
     ConfigError: naming the key(s) and what was expected.
   """
-  sizes = _raw_sizes(cfg)
+  sizes = _times_dcn(cfg, _raw_sizes(cfg))
   rules = rules_from_config(cfg)
   for key in ("num_processes", "process_id"):
     if cfg[key] < -1:
@@ -203,17 +225,40 @@ def validate_mesh_config(cfg, num_devices: int | None = None) -> None:
 
 
 def mesh_shape(cfg, num_devices: int) -> dict[str, int]:
-  """Resolves the four `ici_*_parallelism` keys against `num_devices`.
+  """Resolves the four `ici_*_parallelism` keys against `num_devices` (times the `dcn_*` sizes).
+
+  With `dcn_*_parallelism` sizes multiplying to D slices, the `ici_*` sizes describe one slice of
+  `num_devices / D` devices and each returned size is ici x dcn.
 
   Returns:
     `{"data": n, "fsdp": n, "expert": n, "tensor": n}` whose product is `num_devices`.
 
   Raises:
     ConfigError: sizes whose product does not equal (or, with a -1, does not divide)
-      `num_devices`, or head/expert counts not divisible by their mesh axes.
+      `num_devices`, dcn sizes that do not divide it, or head/expert counts not divisible by
+      their mesh axes.
   """
   if not isinstance(num_devices, int) or num_devices < 1:
     raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
+  dcn = dcn_sizes(cfg)
+  slices = math.prod(dcn.values())
+  if num_devices % slices:
+    raise ConfigError(f"the dcn_*_parallelism sizes multiply to {slices} slices, which does not divide the "
+                      f"{num_devices} devices")
+  full = _resolve_ici(cfg, num_devices // slices)
+  sizes = {a: full[a] * dcn[a] for a in MESH_AXES}
+  _check_model_divisibility(cfg, sizes, rules_from_config(cfg))
+  return sizes
+
+
+def ici_mesh_shape(cfg, num_devices: int) -> dict[str, int]:
+  """The per-slice (`ici_*`) sizes of `mesh_shape(cfg, num_devices)` (equal to it on one slice)."""
+  full = mesh_shape(cfg, num_devices)
+  dcn = dcn_sizes(cfg)
+  return {a: full[a] // dcn[a] for a in MESH_AXES}
+
+
+def _resolve_ici(cfg, num_devices: int) -> dict[str, int]:
   sizes = _raw_sizes(cfg)
   fixed = math.prod(v for v in sizes.values() if v != -1)
   text = ", ".join(f"{PARALLELISM_KEYS[a]}={v}" for a, v in sizes.items())
@@ -223,9 +268,9 @@ def mesh_shape(cfg, num_devices: int) -> dict[str, int]:
                         f"the {num_devices} devices, so no size fits the -1 axis")
     sizes = {a: (num_devices // fixed if v == -1 else v) for a, v in sizes.items()}
   elif fixed != num_devices:
-    raise ConfigError(f"the mesh axes ({text}) multiply to {fixed} but there are {num_devices} devices; "
+    raise ConfigError(f"the mesh axes ({text}) multiply to {fixed} but there are {num_devices} devices"
+                      f"{' per slice' if math.prod(dcn_sizes(cfg).values()) > 1 else ''}; "
                       f"make the product equal the device count or set one axis to -1")
-  _check_model_divisibility(cfg, sizes, rules_from_config(cfg))
   return sizes
 
 
@@ -245,6 +290,14 @@ def create_mesh(cfg, devices: Sequence | None = None) -> Mesh:
   devices = list(jax.devices() if devices is None else devices)
   sizes = mesh_shape(cfg, len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)
+  dcn = dcn_sizes(cfg)
+  if math.prod(dcn.values()) > 1:
+    # Multi-slice: each slice's devices form the ici mesh, slices are tiled along the dcn axes.
+    from jax.experimental import mesh_utils
+    ici = tuple(sizes[a] // dcn[a] for a in MESH_AXES)
+    grid = mesh_utils.create_hybrid_device_mesh(ici, tuple(dcn[a] for a in MESH_AXES), devices,
+                                                allow_split_physical_axes=True)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
   # Auto axes: GSPMD propagates shardings from the annotated inputs, parameters and constraints.
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 

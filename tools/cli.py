@@ -108,6 +108,7 @@ def given_keys(argv: Sequence[str]) -> set[str]:
 # The mesh belongs to the job, not to the checkpoint: these keys come from the command line (or the
 # base defaults), whatever the run that wrote the checkpoint used.
 _JOB_KEYS = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_expert_parallelism", "ici_tensor_parallelism",
+             "dcn_data_parallelism", "dcn_fsdp_parallelism", "dcn_expert_parallelism", "dcn_tensor_parallelism",
              "logical_axis_rules", "distributed_init", "coordinator_address", "num_processes", "process_id")
 
 

@@ -268,6 +268,9 @@ def train_step_fn(graphdef, hparams: tuple, num_slots: int, router_bias_update_r
     get = batch.get if isinstance(batch, dict) else functools.partial(getattr, batch)
     return jitted(state, *(jnp.asarray(get(k)) for k in BATCH_FIELDS))
 
+  # The un-jitted step `(state, inputs, targets, loss_mask, segment_ids) -> (new_state, metrics)`, for
+  # callers that jit it their own way (model/aot.py: donated state, abstract sharded arguments).
+  run.step = step
   return run
 
 

@@ -46,6 +46,11 @@ TOOLS = {
                                                 ([f"input={MISSING}", f"model_prefix={MISSING}", "vocab_size=big"],
                                                  "vocab_size"),
                                                 ([f"input={MISSING}", "attention=no_such_backend"], "attention")]),
+    # The compile itself needs libtpu (.venv-tpu-aot): here only the arguments checked before it.
+    "aot_compile": ("kda-aot-compile", [(["tiny", "compile_topology=v5e:2x2", "batch_sze=2"], "batch_sze"),
+                                        (["tiny", "compile_topology=v5e:2x2", "mode=serve"], "mode"),
+                                        (["tiny", "compile_topology=v5e:2x2", "attention=no_such_backend"],
+                                         "attention")]),
     "unigram_baseline": ("kda-unigram-baseline", [([f"dat={MISSING}"], "dat"),
                                                   ([f"data={MISSING}", f"tokenizer_path={MISSING}",
                                                     "heldout_fraction=half"], "heldout_fraction"),

@@ -1,0 +1,227 @@
+"""Ahead-of-time compilation of a training step, a prefill or a decode step for a TPU topology.
+
+What MaxText's `train_compile.py` gives its users, for this model: jax's TPU compiler (libtpu) runs
+on a CPU host for any topology of `jax.experimental.topologies` (e.g. `v5e:2x2`, `v5p:4x4x4`,
+`tpu7x:2x2x1`), partitions the program over a mesh of that topology's devices and reports
+`memory_analysis()` per device, before anyone pays for the chips. Nothing is materialised: the
+parameters, optimizer state, caches and inputs are `jax.ShapeDtypeStruct`s that carry their
+`NamedSharding` on the topology's devices (`model.loading.abstract_state`, `model.nn.cache.shardings`,
+`model.partitioning.batch_sharding`).
+
+Programs (`MODES`); the shapes come from the config keys:
+- `train`: `model.training.steps.train_step_fn(...).step` (forward in mode "train", i.e. the backend's
+  differentiable op, AdamW update), jitted with the train state donated, on `[batch_size, seq_len]`
+  rows of `max_num_segments` packed documents.
+- `prefill`: `KimiLinearForCausalLM.prefill` on `[batch_size, seq_len]` rows of `max_num_segments`
+  documents, MLA caches of `max_cache_length`; returns the last-token logits `[B * N, vocab]` (what a
+  server samples from) and the cache. The KDA layers run `kda_inference` (the Mosaic kernel:
+  `kda_implementation=auto` means `pallas_tpu` here, as it would on the target chip).
+- `decode`: `KimiLinearForCausalLM.decode` of one token for `batch_size` sequences whose caches hold
+  `max_cache_length` tokens, the cache donated.
+
+Per device means per jax device: TPU7x exposes two devices per chip, v5e/v5p/v6e one.
+
+Import only in a process whose jax has libtpu (`.venv-tpu-aot`): jax starts its backends at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from model import loading, partitioning
+from model.errors import ConfigError
+from model.nn import cache as cache_lib
+from model.nn.kimi_linear import last_token_logits
+from model.training import steps
+
+MODES = ("train", "prefill", "decode")
+
+# HBM per jax device, GiB (Google Cloud TPU system architecture pages: v4 32 GiB, v5e 16 GiB,
+# v5p 95 GiB, v6e 32 GiB per chip; TPU7x 192 GiB per chip, exposed as two devices of 96 GiB).
+HBM_GIB_BY_DEVICE_KIND = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95, "TPU v5p": 95,
+                          "TPU v6 lite": 32, "TPU v6e": 32, "TPU7x": 96}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A TPU topology to compile for: its `devices` (from `get_topology_desc`), their kind and HBM."""
+
+  name: str
+  num_slices: int
+  devices: tuple
+  device_kind: str
+  hbm_bytes: int
+
+
+def topology(name: str, num_slices: int = 1) -> Target:
+  """The devices of TPU topology `name` (e.g. "v5e:2x2", "v5p:4x4x4", "tpu7x:2x2x1") x `num_slices`.
+
+  Raises:
+    ConfigError: naming `compile_topology` (unknown name, or a device kind whose HBM is not known)
+      or `compile_topology_num_slices` (< 1).
+  """
+  from jax.experimental import topologies
+  if not isinstance(num_slices, int) or num_slices < 1:
+    raise ConfigError(f"compile_topology_num_slices must be an int >= 1, got {num_slices!r}")
+  try:
+    kw = {"num_slices": num_slices} if num_slices > 1 else {}
+    topo = topologies.get_topology_desc(topology_name=name, platform="tpu", **kw)
+  except Exception as e:  # libtpu raises XlaRuntimeError / ValueError with its own text
+    raise ConfigError(f"compile_topology={name!r} is not a TPU topology libtpu knows (e.g. v5e:2x2, v5p:4x4x4, "
+                      f"v6e:2x2, tpu7x:2x2x1): {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+  devices = tuple(topo.devices)
+  kind = devices[0].device_kind
+  if kind not in HBM_GIB_BY_DEVICE_KIND:
+    raise ConfigError(f"compile_topology={name!r} has devices of kind {kind!r} whose HBM is not in "
+                      f"model.aot.HBM_GIB_BY_DEVICE_KIND")
+  return Target(name, num_slices, devices, kind, HBM_GIB_BY_DEVICE_KIND[kind] * 2**30)
+
+
+def _check_num_slices(cfg, target: Target) -> None:
+  slices = math.prod(partitioning.dcn_sizes(cfg).values())
+  if slices != target.num_slices:
+    raise ConfigError(f"the dcn_*_parallelism sizes multiply to {slices} but compile_topology_num_slices="
+                      f"{target.num_slices}: they must agree (one mesh slice per topology slice)")
+
+
+def _replicated(mesh, tree):
+  rep = NamedSharding(mesh, P())
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
+
+
+def _sds(shape, dtype, sharding):
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def abstract_train_state(cfg, mesh):
+  """`(graphdef, state)`: the train state of `steps.init_train_state` as sharded `ShapeDtypeStruct`s.
+
+  Parameters follow their logical axes; the AdamW moments (subtrees shaped like the parameters)
+  follow the parameters; step, PRNG key and optimizer counts are replicated.
+  """
+  with partitioning.mesh_context(mesh, cfg):
+    model = loading.abstract_model(cfg)
+    graphdef, params, rest = steps.split_model(model)
+    p_shard = partitioning.param_shardings(params, mesh)
+    r_shard = partitioning.param_shardings(rest, mesh) if jax.tree.leaves(rest) else rest
+  params = jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), params, p_shard)
+  rest = jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), rest, r_shard)
+  tx = steps.make_optimizer(steps.optimizer_hparams(cfg))
+  opt = jax.eval_shape(tx.init, params)
+  pdef = jax.tree.structure(params)
+  rep = NamedSharding(mesh, P())
+
+  def place(sub):
+    if isinstance(sub, jax.ShapeDtypeStruct):
+      return _sds(sub.shape, sub.dtype, rep)
+    return jax.tree.map(lambda a, p: _sds(a.shape, a.dtype, p.sharding), sub, params)
+
+  opt = jax.tree.map(place, opt, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)
+                     or jax.tree.structure(x) == pdef)
+  key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  state = {"params": params, "rest": rest, "opt_state": opt, "step": _sds((), jnp.int32, rep),
+           "rng": _sds(key_data.shape, key_data.dtype, rep)}
+  return graphdef, state
+
+
+def _batch(mesh, cfg, shape, dtype):
+  return _sds(shape, dtype, partitioning.batch_sharding(mesh, shape, rules_or_cfg=cfg))
+
+
+def lower(cfg, mode: str, mesh):
+  """`jax.jit(program).lower(*abstract args)` for `mode` on `mesh` (see the module docstring).
+
+  Returns:
+    `(lowered, info)`: info names the program's shapes (batch, seq_len, slots, cache_length).
+
+  Raises:
+    ConfigError: an unknown mode, or a parameter / cache dimension that cannot be split on the mesh.
+  """
+  if mode not in MODES:
+    raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+  b, t, n, length = int(cfg.batch_size), int(cfg.seq_len), int(cfg.max_num_segments), int(cfg.max_cache_length)
+  info = {"batch_size": b, "seq_len": t, "num_slots": n, "cache_length": length}
+  with partitioning.mesh_context(mesh, cfg):
+    if mode == "train":
+      graphdef, state = abstract_train_state(cfg, mesh)
+      step = steps.train_step_fn(graphdef, steps.optimizer_hparams(cfg), n,
+                                 float(cfg.router_bias_update_rate)).step
+      ids = _batch(mesh, cfg, (b, t), jnp.int32)
+      args = (state, ids, ids, _batch(mesh, cfg, (b, t), jnp.bool_), ids)
+      return jax.jit(step, donate_argnums=0).lower(*args), info
+    graphdef, state = loading.abstract_state(cfg, mesh, cfg)
+    model = nnx.merge(graphdef, state)
+    if mode == "prefill":
+      ids = _batch(mesh, cfg, (b, t), jnp.int32)
+
+      def prefill(st, input_ids, segment_ids):
+        logits, cache = nnx.merge(graphdef, st).prefill(input_ids, segment_ids, num_slots=n, cache_length=length)
+        return last_token_logits(logits, segment_ids, n), cache
+
+      return jax.jit(prefill).lower(state, ids, ids), info
+    info.update(num_slots=1, seq_len=1)
+    abs_cache = jax.eval_shape(lambda: model.init_cache(b, num_slots=1, cache_length=length))
+    cache = jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), abs_cache,
+                         cache_lib.shardings(abs_cache, mesh, cfg))
+
+    def decode(st, next_ids, c):
+      return nnx.merge(graphdef, st).decode(next_ids, c)
+
+    return jax.jit(decode, donate_argnums=2).lower(state, _batch(mesh, cfg, (b,), jnp.int32), cache), info
+
+
+def memory_report(compiled, hbm_bytes: int) -> dict:
+  """Per-device bytes of a compiled program (`memory_analysis()`) and the fit verdict.
+
+  total = arguments + outputs - aliased (donated buffers reused as outputs) + temporaries; the
+  program fits when total <= the device's HBM.
+  """
+  m = compiled.memory_analysis()
+  args, out, alias, temp = (int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+                            int(m.alias_size_in_bytes), int(m.temp_size_in_bytes))
+  total = args + out - alias + temp
+  return {"argument_bytes": args, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
+          "generated_code_bytes": int(m.generated_code_size_in_bytes), "total_bytes": total,
+          "hbm_bytes": int(hbm_bytes), "fits": total <= hbm_bytes, "margin_bytes": int(hbm_bytes - total)}
+
+
+def flops(compiled) -> float | None:
+  """The compiler's FLOP count of one run of the program per device (`cost_analysis()["flops"]`)."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  value = (cost or {}).get("flops")
+  return None if value is None else float(value)
+
+
+def compile_for(cfg, mode: str, target: Target) -> dict:
+  """Lowers and compiles `mode` for `target` with the config's mesh; the report of one compile.
+
+  Returns:
+    dict with topology, device_kind, num_devices, mesh (axis sizes), the shapes, memory
+    (`memory_report`), flops_per_device, compile_seconds and hlo (the compiled HLO text).
+
+  Raises:
+    ConfigError: a mesh that does not divide the topology's devices, heads or experts that do not
+      divide their mesh axes, dcn sizes that disagree with the slice count, an unknown mode.
+  """
+  _check_num_slices(cfg, target)
+  mesh = partitioning.create_mesh(cfg, target.devices)
+  t0 = time.perf_counter()
+  lowered, info = lower(cfg, mode, mesh)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  return {"topology": target.name, "num_slices": target.num_slices, "device_kind": target.device_kind,
+          "num_devices": len(target.devices), "mode": mode,
+          "mesh": {a: int(s) for a, s in zip(mesh.axis_names, np.shape(mesh.devices))},
+          **info, "memory": memory_report(compiled, target.hbm_bytes), "flops_per_device": flops(compiled),
+          "lower_seconds": t1 - t0, "compile_seconds": t2 - t1, "hlo": compiled.as_text()}

@@ -1,0 +1,127 @@
+"""Compile a training step, a prefill or a decode step for a TPU topology ahead of time; report per-device memory.
+
+    .venv-tpu-aot/bin/python -m tools.aot_compile CONFIG compile_topology=NAME [compile_topology_num_slices=N]
+        mode=train|prefill|decode [key=value ...] [output_json=OUT]
+
+    kda-aot-compile kimi_linear_48b_a3b compile_topology=v5p:4x4x4 mode=train batch_size=64 seq_len=4096 \\
+        ici_fsdp_parallelism=64 ici_data_parallelism=1
+
+As MaxText's train_compile.py: libtpu's compiler runs on this CPU host for the topology's devices
+(`jax.experimental.topologies`), nothing is allocated (parameters, AdamW state, caches and inputs are
+abstract arrays carrying their shardings), and the compiled program's `memory_analysis()` says what each
+device would hold. CONFIG is a config name (configs/) or a .py/.json path; every other argument is a
+config key (configs/base.py: mesh `ici_*` / `dcn_*_parallelism`, `logical_axis_rules`, `batch_size`,
+`seq_len`, `max_num_segments`, `max_cache_length`, `dtype`, ...) or one of:
+
+  compile_topology=NAME             a jax TPU topology, e.g. v5e:2x2, v5p:4x4x4, v6e:4x4, tpu7x:2x2x1 (required)
+  compile_topology_num_slices=N     slices over DCN (default 1); the dcn_*_parallelism sizes must multiply to N
+  mode=train|prefill|decode         the program (default train); shapes: model/aot.py
+  output_json=PATH                  also write the report (with the compiled HLO text) there
+  overwrite=true                    replace an existing output_json
+
+Prints per device: arguments, outputs, temporaries, total, the device's HBM, one verdict line ("fits" /
+"does not fit", by how much), the compiler's FLOP count per step and the compile time; the last stdout
+line is the report as JSON (without the HLO). Runs only under a jax with libtpu (.venv-tpu-aot); bad
+input is one `error:` line naming the key, exit 2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+from model import registry
+from model.config import load_config
+from model.errors import UsageError
+from tools import cli
+
+TOOL_KEYS = ("compile_topology", "compile_topology_num_slices", "mode")
+MODES = ("train", "prefill", "decode")
+MEMORY_KEYS = "batch_size, seq_len, max_cache_length or the mesh sizes"
+GIB = 2**30
+
+
+def _split(argv):
+  """(config argv, tool keys): the tool's own keys out of the config overrides."""
+  rest, own = [], {}
+  for a in argv:
+    key = a.split("=", 1)[0].strip().lstrip("-") if "=" in a else None
+    if key in TOOL_KEYS:
+      if key in own:
+        raise UsageError(f"argument {key!r} given twice")
+      own[key] = a.split("=", 1)[1]
+    else:
+      rest.append(a)
+  return rest, own
+
+
+def _parse(argv):
+  rest, own = _split(argv)
+  if not rest or "=" in rest[0]:
+    raise UsageError("the first argument is the model config (a name in configs/ or a .py/.json path), "
+                     "e.g. kimi_linear_48b_a3b (see --help)")
+  cfg = load_config(rest)  # unknown keys / wrong types: ConfigError naming the key
+  registry.get_backend(cfg.attention)  # an unknown attention= fails before libtpu starts
+  if not own.get("compile_topology"):
+    raise UsageError("compile_topology is required: a TPU topology such as v5e:2x2, v5p:4x4x4 or tpu7x:2x2x1")
+  mode = own.get("mode", "train")
+  if mode not in MODES:
+    raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+  slices_text = own.get("compile_topology_num_slices", "1")
+  try:
+    slices = int(slices_text)
+  except ValueError:
+    slices = 0
+  if slices < 1:
+    raise UsageError(f"compile_topology_num_slices must be an integer >= 1, got {slices_text!r}")
+  if cfg.output_json:
+    cli.check_output_path(cfg.output_json, overwrite=cfg.overwrite)
+  return cfg, own["compile_topology"], slices, mode
+
+
+def _gib(n: int) -> str:
+  return f"{n / GIB:.3f} GiB"
+
+
+def run(argv: list[str]) -> int:
+  cfg, topology_name, slices, mode = _parse(argv)
+  if importlib.util.find_spec("libtpu") is None:
+    raise UsageError(f"{sys.executable} has no libtpu: run this tool with .venv-tpu-aot/bin/python "
+                     "(`make install-aot` creates it)")
+  from model import aot  # imports jax: with libtpu present it starts the TPU compiler
+  target = aot.topology(topology_name, slices)
+  report = aot.compile_for(cfg, mode, target)
+  hlo = report.pop("hlo")
+  m = report["memory"]
+  mesh = " ".join(f"{a}={s}" for a, s in report["mesh"].items())
+  print(f"{cfg.model_name} {mode} on {topology_name} x{slices} ({report['num_devices']} devices, "
+        f"{target.device_kind}), mesh {mesh}, batch {report['batch_size']} x {report['seq_len']}, "
+        f"{report['num_slots']} slots, cache {report['cache_length']}")
+  print("per device:")
+  print(f"  arguments    {_gib(m['argument_bytes'])}")
+  print(f"  outputs      {_gib(m['output_bytes'])} (of which {_gib(m['alias_bytes'])} reuse donated arguments)")
+  print(f"  temporaries  {_gib(m['temp_bytes'])}")
+  print(f"  total        {_gib(m['total_bytes'])}")
+  print(f"  device HBM   {_gib(m['hbm_bytes'])}")
+  if m["fits"]:
+    verdict = f"fits: {_gib(m['total_bytes'])} of {_gib(m['hbm_bytes'])}, {_gib(m['margin_bytes'])} to spare"
+  else:
+    verdict = (f"does not fit: {_gib(m['total_bytes'])} needed, {_gib(m['hbm_bytes'])} available, "
+               f"{_gib(-m['margin_bytes'])} over")
+  report["verdict"] = verdict
+  print(f"verdict: {verdict}")
+  f = report["flops_per_device"]
+  print(f"compiler FLOPs per step per device: {'n/a' if f is None else f'{f:.4g}'}")
+  print(f"compile time: {report['compile_seconds']:.1f} s (lowering {report['lower_seconds']:.1f} s)")
+  if cfg.output_json:
+    cli.write_json_atomic(cfg.output_json, {**report, "hlo": hlo}, overwrite=cfg.overwrite)
+  print(json.dumps({**report, "has_tpu_custom_call": "tpu_custom_call" in hlo}))
+  return 0
+
+
+main = cli.tool_main(run, __doc__)
+command = cli.command(main)
+
+if __name__ == "__main__":
+  command()
