@@ -68,7 +68,7 @@ def topology(name: str, num_slices: int = 1) -> Target:
     ConfigError: naming `compile_topology` (unknown name, or a device kind whose HBM is not known)
       or `compile_topology_num_slices` (< 1).
   """
-  from jax.experimental import topologies
+  from jax.experimental import topologies  # needs libtpu's topology support: only when compiling ahead of time
   if not isinstance(num_slices, int) or num_slices < 1:
     raise ConfigError(f"compile_topology_num_slices must be an int >= 1, got {num_slices!r}")
   try:

@@ -102,8 +102,8 @@ def register_backend(backend: Backend, *, peer: bool = False) -> None:
 
 
 def _make_chunked(case: Case):
-  from kda_plugin.ops.chunked import kda_chunked
-  from kda_plugin.ops.gates import kda_gate_bounded, l2norm
+  from kda_plugin.ops.chunked import kda_chunked  # built only when this backend is selected (start-up cost)
+  from kda_plugin.ops.gates import kda_gate_bounded, l2norm  # built only when this backend is selected (start-up cost)
 
   @jax.jit
   def fn(q, k, v, g, beta, seg, a_log, dt_bias):
@@ -117,7 +117,7 @@ def _make_chunked(case: Case):
 
 
 def _make_inference_xla(case: Case):
-  from kda_plugin.ops.inference_xla import kda_inference_xla
+  from kda_plugin.ops.inference_xla import kda_inference_xla  # built only when this backend is selected (start-up cost)
 
   @jax.jit
   def fn(q, k, v, g, beta, seg, a_log, dt_bias):
@@ -137,7 +137,7 @@ register_backend(Backend("kda_inference_xla", _make_inference_xla,
 
 def _make_inference_pallas(backend: str):
   def make(case: Case):
-    from kda_plugin.ops.inference import kda_inference
+    from kda_plugin.ops.inference import kda_inference  # built only when this backend is selected (start-up cost)
 
     @jax.jit
     def fn(q, k, v, g, beta, seg, a_log, dt_bias):
@@ -152,7 +152,7 @@ def _make_inference_pallas(backend: str):
 
 def _pallas_peak(backend: str):
   def peak(case: Case) -> int:
-    from kda_plugin.ops.inference import estimate_peak_memory
+    from kda_plugin.ops.inference import estimate_peak_memory  # built only when this backend is selected (start-up cost)
     a = case.arrays()
     return estimate_peak_memory(a["q"], a["k"], a["v"], a["g"], a["beta"], segment_ids=a["segment_ids"],
                                 max_num_segments=2, a_log=a["a_log"], dt_bias=a["dt_bias"],
@@ -185,7 +185,7 @@ def _tokamax_available() -> str | None:
 
 
 def _make_tokamax(case: Case, implementation: str = "xla_chunked"):
-  from tokamax._src.ops.kda.api import kimi_delta_attention
+  from tokamax._src.ops.kda.api import kimi_delta_attention  # optional peer, imported only when its backend is selected
 
   @jax.jit
   def fn(q, k, v, g, beta, seg, a_log, dt_bias):
@@ -224,8 +224,8 @@ def _fla_available() -> str | None:
 def _make_fla(case: Case):
   """fla's `chunk_kda` on the same inputs: varlen (cu_seqlens) for the two documents of the row, the
   bounded gate in-kernel (`safe_gate=True, lower_bound`), q/k L2 norm in-kernel, final states."""
-  import torch
-  from fla.ops.kda import chunk_kda
+  import torch  # optional peer, imported only when its backend is selected
+  from fla.ops.kda import chunk_kda  # optional peer, imported only when its backend is selected
 
   if case.batch != 1:
     raise ValueError("the fla baseline packs documents with cu_seqlens and needs --batch 1")

@@ -2,7 +2,7 @@
 
 Batch-first layout: `q, k, g [B, T, H, K]`, `v [B, T, H, V]`, `beta [B, T, H]`, states float32
 `[B, H, K, V]` (or `[B, N, H, K, V]` per segment slot with `segment_ids`). See
-../shared/docs/kda.md for the math and the packing contract.
+docs/kda.md for the math and docs/packing.md for the packing contract.
 """
 
 from kda_plugin.ops.chunked import kda_chunked

@@ -3,8 +3,8 @@
 Everything here operates on values already loaded from refs (2-D arrays, float32) and is written for
 both Mosaic and Triton: predicates are built at full rank from `broadcasted_iota`, rows are selected
 with masked reductions instead of dynamic slicing, and every exponent is masked to -inf *before*
-`exp` so that no factor can overflow. Math: ../shared/docs/kda.md section 2 and
-../shared/docs/segment_native_chunk.md (the masked equations).
+`exp` so that no factor can overflow. Math: docs/kda.md section 'Chunked form (WY/UT)' and
+docs/packing.md section 'Segment-native chunk algorithm' (the masked equations).
 
 Notation (one head, one chunk of C rows): `G` is the inclusive cumulative gate over the whole chunk
 (g = 0 on padding rows), `same[r, i]` says rows r and i hold the same document.
@@ -213,7 +213,7 @@ def intra_chunk_scores(q, k, G, *, blocked: bool):
   diagonal blocks are exact elementwise sums with one masked exponent per entry. blocked=True
   (Mosaic) builds each diagonal block from its own 16-row slice; blocked=False (Triton, no value
   slicing) builds all diagonal blocks together in 16 masked iterations (`_diag_scores_all_blocks`).
-  Math: ../shared/docs/kda.md section 2 and segment_native_chunk.md ("Costs and special cases").
+  Math: docs/kda.md section 'Chunked form (WY/UT)' and docs/packing.md section 'Segment-native chunk algorithm'.
   """
   c = G.shape[0]
   if not blocked:

@@ -5,7 +5,7 @@ arguments here so that all paths reject the same bad inputs with the same messag
 (beta in [0, 1], g <= 0, label ranges) run only when the arrays are concrete, i.e. outside `jit`;
 under tracing only static facts (shapes, dtypes) can be checked.
 
-The packing contract (../shared/docs/kda.md section 3): `segment_ids` is int32 `[B, T]` or a rank-1
+The packing contract (docs/packing.md section 'The contract'): `segment_ids` is int32 `[B, T]` or a rank-1
 `[T]` map shared by every batch row; 0 marks padding; label n (1..N) uses state slot n - 1.
 """
 

@@ -5,7 +5,7 @@ from `broadcasted_iota`, rows are picked by masked reductions (exact: one non-ze
 exponent is masked to -inf *before* `exp`, so no factor can overflow whatever the decay. Matmuls run on
 the tensor cores in TF32 (one pass) or TF32x3 (three passes, close to float32) through `Dots`.
 
-Math: ../shared/docs/kda.md section 2 and ../shared/docs/segment_native_chunk.md (the masked chunk
+Math: docs/kda.md section 'Chunked form (WY/UT)' and docs/packing.md section 'Segment-native chunk algorithm' (the masked chunk
 equations; documents are contiguous runs, so `G_r - G_i` of two rows of one document is that
 document's decay from i to r even though `G` runs over the whole chunk).
 """

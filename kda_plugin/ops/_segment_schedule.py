@@ -7,7 +7,7 @@ A packed row of `Tp` tokens is cut into `NC = Tp / C` chunks of `C = 64` rows. A
 one document that lies inside one chunk (a contiguous run of one label). The kernels take one grid
 step per piece, in order, plus one step for each chunk holding only padding; all pieces of a chunk
 share that chunk's input blocks (the block index does not change, so nothing is re-fetched). This is
-the "short loop over the segments present in the chunk" of ../shared/docs/segment_native_chunk.md
+the "short loop over the segments present in the chunk" of docs/packing.md section 'Segment-native chunk algorithm'
 ("Costs and special cases"): no token is moved, no per-token loop is run.
 
 Static bound on the number of steps per row: every chunk has one step for its first piece (or its

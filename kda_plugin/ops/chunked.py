@@ -1,6 +1,6 @@
 """KDA in the chunked WY/UT form (chunk 64), with packed documents solved natively.
 
-Math: ../shared/docs/kda.md section 2 (the chunk equations) and ../shared/docs/segment_native_chunk.md
+Math: docs/kda.md section 'Chunked form (WY/UT)' (the chunk equations) and docs/packing.md section 'Segment-native chunk algorithm'
 (the masked form for chunks that hold several documents); Kimi Linear tech report (arXiv 2510.26692)
 section 6. Per head and chunk, with `G` the inclusive cumulative gate of the chunk (g = 0 on padding):
 
@@ -509,9 +509,9 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
                 segment_ids=None, max_num_segments=None):
   """KDA in the chunked WY/UT form (chunk 64), differentiable with JAX autodiff (the training path).
 
-  Equal to `kda_reference` (the token recurrence, ../shared/docs/kda.md section 1) up to float32
+  Equal to `kda_reference` (the token recurrence, docs/kda.md section 'Token recurrence') up to float32
   rounding; packed documents are solved in place by the masked chunk equations of
-  ../shared/docs/segment_native_chunk.md (no re-alignment, no per-token loop). State and
+  docs/packing.md section 'Segment-native chunk algorithm' (no re-alignment, no per-token loop). State and
   accumulation are float32 whatever the input dtype; outputs and gradients stay finite under any
   decay (exponents are masked before `exp`).
 

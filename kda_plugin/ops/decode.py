@@ -11,7 +11,7 @@ from kda_plugin.ops.reference import delta_rule_step
 def kda_decode_step(q, k, v, g, beta, state, *, scale=None):
   """Advances each sequence's KDA state by one token and reads it.
 
-  Same math as one step of `kda_reference` (../shared/docs/kda.md section 1).
+  Same math as one step of `kda_reference` (docs/kda.md section 'Token recurrence').
 
   Args:
     q, k, g: `[B, H, K]` (or `[B, 1, H, K]`); g is the activated log-space decay (<= 0).

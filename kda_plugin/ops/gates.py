@@ -1,6 +1,6 @@
 """KDA gate activations (log-space decay g <= 0), beta, and the q/k L2 norm.
 
-Two gate families exist in the wild (../shared/docs/kda.md section 4):
+Two gate families exist in the wild (docs/kda.md section 'Gates'):
 - Kimi's unbounded softplus gate (Kimi-Linear-48B; transformers `KimiDeltaAttention`, fla
   `fused_kda_gate`): `g = -exp(A_log[h]) * softplus(raw + dt_bias)`.
 - The bounded sigmoid gate (tokamax `xla_chunked`, the tokamax-fork kernels):
@@ -72,7 +72,7 @@ def check_lower_bound(lower_bound) -> float:
 def kda_gate_bounded(raw, a_log, dt_bias=None, *, lower_bound):
   """The bounded sigmoid gate: `g = lower_bound * sigmoid(exp(a_log[h]) * (raw + dt_bias))`.
 
-  Source: tokamax 0.0.17 `ops/kda` (bounded gate of `xla_chunked`), ../shared/docs/kda.md section 4.
+  Source: tokamax 0.0.17 `ops/kda` (bounded gate of `xla_chunked`), docs/kda.md section 'Gates'.
 
   Args:
     raw: `[..., H, K]` gate pre-activation.
@@ -104,7 +104,7 @@ def l2norm(x, eps: float = 1e-6, axis: int = -1):
   """`x / sqrt(sum(x**2) + eps)` along `axis`, computed in float32, returned in x's dtype.
 
   The epsilon sits inside the square root as in fla `l2norm` and transformers' Kimi-Linear
-  (../shared/docs/kda.md section 4, step 1).
+  (docs/kda.md section 'Gates', step 1).
   """
   x = jnp.asarray(x)
   xf = x.astype(jnp.float32)

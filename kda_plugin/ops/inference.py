@@ -10,7 +10,7 @@ Implementations (`implementation=`; the deprecated `backend=` is accepted for on
 Nothing falls back silently: an implementation that cannot run the call raises and names the limit.
 The arguments are validated once per call, here (the XLA path is entered past its own checks).
 
-Math: ../shared/docs/kda.md sections 1-3 and ../shared/docs/segment_native_chunk.md. Every 64-token
+Math: docs/kda.md sections 'Token recurrence' and 'Chunked form (WY/UT)', docs/packing.md section 'Segment-native chunk algorithm'. Every 64-token
 chunk is solved in place whatever it holds (padding, one document, several documents); documents that
 start inside a chunk with a non-zero initial state get one masked matmul each.
 """

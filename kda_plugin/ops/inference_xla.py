@@ -1,7 +1,7 @@
 """XLA backend of `kda_inference`: the segment-native chunked forward of `kda_chunked`, with the gate
 activation and the q/k L2 norm applied per chunk inside the scan.
 
-Math: ../shared/docs/kda.md sections 2 and 4, ../shared/docs/segment_native_chunk.md. The algorithm
+Math: docs/kda.md sections 'Chunked form (WY/UT)' and 'Gates', docs/packing.md section 'Segment-native chunk algorithm'. The algorithm
 is `kda_plugin.ops.chunked.kda_chunk_core` (shared with the training path, not a second copy); this
 module only validates the arguments, chooses the static score factorisation a bounded gate permits,
 and fuses the gate / L2 norm into the per-chunk work.

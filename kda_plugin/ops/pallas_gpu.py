@@ -1,7 +1,7 @@
 """Pallas GPU (Triton) kernels of packed-sequence KDA inference: chunk-parallel prep, then the state pass.
 
 Two kernels, the structure of fla's chunk_kda with the segment masks of
-../shared/docs/segment_native_chunk.md:
+docs/packing.md section 'Segment-native chunk algorithm':
 1. `_chunk_kernel`, grid (chunks, B*H), all independent: gate activation, q/k L2 norm, the cumulative
    gate, the segment-masked Akk/Aqk (any number of documents per chunk), the UT inverse
    M = (I + Diag(beta) Akk)^-1 and, per row r of document s with reference row a(r) (the row before

@@ -22,7 +22,7 @@ with T minor, so this is a free transpose), one block holding every head's rows 
 lane-dense. The segment map never enters the kernel as a vector: each step rebuilds its chunk's
 label column from the piece table.
 
-Math: `_chunk_math` (../shared/docs/kda.md section 2, ../shared/docs/segment_native_chunk.md).
+Math: `_chunk_math` (docs/kda.md section 'Chunked form (WY/UT)', docs/packing.md section 'Segment-native chunk algorithm').
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The KDA token recurrence: the definition every other path must equal.
 
-Math (../shared/docs/kda.md section 1; Kimi Linear tech report, arXiv 2510.26692, eq. for the gated
+Math (docs/kda.md section 'Token recurrence'; Kimi Linear tech report, arXiv 2510.26692, eq. for the gated
 delta rule with per-channel decay; fla `ops/kda/naive.py`), per head, with state S in R^{K x V}:
 
     S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T

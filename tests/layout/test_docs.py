@@ -43,8 +43,6 @@ def test_nothing_outside_tests_points_at_shared():
   assert not hits, "references to ../shared outside tests/:\n" + "\n".join(hits)
 
 
-@pytest.mark.xfail(strict=True, reason="kda_plugin/ops belongs to the kernel issues, whose rewrite removes these "
-                                       "references; strict: once they are gone this xfail fails, drop the mark")
 def test_nothing_in_the_ops_points_at_shared():
   hits = [h for h in _shared_refs(_outside_tests()) if h.startswith("kda_plugin/ops/")]
   assert not hits, "references to ../shared in kda_plugin/ops:\n" + "\n".join(hits)
