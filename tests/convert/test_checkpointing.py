@@ -46,7 +46,7 @@ def saved(tiny, tmp_path_factory):
 
 def test_layout_and_config(saved, tiny):
   cfg, _ = tiny
-  assert sorted(os.listdir(saved)) == ["config.json", "params", "tokenizer.model"]
+  assert sorted(os.listdir(saved)) == ["checksums.json", "config.json", "params", "tokenizer.model"]
   stored = json.loads((saved / "config.json").read_text())
   assert stored["tokenizer_path"] == "tokenizer.model" and stored["load_parameters_path"] == ""
   assert stored["hidden_size"] == cfg.hidden_size and stored["kda_layers"] == list(cfg.kda_layers)
