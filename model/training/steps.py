@@ -263,15 +263,70 @@ def train_step_fn(graphdef, hparams: tuple, num_slots: int, router_bias_update_r
     return new, metrics
 
   jitted = jax.jit(step)
+  compiled = {}
+
+  def fields(batch):
+    get = batch.get if isinstance(batch, dict) else functools.partial(getattr, batch)
+    return tuple(jnp.asarray(get(k)) for k in BATCH_FIELDS)
 
   def run(state, batch):
-    get = batch.get if isinstance(batch, dict) else functools.partial(getattr, batch)
-    return jitted(state, *(jnp.asarray(get(k)) for k in BATCH_FIELDS))
+    args = fields(batch)
+    exe = compiled.get("exe")
+    if exe is not None:  # the executable `compile` built (and measured): one compilation, not two
+      return exe(state, *args)
+    return jitted(state, *args)
 
   # The un-jitted step `(state, inputs, targets, loss_mask, segment_ids) -> (new_state, metrics)`, for
   # callers that jit it their own way (model/aot.py: donated state, abstract sharded arguments).
   run.step = step
+
+  def compile_step(state, batch, *, reuse: bool = True):
+    """Compiles the step for these arrays and returns the `jax.stages.Compiled` (its
+    `memory_analysis()` is what one step needs); with `reuse` later calls run this executable."""
+    exe = jitted.lower(state, *fields(batch)).compile()
+    compiled["exe"] = exe if reuse else None
+    return exe
+
+  run.compile = compile_step
   return run
+
+
+def step_bytes_needed(compiled, *, arguments_resident: bool) -> int | None:
+  """Bytes one call of `compiled` needs by XLA's compile-time `memory_analysis()`: temporaries plus
+  outputs not aliased to inputs, plus the arguments unless they are already `arguments_resident`
+  (counted in the memory the caller compares against). None when the backend reports no analysis."""
+  try:
+    ma = compiled.memory_analysis()
+  except (NotImplementedError, jax.errors.JaxRuntimeError):
+    return None
+  if ma is None:
+    return None
+  need = int(ma.temp_size_in_bytes) + int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes)
+  if not arguments_resident:
+    need += int(ma.argument_size_in_bytes) + int(ma.generated_code_size_in_bytes)
+  return need
+
+
+def available_memory_bytes(device) -> tuple[int | None, bool]:
+  """`(bytes, arguments_resident)` a step may use on `device`: an accelerator's `bytes_limit` (its
+  whole memory: the step's arguments must fit in it too), or on CPU the host's available memory
+  (MemAvailable of /proc/meminfo, else free pages by os.sysconf), where the train state already lives.
+  `(None, False)` when the device reports nothing."""
+  if device.platform != "cpu":
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return (int(limit) if limit else None), False
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024, True
+  except OSError:
+    pass
+  try:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), True
+  except (ValueError, OSError):
+    return None, True
 
 
 BATCH_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids")

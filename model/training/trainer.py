@@ -232,6 +232,30 @@ def _nothing_saved(out: pathlib.Path, created: bool, start: int | None) -> None:
         f"{kept}", file=sys.stderr)
 
 
+def check_step_memory(step_fn, state, batch, *, reuse: bool) -> None:
+  """Compiles the train step and refuses it before it runs when XLA's compile-time
+  `memory_analysis()` says it needs more than the device has (its bytes_limit; on CPU the host's
+  available memory). `reuse`: later steps run the executable compiled here (one device).
+
+  Raises:
+    TrainError: `out of memory (a train step needs N MiB by XLA's compile-time memory analysis; ... M MiB available):
+      lower batch_size or seq_len ...`.
+  """
+  compile_step = getattr(step_fn, "compile", None)
+  if compile_step is None:  # a step without an ahead-of-time form (a wrapped or substituted step)
+    return
+  compiled = compile_step(state, batch, reuse=reuse)
+  device = jax.devices()[0]
+  have, resident = train_lib.available_memory_bytes(device)
+  need = train_lib.step_bytes_needed(compiled, arguments_resident=resident)
+  if have is None or need is None or need <= have:
+    return
+  where = "the host has" if device.platform == "cpu" else f"{device.device_kind} has"
+  raise TrainError(f"out of memory (a train step needs {need / 2**20:,.1f} MiB by XLA's compile-time memory "
+                   f"analysis; {where} {have / 2**20:,.1f} MiB available): lower {MEMORY_KEYS}; checked before "
+                   f"the first step, nothing was run")
+
+
 def train(cfg, *, progress: bool = True) -> dict:
   """Runs (or resumes) training as configured; see the module docstring.
 
@@ -270,7 +294,9 @@ def train(cfg, *, progress: bool = True) -> dict:
   old_term = None
   if threading.current_thread() is threading.main_thread():
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
-  start = step = saved = None
+  # `step` counts dispatched steps (asynchronous: an out-of-memory surfaces later); `completed` the last
+  # step known to have run (its metrics fetched or its checkpoint written).
+  start = step = saved = completed = None
   try:
     out.mkdir(parents=True, exist_ok=True)
     ckpt = train_lib.TrainCheckpointer(out / CHECKPOINT_SUBDIR, cfg.checkpoint_keep)
@@ -290,14 +316,14 @@ def train(cfg, *, progress: bool = True) -> dict:
       graphdef, state = train_lib.init_train_state(model, hparams, cfg.train_seed, mesh)
     else:
       graphdef, state = train_lib.create_train_state(cfg, hparams, mesh)
-    start = 0
+    start = completed = 0
     if latest is not None:
       state, data_state = ckpt.restore(latest, state)
       try:
         it.restore(data_state)
       except ValueError as e:
         raise TrainError(f"cannot resume the data iterator from {ckpt.directory / str(latest)}: {e}") from None
-      start = int(state["step"])
+      start = completed = int(state["step"])
       if start != it.step:
         raise TrainError(f"checkpoint {ckpt.directory / str(latest)} is inconsistent: train step {start} but "
                          f"data iterator step {it.step}")
@@ -311,16 +337,17 @@ def train(cfg, *, progress: bool = True) -> dict:
                dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
 
     def save():
-      nonlocal saved
+      nonlocal saved, completed
       ckpt.save(step, state, it.state, meta)
-      saved = step
+      saved = completed = step
 
     def log_pending():
       """Writes one metrics record for the steps run since the last one; returns it."""
-      nonlocal t_last
+      nonlocal t_last, completed
       host = [(s, jax.device_get(x)) for s, x in pending]
       for s, x in host:
         losses[s] = float(x["loss"])
+      completed = host[-1][0]  # fetched from the device: these steps did run
       now = time.perf_counter()
       last_step, last = host[-1]
       rec = {"step": last_step, "loss": float(np.mean([float(x["loss"]) for _, x in host])),
@@ -351,6 +378,8 @@ def train(cfg, *, progress: bool = True) -> dict:
         batch = next(it)
         if to_global is not None:
           batch = to_global(batch)
+        if step == start:  # before the first step: XLA's own figure of what a step needs
+          check_step_memory(step_fn, state, batch, reuse=mesh is None)
         state, m = step_fn(state, batch)
         step += 1
         pending.append((step, m))
@@ -390,15 +419,15 @@ def train(cfg, *, progress: bool = True) -> dict:
     return {"start_step": start, "step": step, "losses": losses, "evals": evals, "export": exported,
             "state": state, "graphdef": graphdef}
   except KeyboardInterrupt:
-    if step is None or step == start:  # interrupted before this run's first step finished
+    if completed is None or completed == start:  # interrupted before this run's first step finished
       _nothing_saved(out, created, start)
     raise
   except Exception as e:
+    if completed is None or completed == start:  # no step completed: leave no empty run directory behind
+      _remove_unused_run(out, created)
     msg = out_of_memory_message(e, f"lower {MEMORY_KEYS}")
     if msg is None:
       raise
-    if step is None or step == start:
-      _remove_unused_run(out, created)
     if saved is None:
       kept = "no checkpoint had been written yet, so there is nothing to resume"
     else:

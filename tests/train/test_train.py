@@ -313,3 +313,45 @@ def test_out_of_memory_in_the_first_step_says_there_is_no_checkpoint(corpus, tmp
   monkeypatch.setattr(trainer.train_lib, "train_step_fn", other)
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # anything else is not hidden
     train_tool.main(_argv(corpus, out, "steps=4"))
+
+
+def test_step_memory_is_checked_before_the_first_step(corpus, tmp_path, monkeypatch, capsys):
+  """Was: seq_len=100000 failed only after 10 dispatched steps (a 7 TB allocation) and left an empty
+  checkpoints/ and metrics.jsonl. Now XLA's compile-time memory_analysis() of the step is compared with the
+  device's memory (here made 1 kB) before any step runs; the run directory it created is removed."""
+  import tools.train as train_tool
+
+  real = train_lib.train_step_fn
+  ran = []
+
+  def counting(*args):
+    fn = real(*args)
+
+    def step(state, batch):
+      ran.append(1)
+      return fn(state, batch)
+    step.compile = fn.compile
+    return step
+  monkeypatch.setattr(trainer.train_lib, "train_step_fn", counting)
+  monkeypatch.setattr(trainer.train_lib, "available_memory_bytes", lambda device: (1000, True))
+  out = tmp_path / "run"
+  assert train_tool.main(_argv(corpus, out, "steps=4")) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len([ln for ln in err if ln.startswith("error:")]) == 1, err
+  assert err[-1].startswith("error: out of memory (a train step needs ") and "the host has 0.0 MiB available" in err[-1]
+  assert f"lower {train_tool.MEMORY_KEYS}; checked before the first step, nothing was run" in err[-1], err
+  assert ran == [] and not out.exists()
+  out.mkdir()  # a directory that existed (empty) is left empty: no checkpoints/ or metrics.jsonl
+  assert train_tool.main(_argv(corpus, out, "steps=4")) == 2
+  assert list(out.iterdir()) == [] and ran == []
+
+
+def test_step_memory_figure_is_xla_s():
+  """The figure compared is XLA's: temporaries + outputs (+ arguments on an accelerator) of a compiled step."""
+  c = jax.jit(lambda x: (x @ x).sum(0)).lower(jax.ShapeDtypeStruct((256, 256), jax.numpy.float32)).compile()
+  ma = c.memory_analysis()
+  assert train_lib.step_bytes_needed(c, arguments_resident=True) == (
+      ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes)
+  assert train_lib.step_bytes_needed(c, arguments_resident=False) >= 256 * 256 * 4
+  have, resident = train_lib.available_memory_bytes(jax.devices()[0])
+  assert resident and have > 0
