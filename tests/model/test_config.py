@@ -120,6 +120,20 @@ def test_checkpoint_config_json_holds_the_model_section_only():
   assert back.hidden_size == 48 and back.prompt == "" and back.steps == load_config([]).steps
 
 
+def test_shipped_demo_config_json_holds_the_model_section_only():
+  """The demo asset follows the same rule as every checkpoint the project writes (issue 14): its
+  config.json was re-written from the old all-keys file, and that file's tool keys equal the base
+  defaults, so loading the demo gives the same job config as before."""
+  import json
+  import pathlib
+
+  from model.config import section_of
+  path = pathlib.Path(__file__).resolve().parents[2] / "kda_plugin" / "assets" / "demo" / "config.json"
+  stored = json.loads(path.read_text())
+  assert {k for k in stored if section_of(k) != "model"} == set()
+  assert "kda_impl" not in stored and stored["kda_implementation"] == "auto"
+
+
 def test_kda_impl_is_read_as_kda_implementation():
   import json
   with pytest.warns(DeprecationWarning, match=r"'kda_impl' is deprecated; write kda_implementation=xla"):
