@@ -258,6 +258,35 @@ class _Walk:
   dma_bytes: float = 0.0  # bytes of the kernel's own DMAs (llo.enqueue_dma)
 
 
+def _opens_region(line: str, rhs: str) -> bool:
+  """Whether `line` opens the region(s) of an scf.for / scf.if / scf.while."""
+  return _brace_delta(line) > 0 and ("scf.for" in rhs or "scf.if" in rhs or "scf.while" in rhs)
+
+
+def _region(lines: list[str], i: int) -> tuple[list[str], int]:
+  """The lines inside the region(s) opened at `lines[i]`, up to the matching close, and the index
+  of the line after that close."""
+  depth, j, region = _brace_delta(lines[i].strip()), i + 1, []
+  while j < len(lines) and depth > 0:
+    depth += _brace_delta(lines[j])
+    if depth > 0:
+      region.append(lines[j])
+    j += 1
+  return region, j
+
+
+def _trip_count(rhs: str, consts: dict[str, int]) -> int | None:
+  """Iterations of the region op `rhs`: an scf.for's static trip count, 1 for an scf.if, None when
+  not known (a bound that is not a constant, or an scf.while)."""
+  fm = _FOR_RE.search(rhs)
+  if fm:
+    lb, ub, st = (consts.get(fm.group(k)) for k in (2, 3, 4))
+    if None in (lb, ub, st) or st == 0:
+      return None
+    return max(0, -(-(ub - lb) // st))
+  return None if "scf.while" in rhs else 1
+
+
 def _count(lines: list[str], consts: dict[str, int], mult: float, w: _Walk) -> None:
   """Counts ops of a region (`lines`) `mult` times, descending into scf.for/scf.if regions."""
   i = 0
@@ -268,24 +297,12 @@ def _count(lines: list[str], consts: dict[str, int], mult: float, w: _Walk) -> N
     cm = _CONST_RE.search(rhs) if rhs.startswith("llo.constant") else _ARITH_CONST_RE.search(rhs)
     if m and cm and ("llo.constant" in rhs or "arith.constant" in rhs):
       consts[m.group(1).split(",")[0].split(":")[0].strip()] = int(cm.group(1))
-    if _brace_delta(s) > 0 and ("scf.for" in rhs or "scf.if" in rhs or "scf.while" in rhs):
-      # Collect the region(s) of this op up to the matching close.
-      depth, j, region = _brace_delta(s), i + 1, []
-      while j < len(lines) and depth > 0:
-        depth += _brace_delta(lines[j])
-        if depth > 0:
-          region.append(lines[j])
-        j += 1
-      trips = 1
-      fm = _FOR_RE.search(rhs)
-      if fm:
-        lb, ub, st = (consts.get(fm.group(k)) for k in (2, 3, 4))
-        if None in (lb, ub, st) or st == 0:
-          w.unknown_loops += 1
-        else:
-          trips = max(0, -(-(ub - lb) // st))
-      elif "scf.while" in rhs:
+    if _opens_region(s, rhs):
+      region, j = _region(lines, i)
+      trips = _trip_count(rhs, consts)
+      if trips is None:
         w.unknown_loops += 1
+        trips = 1
       _count([r for r in region if r.strip() not in ("} else {",)], consts, mult * trips, w)
       i = j
       continue
@@ -337,19 +354,10 @@ def critical_path(lines: list[str], latency: dict[str, float], mxu_push_cycles: 
       cm = _CONST_RE.search(rhs) or _ARITH_CONST_RE.search(rhs)
       if cm:
         consts[m.group(1).split(":")[0].strip()] = int(cm.group(1))
-    if _brace_delta(s) > 0 and ("scf.for" in rhs or "scf.if" in rhs or "scf.while" in rhs):
-      depth, j, region = _brace_delta(s), i + 1, []
-      while j < len(lines) and depth > 0:
-        depth += _brace_delta(lines[j])
-        if depth > 0:
-          region.append(lines[j])
-        j += 1
-      trips = 1
-      fm = _FOR_RE.search(rhs)
-      if fm:
-        lb, ub, st = (consts.get(fm.group(k)) for k in (2, 3, 4))
-        if None not in (lb, ub, st) and st:
-          trips = max(0, -(-(ub - lb) // st))
+    if _opens_region(s, rhs):
+      region, j = _region(lines, i)
+      trips = _trip_count(rhs, consts)
+      trips = 1 if trips is None else trips
       # The region starts when every value it reads from outside is ready (operands of the op
       # line and values captured by the body), and its iterations are taken as serial.
       outside = set(_VALUE_RE.findall(rhs)).union(*(_VALUE_RE.findall(r) for r in region))
