@@ -1,40 +1,26 @@
 """The layer pattern of Kimi-Linear-48B-A3B at tiny widths, for ahead-of-time compile tests.
 
-27 layers, MLA at [4, 8, 12, 16, 20, 24, 27] and KDA elsewhere, layer 1 with the dense FFN and MoE
-after it (as configs/kimi_linear_48b_a3b.py), so the six KDA x3 + MLA groups and the KDA, KDA, MLA
-tail are all there; widths are small enough to compile in seconds. Head and expert counts are 4 and
-8 so that `tensor` and `expert` mesh axes of 2 (or 4) divide them.
+Everything structural comes from configs/kimi_linear_48b_a3b.py: 27 layers, MLA at [4, 8, 12, 16, 20,
+24, 27] and KDA elsewhere, layer 1 with the dense FFN and MoE after it, a shared expert, so the six
+KDA x3 + MLA groups and the KDA, KDA, MLA tail are all there. Only widths, counts and the token ids
+shrink, small enough to compile in seconds; head and expert counts are 4 and 8 so that `tensor` and
+`expert` mesh axes of 2 (or 4) divide them. float32, as the numerics tests compare in float32.
 """
 
-from configs import base
+from configs import kimi_linear_48b_a3b
 
 
 def get_config():
-  c = base.get_config()
+  c = kimi_linear_48b_a3b.get_config()
   c.model_name = "kimi-linear-48b-pattern-small"
+  c.dtype = c.weight_dtype = "float32"
   c.vocab_size = 256
-  c.hidden_size = 64
-  c.num_hidden_layers = 27
-  c.intermediate_size = 128
-  c.full_attn_layers = [4, 8, 12, 16, 20, 24, 27]
-  c.kda_layers = [i for i in range(1, 28) if i not in c.full_attn_layers]
-  c.kda_num_heads = 4
-  c.kda_head_dim = 16
-  c.num_attention_heads = 4
-  c.kv_lora_rank = 16
-  c.qk_nope_head_dim = 16
-  c.qk_rope_head_dim = 8
-  c.v_head_dim = 16
-  c.first_k_dense_replace = 1
-  c.num_experts = 8
-  c.num_experts_per_tok = 2
-  c.moe_intermediate_size = 32
-  c.num_shared_experts = 1
-  c.bos_token_id = 1
-  c.eos_token_id = 2
-  c.pad_token_id = 0
-  c.max_num_segments = 2
-  c.max_cache_length = 64
-  c.batch_size = 4
-  c.seq_len = 64
+  c.bos_token_id, c.eos_token_id, c.pad_token_id = 1, 2, 0
+  c.hidden_size, c.intermediate_size = 64, 128
+  c.kda_num_heads, c.kda_head_dim = 4, 16
+  c.num_attention_heads, c.kv_lora_rank = 4, 16
+  c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim = 16, 8, 16
+  c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size = 8, 2, 32
+  c.max_num_segments, c.max_cache_length = 2, 64
+  c.batch_size, c.seq_len = 4, 64
   return c
