@@ -28,12 +28,18 @@ import jax
 import numpy as np
 from flax import nnx
 
+from model import partitioning
 from model.engine import mixed_step, scheduler
 from model.engine.api import EngineStats, Request, TokenEvent
 from model.engine.prefix_cache import PrefixCache, block_keys
 from model.engine.scheduler import Sequence
 from model.engine.serving import GenerationError
 from model.engine.slots import SlotPool
+
+# Step executables per (graphdef, treedef, S, L, bucket, mesh, rules), shared by every engine in the
+# process (an engine over the same model and sizes, e.g. with the prefix cache on and off, reuses
+# them). The cache keeps no parameters alive: the key holds only the graph and tree structure.
+_EXECUTABLES: dict = {}
 
 
 class ContinuousEngine:
@@ -51,6 +57,12 @@ class ContinuousEngine:
       default the model's vocabulary.
     mesh, rules: serve a model sharded on this mesh (`model.partitioning`; rules: a config or parsed
       `logical_axis_rules`); None: one device.
+
+  Attributes:
+    buckets: the row lengths of the compiled steps (`model.engine.scheduler.buckets`).
+    last_top2: request_id -> the two largest log-probs (untempered) at the position of the token the
+      last step emitted for it: lets a caller tell a near-tie from a real disagreement.
+    compile_seconds: time this engine spent compiling step executables.
 
   Raises:
     GenerationError: a size out of range (names the argument).
@@ -78,7 +90,12 @@ class ContinuousEngine:
     graphdef, state = nnx.split(model)
     self._leaves, treedef = jax.tree.flatten(state)
     self._step_fn = mixed_step.build_step(graphdef, treedef, self.max_num_seqs)
+    self._key = (graphdef, treedef, self.max_num_seqs, self.max_model_len, mesh,
+                 None if rules is None else repr(partitioning.as_rules(rules)))
+    # bucket -> the AOT executable this engine steps with. An AOT executable never recompiles (a
+    # shape or sharding mismatch raises), so len() of this is exactly the step compilations used.
     self._compiled: dict[int, object] = {}
+    self.last_top2: dict[str, tuple[float, float]] = {}
     self.compile_seconds = 0.0
     self.pool = SlotPool(model, self.max_num_seqs, self.max_model_len, mesh=mesh, rules=rules)
     self.prefix_cache = PrefixCache(int(prefix_cache_bytes))
@@ -136,6 +153,11 @@ class ContinuousEngine:
       seq.slot = None
     self._cancelled.append(request_id)
 
+  def slot_of(self, request_id: str) -> int | None:
+    """The slot a live request holds, or None (waiting, finished or unknown)."""
+    seq = self._live.get(request_id)
+    return None if seq is None else seq.slot
+
   def has_unfinished(self) -> bool:
     return bool(self._live) or bool(self._cancelled)
 
@@ -157,7 +179,7 @@ class ContinuousEngine:
     if plan is None:
       return
     tok, logprob, top2 = self._run(plan)
-    self.last_top2 = {}   # request_id -> the two largest log-probs at its emitted position (tests)
+    self.last_top2 = {}
     for chunk in sorted(plan.chunks, key=lambda c: c.seq.slot):
       seq = chunk.seq
       if chunk.tokens and seq.prefilling:
@@ -210,11 +232,14 @@ class ContinuousEngine:
   def compiled_step(self, bucket: int):
     """The executable for a row of `bucket` tokens (compiled on first use and counted)."""
     if bucket not in self._compiled:
-      t0 = time.perf_counter()
-      self._compiled[bucket] = mixed_step.compile_step(self._step_fn, self._leaves, self.pool.cache, bucket,
-                                                       self.max_num_seqs, mesh=self.mesh, rules=self._rules,
-                                                       pool_shardings=self.pool.shardings)
-      self.compile_seconds += time.perf_counter() - t0
+      key = self._key + (bucket,)
+      if key not in _EXECUTABLES:
+        t0 = time.perf_counter()
+        _EXECUTABLES[key] = mixed_step.compile_step(self._step_fn, self._leaves, self.pool.cache, bucket,
+                                                    self.max_num_seqs, mesh=self.mesh, rules=self._rules,
+                                                    pool_shardings=self.pool.shardings)
+        self.compile_seconds += time.perf_counter() - t0
+      self._compiled[bucket] = _EXECUTABLES[key]
     return self._compiled[bucket]
 
   def _run(self, plan):
