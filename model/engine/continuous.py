@@ -13,9 +13,12 @@ Per `step`:
      a chunk that ended at a prefix-cache boundary has its slot copied into the cache.
 Host-device traffic per step: the packed row and per-slot sampling arrays in, three [S] vectors out.
 
-Decode routing: decode tokens run through the same mixed step as one-token segments (one
-executable per bucket, `kda_inference` solves prompt chunks and decode tokens together); see the
-README's routing table for the measured alternative (`KimiLinearForCausalLM.decode`).
+Decode routing (`decode_path`): a step with prompt chunks runs decode tokens inside the mixed row
+as one-token segments (`kda_inference` solves chunks and single tokens in one call); a decode-only
+step runs by default through `KimiLinearForCausalLM.decode` (`kda_decode_step`, absorbed MLA), which
+measured 4.3x faster per step on the demo model (tools/benchmark_decode_routing.py: 8 slots, 200-token
+context, median 34.2 ms against 145.6 ms on the shared CPU); `decode_path="mixed"` keeps every step
+in the mixed function. Executables: one per row bucket plus the decode-only one.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ class ContinuousEngine:
       default the model's vocabulary.
     mesh, rules: serve a model sharded on this mesh (`model.partitioning`; rules: a config or parsed
       `logical_axis_rules`); None: one device.
+    decode_path: "decode" (decode-only steps through `model.decode`, the measured faster route) or
+      "mixed" (every step through the mixed row).
 
   Attributes:
     buckets: the row lengths of the compiled steps (`model.engine.scheduler.buckets`).
@@ -69,7 +74,8 @@ class ContinuousEngine:
   """
 
   def __init__(self, model, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-               prefix_cache_bytes: int = 0, vocab_limit: int | None = None, mesh=None, rules=None):
+               prefix_cache_bytes: int = 0, vocab_limit: int | None = None, mesh=None, rules=None,
+               decode_path: str = "decode"):
     for name, v, low in (("max_num_seqs", max_num_seqs, 1), ("max_model_len", max_model_len, 2),
                          ("max_num_batched_tokens", max_num_batched_tokens, 1), ("prefix_cache_bytes",
                                                                                  prefix_cache_bytes, 0)):
@@ -78,6 +84,9 @@ class ContinuousEngine:
     if int(max_num_batched_tokens) < int(max_num_seqs):
       raise GenerationError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
                             f"{max_num_seqs} (every decoding request needs one token per step)")
+    if decode_path not in ("decode", "mixed"):
+      raise GenerationError(f"decode_path must be 'decode' or 'mixed', got {decode_path!r}")
+    self.decode_path = decode_path
     self.max_num_seqs = int(max_num_seqs)
     self.max_model_len = int(max_model_len)
     self.max_num_batched_tokens = int(max_num_batched_tokens)
@@ -90,6 +99,7 @@ class ContinuousEngine:
     graphdef, state = nnx.split(model)
     self._leaves, treedef = jax.tree.flatten(state)
     self._step_fn = mixed_step.build_step(graphdef, treedef, self.max_num_seqs)
+    self._decode_fn = mixed_step.build_decode(graphdef, treedef)
     self._key = (graphdef, treedef, self.max_num_seqs, self.max_model_len, mesh,
                  None if rules is None else repr(partitioning.as_rules(rules)))
     # bucket -> the AOT executable this engine steps with. An AOT executable never recompiles (a
@@ -229,13 +239,20 @@ class ContinuousEngine:
     key = seq.keys[num_tokens // 64 - 1]
     self.prefix_cache.insert(key, self.pool.take(seq.slot, num_tokens))
 
-  def compiled_step(self, bucket: int):
-    """The executable for a row of `bucket` tokens (compiled on first use and counted)."""
+  @property
+  def max_compilations(self) -> int:
+    """Step executables this engine can ever need: one per row bucket, plus the decode-only step."""
+    return len(self.buckets) + (self.decode_path == "decode")
+
+  def compiled_step(self, bucket: int | None):
+    """The executable for a row of `bucket` tokens, or the decode-only step for None (compiled on
+    first use, shared by engines of the same model and sizes)."""
     if bucket not in self._compiled:
       key = self._key + (bucket,)
       if key not in _EXECUTABLES:
         t0 = time.perf_counter()
-        _EXECUTABLES[key] = mixed_step.compile_step(self._step_fn, self._leaves, self.pool.cache, bucket,
+        fn = self._step_fn if bucket is not None else self._decode_fn
+        _EXECUTABLES[key] = mixed_step.compile_step(fn, self._leaves, self.pool.cache, bucket,
                                                     self.max_num_seqs, mesh=self.mesh, rules=self._rules,
                                                     pool_shardings=self.pool.shardings)
         self.compile_seconds += time.perf_counter() - t0
@@ -244,8 +261,10 @@ class ContinuousEngine:
 
   def _run(self, plan):
     s_count, t = self.max_num_seqs, plan.bucket
+    decode_only = self.decode_path == "decode" and all(not c.seq.prefilling for c in plan.chunks)
     ids = np.zeros((1, t), np.int32)
     seg = np.zeros((1, t), np.int32)
+    last = np.zeros(s_count, np.int32)      # decode-only: each active slot's input token
     fresh = np.zeros(s_count, bool)
     greedy = np.ones(s_count, bool)
     temperature = np.ones(s_count, np.float32)
@@ -259,6 +278,7 @@ class ContinuousEngine:
       ids[0, u:u + len(c.tokens)] = c.tokens
       seg[0, u:u + len(c.tokens)] = s + 1
       u += len(c.tokens)
+      last[s] = c.tokens[-1]
       if seq.fresh:
         fresh[s], seq.fresh = True, False
       sp = seq.request.sampling
@@ -268,7 +288,14 @@ class ContinuousEngine:
       top_p[s] = sp.top_p if sp.strategy == "nucleus" else 1.0
       seeds[s] = int(seq.request.seed) & 0xFFFFFFFF
       positions[s] = c.output_index
-    fn = self.compiled_step(t)
-    tok, logprob, top2, self.pool.cache = fn(self._leaves, self.pool.cache, ids, seg, fresh, greedy, temperature,
-                                             top_k, top_p, seeds, positions, np.int32(self.vocab_limit))
+    sampling = (greedy, temperature, top_k, top_p, seeds, positions, np.int32(self.vocab_limit))
+    if decode_only:
+      active = seg[0, :u] - 1
+      mask = np.zeros(s_count, bool)
+      mask[active] = True
+      tok, logprob, top2, self.pool.cache = self.compiled_step(None)(self._leaves, self.pool.cache, last, mask,
+                                                                     *sampling)
+    else:
+      tok, logprob, top2, self.pool.cache = self.compiled_step(t)(self._leaves, self.pool.cache, ids, seg, fresh,
+                                                                  *sampling)
     return jax.device_get((tok, logprob, top2))

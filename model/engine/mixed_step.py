@@ -87,12 +87,38 @@ def build_step(graphdef, treedef, num_slots: int):
   return step
 
 
-def compile_step(step, leaves, pool, bucket: int, num_slots: int, *, mesh=None, rules=None, pool_shardings=None):
-  """`step` compiled ahead of time for a row of `bucket` tokens; the pool (argument 1) is donated,
-  so the MLA latents are updated in place. On a mesh the outputs keep the pool's shardings, so the
-  next step takes them as they are (one executable per bucket, no resharding)."""
+def build_decode(graphdef, treedef):
+  """The decode-only step: `(leaves, pool, tokens int32 [S], active bool [S], sampling arrays...)` ->
+  `(tokens, logprobs, top2, new pool)` through `KimiLinearForCausalLM.decode` (`kda_decode_step`,
+  MLA in the absorbed form), the faster route when no prompt chunk shares the step (README routing
+  table, tools/benchmark_decode_routing.py). decode advances every slot, so inactive slots keep
+  their KDA states, conv windows and length by selection; their MLA row at index `lengths[s]` may
+  receive a stale latent, which is beyond their valid prefix (masked, overwritten when they next run).
+  """
+  def step(leaves, cache, tok, active, greedy, temperature, top_k, top_p, seeds, positions, vocab_limit):
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    logits, new = model.decode(tok, cache)
+
+    def keep(old, nw):
+      return jnp.where(active.reshape((-1,) + (1,) * (old.ndim - 1)), nw, old)
+    layers = tuple(cache_lib.KDALayerCache(*(keep(getattr(o, f), getattr(n, f)) for f in ("state", "conv_q", "conv_k",
+                                                                                         "conv_v")))
+                   if isinstance(o, cache_lib.KDALayerCache) else n for o, n in zip(cache.layers, new.layers))
+    out = cache_lib.ModelCache(layers, jnp.where(active, new.lengths, cache.lengths))
+    tok, logprob, top2 = sample_rows(logits, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions)
+    return tok, logprob, top2, out
+  return step
+
+
+def compile_step(step, leaves, pool, bucket: int | None, num_slots: int, *, mesh=None, rules=None,
+                 pool_shardings=None):
+  """`step` compiled ahead of time for a row of `bucket` tokens (`build_step`), or for the
+  decode-only step when bucket is None (`build_decode`); the pool (argument 1) is donated, so the
+  MLA latents are updated in place. On a mesh the outputs keep the pool's shardings, so the next
+  step takes them as they are (one executable per shape, no resharding)."""
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  args = (leaves, pool, i32(1, bucket), i32(1, bucket), jax.ShapeDtypeStruct((num_slots,), jnp.bool_),
+  rows = (i32(1, bucket), i32(1, bucket)) if bucket is not None else (i32(num_slots),)
+  args = (leaves, pool, *rows, jax.ShapeDtypeStruct((num_slots,), jnp.bool_),
           jax.ShapeDtypeStruct((num_slots,), jnp.bool_), jax.ShapeDtypeStruct((num_slots,), jnp.float32),
           i32(num_slots), jax.ShapeDtypeStruct((num_slots,), jnp.float32),
           jax.ShapeDtypeStruct((num_slots,), jnp.uint32), i32(num_slots), i32())

@@ -98,6 +98,36 @@ def test_absent_slots_are_bit_unchanged(engine):
       assert not np.array_equal(x[1], y[1])
 
 
+def test_decode_only_step_keeps_inactive_slots(engine):
+  """The decode-only executable (`model.decode`) advances the active slots only: inactive slots keep
+  their KDA states, conv windows and length bit for bit, and their valid MLA rows."""
+  rng = np.random.default_rng(10)
+  for i in range(SLOTS):
+    engine.add_request(Request(f"d{i}", _prompt(rng, 9 + 7 * i), 40))
+  while any(s.prefilling or not s.output_ids for s in engine._running):
+    engine.step(lambda e: None)
+  before = jax.device_get(engine.pool.cache)
+  s = SLOTS
+  active = np.array([True, False, True, False])
+  fn = engine.compiled_step(None)
+  sampling = (np.ones(s, bool), np.ones(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
+              np.zeros(s, np.uint32), np.zeros(s, np.int32), np.int32(engine.vocab_limit))
+  pool = jax.tree.map(lambda a: jnp.array(a, copy=True), engine.pool.cache)
+  *_, after = fn(engine._leaves, pool, np.full(s, 5, np.int32), active, *sampling)
+  after = jax.device_get(after)
+  np.testing.assert_array_equal(after.lengths, before.lengths + active)
+  for a, b in zip(before.layers, after.layers):
+    for f in a.__dataclass_fields__:
+      for slot in (1, 3):
+        n = before.lengths[slot]
+        x, y = getattr(a, f)[slot], getattr(b, f)[slot]
+        np.testing.assert_array_equal(x[:n] if f == "latent" else x, y[:n] if f == "latent" else y)
+  for i in range(SLOTS):
+    engine.cancel(f"d{i}")
+  engine.step(lambda e: None)
+  assert not engine.has_unfinished()
+
+
 def test_sixteen_requests_equal_generator_alone(model, engine):
   """16 requests of 16 different lengths, greedy, 4 slots: each returns the tokens `Generator`
   returns for that prompt alone; where they first differ it must be a near-tie (top-2 log-probs
@@ -183,7 +213,7 @@ def test_prefix_cache_hit_equals_cache_off(model, engine):
   assert all(e.cached_tokens == 0 for e in off["second"])
   assert tokens(hit["second"]) == tokens(off["second"])
   np.testing.assert_allclose(logprobs(hit["second"]), logprobs(off["second"]), atol=1e-5, rtol=0)
-  assert on.stats().num_compilations <= len(on.buckets)
+  assert on.stats().num_compilations <= on.max_compilations
 
 
 def test_cancel_frees_the_slot_in_the_same_step(engine):
@@ -262,15 +292,10 @@ def _random_run(engine, n, seed):
   return engine.stats()
 
 
-def test_compilations_stay_within_the_buckets(engine):
-  """30 requests of random lengths (1-199 tokens, 1-5 new tokens): no more step executables than
-  buckets (the slow test runs 200)."""
-  stats = _random_run(engine, 30, 8)
-  assert stats.num_compilations <= len(engine.buckets)
-
-
-@pytest.mark.slow
 def test_compilations_over_200_requests(model):
+  """200 requests of random lengths on a fresh engine (35 s on the shared CPU once the module's
+  executables exist: kept in make test)."""
   fresh = ContinuousEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, max_num_batched_tokens=BUDGET)
   stats = _random_run(fresh, 200, 9)
-  assert stats.num_compilations <= len(fresh.buckets) and stats.generated_tokens > 200
+  assert stats.num_compilations <= fresh.max_compilations == len(fresh.buckets) + 1
+  assert stats.generated_tokens > 200 and stats.num_free_slots == SLOTS
