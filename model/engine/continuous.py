@@ -169,9 +169,12 @@ class ContinuousEngine:
     return None if seq is None else seq.slot
 
   def has_unfinished(self) -> bool:
+    """True while a request waits or runs, or a cancellation event is still to be emitted."""
     return bool(self._live) or bool(self._cancelled)
 
   def stats(self) -> EngineStats:
+    """A copy of the current figures (`model.engine.api.EngineStats`); num_compilations counts the
+    step executables this engine has used (at most `max_compilations`)."""
     s = self._stats
     s.num_running, s.num_waiting = len(self._running), len(self._waiting)
     s.num_free_slots, s.num_compilations = self.pool.num_free, len(self._compiled)
