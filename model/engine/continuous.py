@@ -1,0 +1,304 @@
+"""The continuous-batching engine (`model.engine.api.Engine`): a slot pool, mixed steps, chunked
+prefill and a prefix cache of KDA / MLA states.
+
+Per `step`:
+  1. events of requests cancelled since the last step (their slots were freed at `cancel`);
+  2. admission: waiting requests take free slots in arrival order; with the prefix cache on, the
+     deepest cached block-aligned prefix is restored into the slot (`SlotPool.put`) and only the
+     rest of the prompt is prefilled;
+  3. `model.engine.scheduler.plan_step` packs one decode token per decoding request, then prefill
+     chunks, into a row of at most `max_num_batched_tokens`, padded to a shape bucket;
+  4. the bucket's compiled `model.engine.mixed_step` runs it and samples every emitting segment;
+  5. tokens are emitted; a request that hits a stop id or max_tokens frees its slot in this step;
+     a chunk that ended at a prefix-cache boundary has its slot copied into the cache.
+Host-device traffic per step: the packed row and per-slot sampling arrays in, three [S] vectors out.
+
+Decode routing (`decode_path`): a step with prompt chunks runs decode tokens inside the mixed row
+as one-token segments (`kda_inference` solves chunks and single tokens in one call); a decode-only
+step runs by default through `KimiLinearForCausalLM.decode` (`kda_decode_step`, absorbed MLA), which
+measured 4.3x faster per step on the demo model (tools/benchmark_decode_routing.py: 8 slots, 200-token
+context, median 34.2 ms against 145.6 ms on the shared CPU); `decode_path="mixed"` keeps every step
+in the mixed function. Executables: one per row bucket plus the decode-only one.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from model import partitioning
+from model.engine import mixed_step, scheduler
+from model.engine.api import EngineStats, Request, TokenEvent
+from model.engine.prefix_cache import PrefixCache, block_keys
+from model.engine.scheduler import Sequence
+from model.engine.serving import GenerationError
+from model.engine.slots import SlotPool
+
+# Step executables per (graphdef, treedef, S, L, bucket, mesh, rules), shared by every engine in the
+# process (an engine over the same model and sizes, e.g. with the prefix cache on and off, reuses
+# them). The cache keeps no parameters alive: the key holds only the graph and tree structure.
+_EXECUTABLES: dict = {}
+
+
+class ContinuousEngine:
+  """Continuous batching over a fixed pool of `max_num_seqs` slots (see the module docstring).
+
+  Args:
+    model: a `KimiLinearForCausalLM` (e.g. `model.loading.load(...).model`); its parameters are split
+      out once, the object is not modified.
+    max_num_seqs: S, requests holding a slot at once (>= 1).
+    max_model_len: prompt + output tokens of one request (>= 2); the MLA latent rows per slot.
+    max_num_batched_tokens: tokens one step may process (>= max_num_seqs, so every decoding request
+      gets its token each step); the largest shape bucket.
+    prefix_cache_bytes: byte budget of the prefix cache's host snapshots; 0 = off.
+    vocab_limit: only ids below it are generated (a tokenizer smaller than the padded vocabulary);
+      default the model's vocabulary.
+    mesh, rules: serve a model sharded on this mesh (`model.partitioning`; rules: a config or parsed
+      `logical_axis_rules`); None: one device.
+    decode_path: "decode" (decode-only steps through `model.decode`, the measured faster route) or
+      "mixed" (every step through the mixed row).
+
+  Attributes:
+    buckets: the row lengths of the compiled steps (`model.engine.scheduler.buckets`).
+    last_top2: request_id -> the two largest log-probs (untempered) at the position of the token the
+      last step emitted for it: lets a caller tell a near-tie from a real disagreement.
+    compile_seconds: time this engine spent compiling step executables.
+
+  Raises:
+    GenerationError: a size out of range (names the argument).
+  """
+
+  def __init__(self, model, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+               prefix_cache_bytes: int = 0, vocab_limit: int | None = None, mesh=None, rules=None,
+               decode_path: str = "decode"):
+    for name, v, low in (("max_num_seqs", max_num_seqs, 1), ("max_model_len", max_model_len, 2),
+                         ("max_num_batched_tokens", max_num_batched_tokens, 1), ("prefix_cache_bytes",
+                                                                                 prefix_cache_bytes, 0)):
+      if int(v) < low:
+        raise GenerationError(f"{name} must be >= {low}, got {v}")
+    if int(max_num_batched_tokens) < int(max_num_seqs):
+      raise GenerationError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
+                            f"{max_num_seqs} (every decoding request needs one token per step)")
+    if decode_path not in ("decode", "mixed"):
+      raise GenerationError(f"decode_path must be 'decode' or 'mixed', got {decode_path!r}")
+    self.decode_path = decode_path
+    self.max_num_seqs = int(max_num_seqs)
+    self.max_model_len = int(max_model_len)
+    self.max_num_batched_tokens = int(max_num_batched_tokens)
+    self.vocab_size = int(model.args.vocab_size)
+    self.vocab_limit = self.vocab_size if vocab_limit is None else int(vocab_limit)
+    if not 1 <= self.vocab_limit <= self.vocab_size:
+      raise GenerationError(f"vocab_limit must be in [1, {self.vocab_size}], got {vocab_limit}")
+    self.buckets = scheduler.buckets(self.max_num_batched_tokens)
+    self.mesh, self._rules = mesh, rules
+    graphdef, state = nnx.split(model)
+    self._leaves, treedef = jax.tree.flatten(state)
+    self._step_fn = mixed_step.build_step(graphdef, treedef, self.max_num_seqs)
+    self._decode_fn = mixed_step.build_decode(graphdef, treedef)
+    self._key = (graphdef, treedef, self.max_num_seqs, self.max_model_len, mesh,
+                 None if rules is None else repr(partitioning.as_rules(rules)))
+    # bucket -> the AOT executable this engine steps with. An AOT executable never recompiles (a
+    # shape or sharding mismatch raises), so len() of this is exactly the step compilations used.
+    self._compiled: dict[int, object] = {}
+    self.last_top2: dict[str, tuple[float, float]] = {}
+    self.compile_seconds = 0.0
+    self.pool = SlotPool(model, self.max_num_seqs, self.max_model_len, mesh=mesh, rules=rules)
+    self.prefix_cache = PrefixCache(int(prefix_cache_bytes))
+    self._waiting: collections.deque[Sequence] = collections.deque()
+    self._running: list[Sequence] = []
+    self._live: dict[str, Sequence] = {}
+    self._cancelled: list[str] = []
+    self._stats = EngineStats()
+
+  # --- the Engine protocol ----------------------------------------------------------------------------
+  def add_request(self, request: Request) -> None:
+    """Queues `request` (see `model.engine.api.Request`).
+
+    Raises:
+      GenerationError: names the field: `request_id` already live, empty `prompt_ids`, ids outside
+        [0, vocab_size), `max_tokens` < 1, or prompt + max_tokens > max_model_len.
+    """
+    rid = request.request_id
+    if rid in self._live:
+      raise GenerationError(f"request_id {rid!r} is already in use by a live request")
+    n = len(request.prompt_ids)
+    if n == 0:
+      raise GenerationError("prompt_ids is empty (a request needs at least one prompt token)")
+    ids = np.asarray(request.prompt_ids)
+    if not np.issubdtype(ids.dtype, np.integer):
+      raise GenerationError(f"prompt_ids must be integers, got {ids.dtype}")
+    bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+    if bad.size:
+      raise GenerationError(f"prompt_ids holds token ids outside the vocabulary [0, {self.vocab_size}): "
+                            f"{bad[:8].tolist()}")
+    if int(request.max_tokens) < 1:
+      raise GenerationError(f"max_tokens must be >= 1, got {request.max_tokens}")
+    if n >= self.max_model_len:
+      raise GenerationError(f"prompt_ids has {n} tokens; max_model_len={self.max_model_len} leaves no room to "
+                            f"generate (at most {self.max_model_len - 1} prompt tokens)")
+    if n + int(request.max_tokens) > self.max_model_len:
+      raise GenerationError(f"max_tokens={request.max_tokens} with a {n}-token prompt needs {n + request.max_tokens} "
+                            f"> max_model_len={self.max_model_len} tokens (at most "
+                            f"{self.max_model_len - n} new tokens)")
+    seq = Sequence(request)
+    self._live[rid] = seq
+    self._waiting.append(seq)
+
+  def cancel(self, request_id: str) -> None:
+    """Ends a waiting or running request now: its slot is free for the next step, which emits its
+    TokenEvent(token_id=None, finish_reason="cancelled"). Unknown or finished ids are ignored."""
+    seq = self._live.pop(request_id, None)
+    if seq is None:
+      return
+    if seq.slot is None:
+      self._waiting.remove(seq)
+    else:
+      self._running.remove(seq)
+      self.pool.release(seq.slot)
+      seq.slot = None
+    self._cancelled.append(request_id)
+
+  def slot_of(self, request_id: str) -> int | None:
+    """The slot a live request holds, or None (waiting, finished or unknown)."""
+    seq = self._live.get(request_id)
+    return None if seq is None else seq.slot
+
+  def has_unfinished(self) -> bool:
+    """True while a request waits or runs, or a cancellation event is still to be emitted."""
+    return bool(self._live) or bool(self._cancelled)
+
+  def stats(self) -> EngineStats:
+    """A copy of the current figures (`model.engine.api.EngineStats`); num_compilations counts the
+    step executables this engine has used (at most `max_compilations`)."""
+    s = self._stats
+    s.num_running, s.num_waiting = len(self._running), len(self._waiting)
+    s.num_free_slots, s.num_compilations = self.pool.num_free, len(self._compiled)
+    s.prefix_cache_bytes = self.prefix_cache.bytes
+    return EngineStats(**vars(s))
+
+  def step(self, emit: Callable[[TokenEvent], None]) -> None:
+    """One engine step (see the module docstring); `emit` gets every event in order: cancellations,
+    then one token per emitting request in slot order."""
+    for rid in self._cancelled:
+      emit(TokenEvent(rid, None, None, "cancelled"))
+    self._cancelled.clear()
+    self._admit()
+    plan = scheduler.plan_step(self._running, self.max_num_batched_tokens, self.buckets)
+    if plan is None:
+      return
+    tok, logprob, top2 = self._run(plan)
+    self.last_top2 = {}
+    for chunk in sorted(plan.chunks, key=lambda c: c.seq.slot):
+      seq = chunk.seq
+      if chunk.tokens and seq.prefilling:
+        seq.num_computed += len(chunk.tokens)
+        if chunk.snapshot_at is not None:
+          self._save(seq, chunk.snapshot_at)
+        if not seq.prefilling:
+          self._stats.prompt_tokens += seq.prompt_length
+          self._stats.cached_prompt_tokens += seq.cached_tokens
+      if not chunk.emits:
+        continue
+      s = seq.slot
+      t, lp = int(tok[s]), float(logprob[s])
+      seq.output_ids.append(t)
+      self._stats.generated_tokens += 1
+      self.last_top2[seq.request.request_id] = (float(top2[s, 0]), float(top2[s, 1]))
+      reason = None
+      if t in seq.request.stop_token_ids:
+        reason = "stop"
+      elif len(seq.output_ids) >= seq.request.max_tokens:
+        reason = "length"
+      if reason is not None:
+        self._finish(seq)
+      emit(TokenEvent(seq.request.request_id, t, lp, reason, seq.cached_tokens))
+
+  # --- internals --------------------------------------------------------------------------------------
+  def _admit(self):
+    while self._waiting and self.pool.num_free:
+      seq = self._waiting.popleft()
+      seq.slot = self.pool.acquire()
+      if self.prefix_cache.enabled:
+        seq.keys = block_keys(seq.request.prompt_ids)
+        snap = self.prefix_cache.lookup(seq.keys, seq.prompt_length)
+        if snap is not None:
+          self.pool.put(seq.slot, snap)
+          seq.cached_tokens = seq.num_computed = snap.num_tokens
+          seq.fresh = False
+        seq.splits = self.prefix_cache.boundaries(seq.keys, seq.num_computed)
+      self._running.append(seq)
+
+  def _finish(self, seq: Sequence):
+    self._running.remove(seq)
+    self._live.pop(seq.request.request_id, None)
+    self.pool.release(seq.slot)
+
+  def _save(self, seq: Sequence, num_tokens: int):
+    key = seq.keys[num_tokens // 64 - 1]
+    self.prefix_cache.insert(key, self.pool.take(seq.slot, num_tokens))
+
+  @property
+  def max_compilations(self) -> int:
+    """Step executables this engine can ever need: one per row bucket, plus the decode-only step."""
+    return len(self.buckets) + (self.decode_path == "decode")
+
+  def compiled_step(self, bucket: int | None):
+    """The executable for a row of `bucket` tokens, or the decode-only step for None (compiled on
+    first use, shared by engines of the same model and sizes)."""
+    if bucket not in self._compiled:
+      key = self._key + (bucket,)
+      if key not in _EXECUTABLES:
+        t0 = time.perf_counter()
+        fn = self._step_fn if bucket is not None else self._decode_fn
+        _EXECUTABLES[key] = mixed_step.compile_step(fn, self._leaves, self.pool.cache, bucket,
+                                                    self.max_num_seqs, mesh=self.mesh, rules=self._rules,
+                                                    pool_shardings=self.pool.shardings)
+        self.compile_seconds += time.perf_counter() - t0
+      self._compiled[bucket] = _EXECUTABLES[key]
+    return self._compiled[bucket]
+
+  def _run(self, plan):
+    s_count, t = self.max_num_seqs, plan.bucket
+    decode_only = self.decode_path == "decode" and all(not c.seq.prefilling for c in plan.chunks)
+    ids = np.zeros((1, t), np.int32)
+    seg = np.zeros((1, t), np.int32)
+    last = np.zeros(s_count, np.int32)      # decode-only: each active slot's input token
+    fresh = np.zeros(s_count, bool)
+    greedy = np.ones(s_count, bool)
+    temperature = np.ones(s_count, np.float32)
+    top_k = np.zeros(s_count, np.int32)
+    top_p = np.ones(s_count, np.float32)
+    seeds = np.zeros(s_count, np.uint32)
+    positions = np.zeros(s_count, np.int32)
+    u = 0
+    for c in plan.chunks:
+      seq, s = c.seq, c.seq.slot
+      ids[0, u:u + len(c.tokens)] = c.tokens
+      seg[0, u:u + len(c.tokens)] = s + 1
+      u += len(c.tokens)
+      last[s] = c.tokens[-1]
+      if seq.fresh:
+        fresh[s], seq.fresh = True, False
+      sp = seq.request.sampling
+      greedy[s] = sp.strategy == "greedy"
+      temperature[s] = sp.temperature if sp.strategy != "greedy" else 1.0
+      top_k[s] = sp.top_k if sp.strategy == "topk" else 0
+      top_p[s] = sp.top_p if sp.strategy == "nucleus" else 1.0
+      seeds[s] = int(seq.request.seed) & 0xFFFFFFFF
+      positions[s] = c.output_index
+    sampling = (greedy, temperature, top_k, top_p, seeds, positions, np.int32(self.vocab_limit))
+    if decode_only:
+      active = seg[0, :u] - 1
+      mask = np.zeros(s_count, bool)
+      mask[active] = True
+      tok, logprob, top2, self.pool.cache = self.compiled_step(None)(self._leaves, self.pool.cache, last, mask,
+                                                                     *sampling)
+    else:
+      tok, logprob, top2, self.pool.cache = self.compiled_step(t)(self._leaves, self.pool.cache, ids, seg, fresh,
+                                                                  *sampling)
+    return jax.device_get((tok, logprob, top2))

@@ -1,0 +1,132 @@
+"""The engine's one compiled function: a mixed prefill + decode step over the slot pool, with sampling.
+
+`step(leaves, pool, ids [1, T], segment_ids [1, T], fresh [S], sampling arrays [S]...)`:
+  1. slots flagged `fresh` (a new request without a prefix-cache hit) get a zero KDA state, zero
+     conv windows and length 0 (their MLA latents need no clearing: rows >= length are masked);
+  2. `KimiLinearForCausalLM.prefill(ids, segment_ids, cache=pool)`: the document labelled s + 1
+     continues slot s from its KDA state, conv windows and MLA latent prefix, whether it is a
+     prompt chunk or a one-token decode segment (`kda_inference` solves both in one call);
+  3. each slot's last-token logits are sampled (`sample_rows`).
+Returns `(tokens int32 [S], logprobs float32 [S], top2 float32 [S, 2], new pool)`; rows of slots
+absent from the step are meaningless (the caller reads only the slots it scheduled).
+
+Sampling is per row with runtime parameters, so requests with different strategies share one
+executable, and row s draws with `fold_in(key(seed_s), position_s)` (position = index of the
+output token): a request's tokens never depend on its batch neighbours or its slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model import partitioning
+from model.nn import cache as cache_lib
+from model.nn.kimi_linear import last_token_logits
+
+
+def sample_rows(logits, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions):
+  """One token per row with per-row sampling parameters.
+
+  Args:
+    logits: float `[S, V]` (untempered). vocab_limit: int32 scalar, ids >= it are never chosen.
+    greedy: bool `[S]` (argmax, lowest id on ties). temperature: float32 `[S]` (> 0 where not greedy).
+    top_k: int32 `[S]`, 0 = no top-k filter. top_p: float32 `[S]` in (0, 1], 1 = no nucleus filter.
+      Filters compose as vLLM's: temperature, then top-k, then top-p over the renormalised rest.
+    seeds: uint32 `[S]`. positions: int32 `[S]` output index of the token drawn.
+
+  Returns:
+    `(tokens int32 [S], logprobs float32 [S], top2 float32 [S, 2])`: log_softmax of the untempered
+    (vocab-limited) logits at the chosen id, and its two largest values (a near-tie check).
+  """
+  v = logits.shape[-1]
+  logits = jnp.where(jnp.arange(v) < vocab_limit, logits.astype(jnp.float32), -jnp.inf)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def draw(_):
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    order = jnp.argsort(-scaled, axis=-1, stable=True)
+    srt = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(v)[None, :]
+    keep = rank < jnp.where(top_k > 0, top_k, v)[:, None]
+    srt = jnp.where(keep, srt, -jnp.inf)
+    probs = jax.nn.softmax(srt, axis=-1)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]   # the most likely always stays
+    srt = jnp.where(keep, srt, -jnp.inf)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, positions)
+    idx = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, srt)
+    return jnp.where(greedy, best, jnp.take_along_axis(order, idx[:, None], axis=-1)[:, 0].astype(jnp.int32))
+
+  # An all-greedy step (the common serving case) skips the sort over the vocabulary.
+  tok = jax.lax.cond(jnp.all(greedy), lambda _: best, draw, None)
+  chosen = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+  return tok, chosen, jax.lax.top_k(logp, 2)[0]
+
+
+def _reset(cache, fresh):
+  """Zero KDA state / conv windows and length of the slots flagged in `fresh` (bool [S])."""
+  def clear(x):
+    return jnp.where(fresh.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
+  layers = tuple(cache_lib.KDALayerCache(*(clear(getattr(c, f)) for f in ("state", "conv_q", "conv_k", "conv_v")))
+                 if isinstance(c, cache_lib.KDALayerCache) else c for c in cache.layers)
+  return cache_lib.ModelCache(layers, jnp.where(fresh, 0, cache.lengths))
+
+
+def build_step(graphdef, treedef, num_slots: int):
+  """The pure step function (see the module docstring) for a model split into (graphdef, treedef)."""
+  def step(leaves, cache, ids, seg, fresh, greedy, temperature, top_k, top_p, seeds, positions, vocab_limit):
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    logits, cache = model.prefill(ids, seg, cache=_reset(cache, fresh))
+    last = last_token_logits(logits, seg, num_slots)
+    tok, logprob, top2 = sample_rows(last, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions)
+    return tok, logprob, top2, cache
+  return step
+
+
+def build_decode(graphdef, treedef):
+  """The decode-only step: `(leaves, pool, tokens int32 [S], active bool [S], sampling arrays...)` ->
+  `(tokens, logprobs, top2, new pool)` through `KimiLinearForCausalLM.decode` (`kda_decode_step`,
+  MLA in the absorbed form), the faster route when no prompt chunk shares the step (README routing
+  table, tools/benchmark_decode_routing.py). decode advances every slot, so inactive slots keep
+  their KDA states, conv windows and length by selection; their MLA row at index `lengths[s]` may
+  receive a stale latent, which is beyond their valid prefix (masked, overwritten when they next run).
+  """
+  def step(leaves, cache, tok, active, greedy, temperature, top_k, top_p, seeds, positions, vocab_limit):
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    logits, new = model.decode(tok, cache)
+
+    def keep(old, nw):
+      return jnp.where(active.reshape((-1,) + (1,) * (old.ndim - 1)), nw, old)
+    layers = tuple(cache_lib.KDALayerCache(*(keep(getattr(o, f), getattr(n, f)) for f in ("state", "conv_q", "conv_k",
+                                                                                         "conv_v")))
+                   if isinstance(o, cache_lib.KDALayerCache) else n for o, n in zip(cache.layers, new.layers))
+    out = cache_lib.ModelCache(layers, jnp.where(active, new.lengths, cache.lengths))
+    tok, logprob, top2 = sample_rows(logits, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions)
+    return tok, logprob, top2, out
+  return step
+
+
+def compile_step(step, leaves, pool, bucket: int | None, num_slots: int, *, mesh=None, rules=None,
+                 pool_shardings=None):
+  """`step` compiled ahead of time for a row of `bucket` tokens (`build_step`), or for the
+  decode-only step when bucket is None (`build_decode`); the pool (argument 1) is donated, so the
+  MLA latents are updated in place. On a mesh the outputs keep the pool's shardings, so the next
+  step takes them as they are (one executable per shape, no resharding)."""
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  rows = (i32(1, bucket), i32(1, bucket)) if bucket is not None else (i32(num_slots),)
+  args = (leaves, pool, *rows, jax.ShapeDtypeStruct((num_slots,), jnp.bool_),
+          jax.ShapeDtypeStruct((num_slots,), jnp.bool_), jax.ShapeDtypeStruct((num_slots,), jnp.float32),
+          i32(num_slots), jax.ShapeDtypeStruct((num_slots,), jnp.float32),
+          jax.ShapeDtypeStruct((num_slots,), jnp.uint32), i32(num_slots), i32())
+  kwargs = {}
+  ctx = contextlib.nullcontext()
+  if mesh is not None:
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    kwargs["out_shardings"] = (rep, rep, rep, pool_shardings)
+    ctx = partitioning.mesh_context(mesh, rules)
+  with ctx:
+    return jax.jit(step, donate_argnums=(1,), **kwargs).lower(*args).compile()

@@ -1,0 +1,112 @@
+"""The continuous engine's host-side parts without a model: shape buckets, the step planner (decode
+first, chunked prefill, chunks ending at prefix-cache boundaries) and the prefix cache (hash chain,
+boundaries, LRU under a byte budget)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model.engine.api import Request
+from model.engine.prefix_cache import BLOCK, PrefixCache, Snapshot, block_keys
+from model.engine.scheduler import Sequence, bucket_for, buckets, plan_step
+
+
+def test_buckets():
+  assert buckets(128) == (16, 32, 64, 128)
+  assert buckets(100) == (16, 32, 64, 100)
+  assert buckets(8) == (8,)
+  assert bucket_for(17, buckets(128)) == 32 and bucket_for(16, buckets(128)) == 16
+  with pytest.raises(ValueError, match="exceed the largest bucket"):
+    bucket_for(129, buckets(128))
+
+
+def _seq(n, slot, done=0, out=(), splits=()):
+  s = Sequence(Request(f"s{slot}", tuple(range(1, n + 1)), 8), slot=slot)
+  s.num_computed, s.output_ids, s.splits = done, list(out), list(splits)
+  return s
+
+
+def test_plan_decodes_first_then_chunks_the_prompts():
+  dec = [_seq(5, 0, done=5, out=[9]), _seq(7, 1, done=7, out=[3, 4])]
+  long, short = _seq(300, 2), _seq(10, 3)
+  plan = plan_step(dec + [long, short], 128, buckets(128))
+  kinds = [(c.seq.slot, len(c.tokens), c.emits, c.output_index) for c in plan.chunks]
+  # Two decode tokens, then 126 tokens of the long prompt (no room left for the short one).
+  assert kinds == [(0, 1, True, 1), (1, 1, True, 2), (2, 126, False, 0)]
+  assert plan.chunks[0].tokens == [9] and plan.chunks[1].tokens == [4]
+  assert plan.num_tokens == 128 and plan.bucket == 128
+  long.num_computed = 252
+  plan = plan_step([long, short], 128, buckets(128))
+  assert [(c.seq.slot, len(c.tokens), c.emits) for c in plan.chunks] == [(2, 48, True), (3, 10, True)]
+  assert plan.num_tokens == 58 and plan.bucket == 64
+  assert plan_step([], 128, buckets(128)) is None
+
+
+def test_chunks_end_at_snapshot_boundaries():
+  seq = _seq(200, 0, splits=[64, 192])
+  plan = plan_step([seq], 128, buckets(128))
+  assert len(plan.chunks[0].tokens) == 64 and plan.chunks[0].snapshot_at == 64
+  seq.num_computed = 64
+  plan = plan_step([seq], 128, buckets(128))
+  assert len(plan.chunks[0].tokens) == 128 and plan.chunks[0].snapshot_at == 192
+  seq.num_computed = 192
+  c = plan_step([seq], 128, buckets(128)).chunks[0]
+  assert len(c.tokens) == 8 and c.snapshot_at is None and c.emits
+
+
+def _snap(tokens, nbytes):
+  return Snapshot(tokens, ({"state": np.zeros(nbytes // 4, np.float32)},))
+
+
+def test_block_keys_are_a_hash_chain():
+  rng = np.random.default_rng(0)
+  a = rng.integers(0, 1000, 200).tolist()
+  b = a[:128] + rng.integers(0, 1000, 72).tolist()
+  ka, kb = block_keys(a), block_keys(b)
+  assert len(ka) == 3 and ka[:2] == kb[:2] and ka[2] != kb[2]
+  c = list(a)
+  c[0] += 1                     # a change in block 0 changes every later key
+  assert all(x != y for x, y in zip(block_keys(c), ka))
+
+
+def test_boundaries_last_block_and_branch_point():
+  rng = np.random.default_rng(1)
+  shared = rng.integers(0, 1000, 512).tolist()
+  first = shared + rng.integers(0, 1000, 100).tolist()
+  second = shared + rng.integers(0, 1000, 40).tolist()
+  cache = PrefixCache(1 << 20)
+  assert cache.boundaries(block_keys(first), 0) == [576]        # last full block only: nothing seen yet
+  assert cache.boundaries(block_keys(second), 0) == [512]       # branch point == its last block
+  cache.insert(block_keys(second)[7], _snap(512, 1024))
+  third = shared + rng.integers(0, 1000, 130).tolist()
+  keys = block_keys(third)
+  hit = cache.lookup(keys, len(third))
+  assert hit is not None and hit.num_tokens == 512
+  assert cache.boundaries(keys, 512) == [640]                   # 512 is already stored
+  assert PrefixCache(0).boundaries(keys, 0) == [] and PrefixCache(0).lookup(keys, len(third)) is None
+
+
+def test_lookup_leaves_a_token_to_prefill():
+  p = list(range(128))
+  cache = PrefixCache(1 << 20)
+  keys = block_keys(p)
+  cache.insert(keys[1], _snap(128, 64))
+  cache.insert(keys[0], _snap(64, 64))
+  assert cache.lookup(keys, 128).num_tokens == 64               # not the whole prompt
+  assert cache.lookup(block_keys(p + [5]), 129).num_tokens == 128
+
+
+def test_lru_eviction_under_the_byte_budget():
+  cache = PrefixCache(1000)
+  keys = [bytes([i]) * 16 for i in range(4)]
+  for k in keys[:3]:
+    assert cache.insert(k, _snap(64, 400))
+  assert len(cache) == 2 and cache.bytes == 800                  # the third evicted the first
+  assert cache.lookup([keys[0]], 65) is None and cache.lookup([keys[1]], 65) is not None
+  cache.insert(keys[3], _snap(64, 400))                          # evicts keys[2] (keys[1] was just used)
+  assert cache.lookup([keys[1]], 65) is not None and cache.lookup([keys[2]], 65) is None
+  assert not cache.insert(bytes([9]) * 16, _snap(64, 2000))      # larger than the whole budget
+  assert cache.bytes == 800
+  with pytest.raises(ValueError, match="prefix_cache_bytes"):
+    PrefixCache(-1)
