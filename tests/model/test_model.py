@@ -150,6 +150,8 @@ def test_native_prefill_agrees_with_reference(prefilled):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-5, rtol=0)
 
 
+# slow (about 40 s of CPU): make test keeps the float32 agreement of every backend and mode.
+@pytest.mark.slow
 def test_backends_agree_bfloat16():
   bf16 = ("dtype=bfloat16", "weight_dtype=bfloat16")
   ids, seg = _packed_and_alone()

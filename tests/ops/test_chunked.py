@@ -121,6 +121,8 @@ def _weights(seed):
           rng.normal(size=(B, N, H, K, V)).astype(np.float32))
 
 
+# slow (about 35 s of CPU): the bounded-gate and gradient cases in make test cover the usual range.
+@pytest.mark.slow
 def test_steep_decay_outputs_and_gradients_finite():
   q, k, v, g, beta, h0 = _inputs(4, steep=True)
   seg = _seg("many_docs_one_chunk")

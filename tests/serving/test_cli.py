@@ -89,6 +89,8 @@ def test_generate_text_prompts(checkpoints, tokenizer_file, tmp_path, capsys):
   assert res[0]["generated_ids"] == r["generated_ids"]
 
 
+# slow (about 55 s of CPU: two models scored): make test keeps the perplexity CLI through the other tests.
+@pytest.mark.slow
 def test_perplexity_ids_and_compare(checkpoints, reference, tmp_path, capsys):
   ref = reference("dense")
   data = tmp_path / "ids.txt"

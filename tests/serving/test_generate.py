@@ -21,7 +21,8 @@ def _generator(model, cfg, batch_size=8):
                    pad_id=int(cfg.pad_token_id), batch_size=batch_size)
 
 
-@pytest.mark.parametrize("name", ["dense", "sharded"])
+# The sharded checkpoint (about 30 s of CPU) runs under make test-slow; dense stays in make test.
+@pytest.mark.parametrize("name", ["dense", pytest.param("sharded", marks=pytest.mark.slow)])
 def test_greedy_matches_transformers(load, reference, name):
   """Both reference prompts in one packed prefill + batched cached decode (kda_native, as served)
   reproduce transformers' `generate(do_sample=False)` token for token (its margins are >= 9.8e-4)."""
@@ -39,6 +40,9 @@ def _three_prompts(ref):
   return [ref["prompt_ids"][0].tolist(), ref["prompt_ids"][1, :7].tolist(), ref["input_ids"][1, 12:17].tolist()]
 
 
+# slow (about 40 s of CPU): tests/serving/test_continuous.py checks batch-independence of greedy tokens
+# in make test (through the continuous engine against this Generator, one prompt at a time).
+@pytest.mark.slow
 def test_three_prompts_together_equal_each_alone(load, reference):
   model, cfg = load("dense", "kda_reference")
   ref = reference("dense")

@@ -11,7 +11,8 @@ import pytest
 from model.engine.scoring import Scorer, ScoringError
 
 
-@pytest.mark.parametrize("name", ["dense", "sharded"])
+# The sharded checkpoint (about 40 s of CPU) runs under make test-slow; dense stays in make test.
+@pytest.mark.parametrize("name", ["dense", pytest.param("sharded", marks=pytest.mark.slow)])
 def test_logprobs_match_transformers_across_windows(load, reference, name):
   """Windows of 16 tokens, one row: each 24-token reference sequence is cut at a window end and
   continues from its carried KDA state, conv windows and MLA latents (kda_native, as served)."""

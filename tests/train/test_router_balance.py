@@ -127,6 +127,9 @@ def test_imbalance_falls_from_a_skewed_start(setup):
   assert bias1[:2].max() < 0.05 and bias1[2:].min() > 0.0, bias1
 
 
+# slow (about 100 s of CPU: three training runs): exact resume itself is in make test
+# (tests/train/test_train.py::test_resume_matches_an_uninterrupted_run).
+@pytest.mark.slow
 def test_resume_with_balancing_is_exact(setup, tmp_path):
   path, _, _ = setup
   full = train(tiny_config(path, tmp_path / "full", "steps=4", "checkpoint_every=0",

@@ -267,6 +267,8 @@ def _argv(corpus, out, *extra):
           "checkpoint_every=2", "learning_rate=3e-3", *extra]
 
 
+# slow (about 50 s of CPU): make test keeps the pre-step memory check (test_step_memory_is_checked_before_the_first_step).
+@pytest.mark.slow
 def test_out_of_memory_is_one_error_line_and_keeps_the_last_checkpoint(corpus, tmp_path, monkeypatch, capsys):
   """XLA's RESOURCE_EXHAUSTED in a step (simulated: the step raises it) is one `error:` line with exit 2
   (the shared tools.cli wording, then the keys to lower and the last checkpoint); the
