@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import time
 
 import pytest
 
@@ -23,7 +24,31 @@ from tests.aot.runner import AotRunner
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+# `make test` installs the compile venvs in the background while the rest of the suite runs and
+# writes the install's exit status to this file when it ends (see the Makefile's test_recipe).
+INSTALL_WAIT_S = 1800
+
+
+def _wait_for_install() -> None:
+  rc_path = os.environ.get("KDA_AOT_INSTALL_RC")
+  if not rc_path:
+    return
+  rc_file = pathlib.Path(rc_path)
+  deadline = time.monotonic() + INSTALL_WAIT_S
+  while not rc_file.exists():
+    if time.monotonic() > deadline:
+      pytest.fail(f"the compile venvs' install did not finish in {INSTALL_WAIT_S} s (log: "
+                  f"{rc_file.with_suffix('')})")
+    time.sleep(2)
+  rc = rc_file.read_text().strip()
+  if rc != "0":
+    log = rc_file.with_suffix("")
+    tail = log.read_text()[-2000:] if log.exists() else "(no log)"
+    pytest.fail(f"`make install-aot` failed (exit {rc}); the end of {log}:\n{tail}")
+
+
 def _python(kind: str) -> pathlib.Path | None:
+  _wait_for_install()
   env = os.environ.get(f"KDA_AOT_{kind.upper()}_PYTHON")
   path = pathlib.Path(env) if env else ROOT / f".venv-{kind}-aot" / "bin" / "python"
   return path if path.exists() else None
