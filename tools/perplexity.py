@@ -58,8 +58,11 @@ from model.data.tokenizer import TokenizerError
 from model.errors import UsageError
 from tools import cli as common
 
-# What sizes the scoring computation: named in the one-line error when XLA runs out of memory.
-MEMORY_KEYS = "max_target_length or eval_batch_size (the window is eval_batch_size x max_target_length tokens)"
+# The scorer's names of its sizes, as this tool's keys: its out-of-memory line names those that lower
+# the memory of the pass that failed (model.engine.scoring.Scorer.memory_advice).
+SCORER_KEYS = {"seq_len": "max_target_length", "batch_size": "eval_batch_size", "num_slots": "max_num_segments"}
+# Out of memory anywhere else (loading the parameters): no key of this tool sizes that.
+OUTSIDE_SCORING = "outside the scoring windows (e.g. loading the parameters): no key of this tool lowers that"
 
 
 def load_documents(cfg, tokenizer, vocab_size: int):
@@ -122,7 +125,7 @@ def score(model, cfg, mcfg, docs, desc, mesh=None):
   pad = int(mcfg.pad_token_id) if 0 <= int(mcfg.pad_token_id) < int(mcfg.vocab_size) else 0
   scorer = Scorer(model, seq_len=cfg.max_target_length, batch_size=cfg.eval_batch_size,
                   num_slots=int(mcfg.max_num_segments), pad_id=pad, cache_multiple=cfg.prefill_length_multiple,
-                  mesh=mesh, rules=None if mesh is None else mcfg)
+                  mesh=mesh, rules=None if mesh is None else mcfg, names=SCORER_KEYS)
   return scorer.score(docs, progress=_progress(desc))
 
 
@@ -216,7 +219,7 @@ def refuse_non_finite(res, attention: str) -> None:
                        f"weights)")
 
 
-main = common.tool_main(run, __doc__)
+main = common.tool_main(run, __doc__, memory_advice=lambda: OUTSIDE_SCORING)
 command = common.command(main)
 
 if __name__ == "__main__":
