@@ -149,7 +149,7 @@ def restore(path: str | os.PathLike, cfg, mesh: Mesh | None = None) -> KimiLinea
   skips that; a checkpoint without checksums loads with a one-line notice), and it is refused if it
   holds a NaN or an infinity (`allow_non_finite=true` skips that, for debugging; a non-finite weight
   otherwise yields pad-only generations or `perplexity nan`). Cost: one extra sequential read of
-  params/ (usually from the page cache) plus CRC-32 at about 1-2 GB/s per core; see README.
+  params/ (usually from the page cache) plus CRC-32; measured in docs/checkpoints.md "Integrity".
 
   Raises:
     CheckpointError: missing checkpoint, a mismatch with the model, a parameter whose bytes do not

@@ -20,7 +20,11 @@ Keys:
   max_target_length     T, tokens per window row. Documents are packed with segment IDs (they never
                         see each other); a document that does not fit continues in the next window
                         from its carried state (KDA state, conv windows, MLA latents): never truncated.
-  eval_batch_size       rows (independent document streams) per window.
+                        Documents of more than 2T tokens are scored in passes of their own whose MLA
+                        cache is sized to their length (its power of two), one document per row, so a
+                        book-length document costs memory for itself only (model/engine/scoring.py).
+  eval_batch_size       rows (independent document streams) per window (a long-document pass has at
+                        most as many rows as it has documents).
   max_num_segments      documents per row (the model's packing slots).
   compare_attention     also score with this attention backend; report the max |log-prob difference|
                         and the perplexity difference; exit status 1 when the former exceeds
@@ -39,7 +43,8 @@ Keys:
 
 Reports perplexity = exp(mean negative log-likelihood per scored token), bits per byte (text/jsonl:
 total NLL in bits / UTF-8 bytes of the documents), the token count and tokens/s (compilation
-excluded), with a progress bar over windows. Bad input prints one `error:` line and exits with 2.
+excluded), with a progress bar over windows. Bad input prints one `error:` line and exits with 2;
+so does running out of memory, naming only the keys that lower the memory of the pass that ran out.
 """
 
 from __future__ import annotations
