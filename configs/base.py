@@ -47,7 +47,7 @@ MESH_KEYS = (
     "dcn_tensor_parallelism", "logical_axis_rules", "distributed_init", "coordinator_address",
     "num_processes", "process_id",
 ) + (  # how this job loads a checkpoint (model/loading.py): job keys too, never stored
-    "allow_non_finite", "verify_checksums",
+    "allow_non_finite", "verify_checksums", "allow_large_model",
 )
 TOOL_KEYS = SERVING_KEYS + TRAIN_KEYS + MESH_KEYS
 
@@ -125,6 +125,9 @@ def get_config() -> ml_collections.ConfigDict:
   # How a checkpoint is loaded (model/loading.py; job keys, never stored in a checkpoint):
   c.allow_non_finite = False  # true: load parameters holding NaN/Inf (for debugging); default refuses them
   c.verify_checksums = True  # check each parameter's CRC-32 against DIR/checksums.json; false skips it
+  # true: build (random init or restore) a model whose parameters exceed the device's memory (the host's
+  # MemAvailable on CPU); default refuses it in one line before allocating (model/memory.py)
+  c.allow_large_model = False
 
   # ---- Serving: generation and perplexity (tools.generate, tools.perplexity; model/engine/serving.py,
   # model/engine/scoring.py). The model config comes from the checkpoint; these keys only steer the tools.

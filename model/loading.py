@@ -7,6 +7,10 @@ for a random initialisation (training from scratch, forward_check). Above `model
 which imports this module or each other's model code, as MaxText's model creation sits above its
 sharding and checkpointing.
 
+Before a model is allocated (random init or restore), `check_fits` compares its parameter bytes with
+the memory that will hold them (`model/memory.py`): a model larger than the machine is refused in
+one line (`allow_large_model=true` builds it anyway).
+
 One load reads `DIR/config.json` once and validates the resulting config once
 (`model.checkpoint.format.read_config`); pass `config=` when the caller already read it (e.g. to
 check a prompt against the vocabulary before the parameters load).
@@ -27,7 +31,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from model import partitioning
+from model import memory, partitioning
 from model.checkpoint import format as ckpt
 from model.config import ModelArgs
 from model.nn.kimi_linear import KimiLinearForCausalLM
@@ -47,6 +51,23 @@ class Loaded(NamedTuple):
 def _args(cfg) -> ModelArgs:
   # Configs reach this module from load_config / read_config, which validated them already.
   return cfg if isinstance(cfg, ModelArgs) else ModelArgs.from_config(cfg, validate=False)
+
+
+def _job_key(cfg, key: str, default):
+  """A job key of `cfg` (configs/base.py MESH_KEYS' load keys); `default` for a bare ModelArgs."""
+  get = getattr(cfg, "get", None)
+  return default if get is None else get(key, default)
+
+
+def check_fits(cfg, state, mesh: Mesh | None) -> None:
+  """ModelTooLargeError (one line: parameter count and bytes against the device's memory, or the
+  host's MemAvailable on CPU) when the abstract `state` would not fit where it is about to be built,
+  unless `allow_large_model=true` in `cfg`. Runs before any parameter is allocated or read
+  (`model.memory.check_parameters_fit`)."""
+  devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
+  name = _job_key(cfg, "model_name", None) or getattr(cfg, "model_name", "?")
+  memory.check_parameters_fit(state, name=name, devices=devices,
+                              allow=bool(_job_key(cfg, "allow_large_model", False)))
 
 
 def abstract_model(config) -> KimiLinearForCausalLM:
@@ -90,6 +111,7 @@ def init_sharded(cfg, mesh: Mesh, rules_or_cfg=None, *, seed: int | None = None)
   """
   seed = int(cfg.init_seed if seed is None else seed)
   graphdef, abs_state = abstract_state(cfg, mesh, rules_or_cfg)
+  check_fits(cfg, abs_state, mesh)
   args = _args(cfg)
 
   def init():
@@ -106,9 +128,14 @@ def shard_state(state, cfg, mesh: Mesh, rules_or_cfg=None):
 
 def create(cfg, mesh: Mesh | None = None, *, seed: int | None = None) -> KimiLinearForCausalLM:
   """A randomly initialised model of `cfg` (seed `cfg.init_seed` unless given): eagerly on one
-  device (`mesh` None), else born sharded on `mesh` (`init_sharded`)."""
+  device (`mesh` None), else born sharded on `mesh` (`init_sharded`).
+
+  Raises:
+    ModelTooLargeError: the parameters would not fit (`check_fits`; `allow_large_model=true` skips it).
+  """
   if mesh is not None:
     return init_sharded(cfg, mesh, seed=seed)
+  check_fits(cfg, nnx.state(abstract_model(cfg)), None)
   return KimiLinearForCausalLM(_args(cfg), rngs=nnx.Rngs(int(cfg.init_seed if seed is None else seed)))
 
 
@@ -122,18 +149,21 @@ def restore(path: str | os.PathLike, cfg, mesh: Mesh | None = None) -> KimiLinea
   skips that; a checkpoint without checksums loads with a one-line notice), and it is refused if it
   holds a NaN or an infinity (`allow_non_finite=true` skips that, for debugging; a non-finite weight
   otherwise yields pad-only generations or `perplexity nan`). Cost: one extra sequential read of
-  params/ (usually from the page cache) plus CRC-32 at about 1-2 GB/s per core; see README.
+  params/ (usually from the page cache) plus CRC-32; measured in docs/checkpoints.md "Integrity".
 
   Raises:
     CheckpointError: missing checkpoint, a mismatch with the model, a parameter whose bytes do not
       match its checksum, or a non-finite parameter (one line naming it). ConfigError: a parameter that cannot be split on this mesh.
+    ModelTooLargeError: the parameters would not fit (`check_fits`, before anything is read;
+      `allow_large_model=true` skips it).
   """
-  ckpt.check_parameters(path, verify_checksums=bool(cfg.get("verify_checksums", True)),
-                        allow_non_finite=bool(cfg.get("allow_non_finite", False)))
   if mesh is None:
     graphdef, state = nnx.split(abstract_model(cfg))
   else:
     graphdef, state = abstract_state(cfg, mesh, cfg)
+  check_fits(cfg, state, mesh)
+  ckpt.check_parameters(path, verify_checksums=bool(cfg.get("verify_checksums", True)),
+                        allow_non_finite=bool(cfg.get("allow_non_finite", False)))
   return nnx.merge(graphdef, ckpt.restore_parameters(os.path.abspath(path), state))
 
 

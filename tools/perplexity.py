@@ -20,7 +20,11 @@ Keys:
   max_target_length     T, tokens per window row. Documents are packed with segment IDs (they never
                         see each other); a document that does not fit continues in the next window
                         from its carried state (KDA state, conv windows, MLA latents): never truncated.
-  eval_batch_size       rows (independent document streams) per window.
+                        Documents of more than 2T tokens are scored in passes of their own whose MLA
+                        cache is sized to their length (its power of two), one document per row, so a
+                        book-length document costs memory for itself only (model/engine/scoring.py).
+  eval_batch_size       rows (independent document streams) per window (a long-document pass has at
+                        most as many rows as it has documents).
   max_num_segments      documents per row (the model's packing slots).
   compare_attention     also score with this attention backend; report the max |log-prob difference|
                         and the perplexity difference; exit status 1 when the former exceeds
@@ -39,7 +43,8 @@ Keys:
 
 Reports perplexity = exp(mean negative log-likelihood per scored token), bits per byte (text/jsonl:
 total NLL in bits / UTF-8 bytes of the documents), the token count and tokens/s (compilation
-excluded), with a progress bar over windows. Bad input prints one `error:` line and exits with 2.
+excluded), with a progress bar over windows. Bad input prints one `error:` line and exits with 2;
+so does running out of memory, naming only the keys that lower the memory of the pass that ran out.
 """
 
 from __future__ import annotations
@@ -58,8 +63,11 @@ from model.data.tokenizer import TokenizerError
 from model.errors import UsageError
 from tools import cli as common
 
-# What sizes the scoring computation: named in the one-line error when XLA runs out of memory.
-MEMORY_KEYS = "max_target_length or eval_batch_size (the window is eval_batch_size x max_target_length tokens)"
+# The scorer's names of its sizes, as this tool's keys: its out-of-memory line names those that lower
+# the memory of the pass that failed (model.engine.scoring.Scorer.memory_advice).
+SCORER_KEYS = {"seq_len": "max_target_length", "batch_size": "eval_batch_size", "num_slots": "max_num_segments"}
+# Out of memory anywhere else (loading the parameters): no key of this tool sizes that.
+OUTSIDE_SCORING = "outside the scoring windows (e.g. loading the parameters): no key of this tool lowers that"
 
 
 def load_documents(cfg, tokenizer, vocab_size: int):
@@ -122,7 +130,7 @@ def score(model, cfg, mcfg, docs, desc, mesh=None):
   pad = int(mcfg.pad_token_id) if 0 <= int(mcfg.pad_token_id) < int(mcfg.vocab_size) else 0
   scorer = Scorer(model, seq_len=cfg.max_target_length, batch_size=cfg.eval_batch_size,
                   num_slots=int(mcfg.max_num_segments), pad_id=pad, cache_multiple=cfg.prefill_length_multiple,
-                  mesh=mesh, rules=None if mesh is None else mcfg)
+                  mesh=mesh, rules=None if mesh is None else mcfg, names=SCORER_KEYS)
   return scorer.score(docs, progress=_progress(desc))
 
 
@@ -216,7 +224,7 @@ def refuse_non_finite(res, attention: str) -> None:
                        f"weights)")
 
 
-main = common.tool_main(run, __doc__)
+main = common.tool_main(run, __doc__, memory_advice=lambda: OUTSIDE_SCORING)
 command = common.command(main)
 
 if __name__ == "__main__":

@@ -452,9 +452,19 @@ _noticed: set[str] = set()  # checkpoints whose missing checksums.json was alrea
 
 
 def _host_bytes(array) -> np.ndarray:
-  """The C-order bytes of `array` (NumPy or a fully addressable jax.Array) as a flat uint8 view."""
+  """The C-order bytes of `array` (NumPy or a jax.Array) as a flat uint8 view.
+
+  A jax.Array that spans devices of other processes (a multi-host training export) is first
+  gathered whole onto every process (`multihost_utils.process_allgather`, a collective: every
+  process writes the same parameters in the same order, as Orbax's multi-host save requires too),
+  one parameter at a time: the checksum is of the whole parameter's bytes, whatever the sharding,
+  so it matches what a one-host load reads back. Cost: each parameter crosses the network once more.
+  """
   if isinstance(array, nnx.Variable):
     array = array.get_value()
+  if isinstance(array, jax.Array) and not array.is_fully_addressable:
+    from jax.experimental import multihost_utils  # noqa: PLC0415 (multi-host only; keeps imports light)
+    array = multihost_utils.process_allgather(array, tiled=True)
   return np.ascontiguousarray(np.asarray(array)).reshape(-1).view(np.uint8)
 
 

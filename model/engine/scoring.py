@@ -5,9 +5,20 @@ Documents are packed into evaluation windows `[B, T]` by `model.data.pipeline.pa
 end, is never truncated: its piece in the next window continues from the state the previous window
 left, through the model's cache-accepting prefill (`KimiLinearForCausalLM.prefill(cache=...)`): the
 KDA state and short-conv windows of its slot and, for MLA layers, the latents of all its earlier
-tokens (the MLA cache of each slot therefore holds up to the longest document). Which slot of the
-previous window feeds which slot of the next is `EvalWindow.continues / prev_label`; the carry runs
-inside the same compiled function as the window, one compilation for every window.
+tokens. Which slot of the previous window feeds which slot of the next is `EvalWindow.continues /
+prev_label`; the carry runs inside the same compiled function as the window.
+
+The MLA latent cache of a slot must hold its whole document, so the corpus is scored in passes
+(`plan_schedules`, one `Schedule` each) that size it per document instead of every row and slot to
+the longest document of the corpus:
+- the packed pass: documents of at most 2T tokens, B rows of N slots as configured, cache length =
+  the longest of them (rounded up to `cache_multiple`): at most 2T per slot;
+- long passes: longer documents grouped by their cache length, the next power of two at or above
+  their own length; min(B, count) rows of one slot each, so a pass holds rows x (at most twice each
+  document's length) latents. The prefix attention streams over the cache in blocks
+  (`model/nn/mla.py`), so neither its memory nor its work depends on the cache length beyond the
+  tokens actually cached.
+One compilation per pass shape (the packed pass and each long cache length).
 
 For token t of a document (t >= 1) the score is `log p(doc[t] | doc[:t])`, computed in float32 as
 `log_softmax(logits)[target]`. Perplexity = `exp(-sum(logprob) / count)`; bits per byte =
@@ -27,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.errors import UserError
+from model.errors import UserError, out_of_memory, out_of_memory_message
 from model.nn import cache as cache_lib
 from model import partitioning
 from model.data.pipeline import EvalWindow, pack_eval_windows
@@ -38,9 +49,82 @@ from model.engine.serving import round_up
 # every Scorer in the process.
 _COMPILED: dict = {}
 
+# Documents of at most PACKED_LIMIT windows' length share the packed pass (their slots' cache is at
+# most this long); longer ones get a long pass sized to their own length.
+PACKED_LIMIT = 2
+
 
 class ScoringError(UserError):
   """Documents the model cannot score (token ids outside its vocabulary)."""
+
+
+class ScoringOutOfMemory(ScoringError):
+  """XLA ran out of memory in one pass of the scorer.
+
+  The message is `out of memory (<XLA's first line>): <advice>`, the advice naming only the sizes
+  that lower that pass's memory (`Scorer.memory_advice`). Attributes: `schedule` (the `Schedule`
+  that failed), `xla` (XLA's first line).
+  """
+
+  def __init__(self, message: str, schedule: "Schedule", xla: str):
+    super().__init__(message)
+    self.schedule, self.xla = schedule, xla
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """One pass of the scorer: a group of documents in windows of one shape (`plan_schedules`).
+
+  Attributes:
+    documents: indices of its documents in the scored list, in order.
+    rows: B of its windows (independent document streams). slots: N, document slots per row.
+    cache_length: L, MLA latent entries per slot (the longest document it must hold, rounded up).
+    long: True for a long-document pass (one slot per row, L the documents' power-of-two bucket).
+    num_windows: windows it ran (0 until scored).
+  """
+
+  documents: tuple[int, ...]
+  rows: int
+  slots: int
+  cache_length: int
+  long: bool
+  num_windows: int = 0
+
+
+def _next_power_of_two(n: int) -> int:
+  return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def plan_schedules(lengths: Sequence[int], *, seq_len: int, batch_size: int, num_slots: int,
+                   cache_multiple: int = 64, has_mla: bool = True) -> list[Schedule]:
+  """The passes that score documents of these token counts (see the module docstring).
+
+  Args:
+    lengths: tokens per document. seq_len: T. batch_size: B. num_slots: N.
+    cache_multiple: cache lengths are rounded up to a multiple of this.
+    has_mla: False for a model without MLA layers: its cache does not grow with the document, so
+      every document shares the packed pass.
+
+  Returns:
+    The packed pass (when any document is short, or always without MLA) first, then one long pass
+    per cache length, shortest first. Documents of no token are left out.
+  """
+  t, m = int(seq_len), int(cache_multiple)
+  live = [i for i, n in enumerate(lengths) if n > 0]
+  short = live if not has_mla else [i for i in live if lengths[i] <= PACKED_LIMIT * t]
+  out = []
+  if short:
+    longest = max(lengths[i] for i in short) if has_mla else 1
+    out.append(Schedule(tuple(short), int(batch_size), int(num_slots), round_up(longest, m), False))
+  buckets: dict[int, list[int]] = {}
+  packed = set(short)
+  for i in live:
+    if i not in packed:
+      buckets.setdefault(round_up(_next_power_of_two(lengths[i]), m), []).append(i)
+  for length in sorted(buckets):
+    docs = buckets[length]
+    out.append(Schedule(tuple(docs), min(int(batch_size), len(docs)), 1, length, True))
+  return out
 
 
 @dataclasses.dataclass
@@ -53,7 +137,8 @@ class ScoreResult:
     num_tokens: scored tokens in all. total_logprob: their sum (nats).
     seconds: wall time of the windows (compilation excluded). compile_s: compilation and one warm-up
       window.
-    num_windows: windows evaluated.
+    num_windows: windows evaluated (all passes).
+    schedules: the passes run (`Schedule`, with their window counts).
   """
 
   logprobs: list[np.ndarray]
@@ -62,6 +147,7 @@ class ScoreResult:
   seconds: float
   compile_s: float
   num_windows: int
+  schedules: list = dataclasses.field(default_factory=list)
 
   @property
   def perplexity(self) -> float:
@@ -107,23 +193,26 @@ class Scorer:
   Args:
     model: the model (parameters split out once).
     seq_len: T, tokens per window row (`max_target_length`).
-    batch_size: B, rows (independent document streams) per window.
-    num_slots: N, documents per row (`max_num_segments`).
+    batch_size: B, rows (independent document streams) per window of the packed pass; a long pass
+      has min(B, its documents) rows.
+    num_slots: N, documents per row of the packed pass (`max_num_segments`).
     pad_id: id on padding.
-    cache_multiple: the MLA cache length (longest document) is rounded up to this.
+    cache_multiple: MLA cache lengths are rounded up to this.
     mesh, rules: score with a model sharded on this `jax.sharding.Mesh` (`model.partitioning`; rules: a
       config or parsed `logical_axis_rules`, default the base rules): the window is traced in
       `partitioning.mesh_context`, window rows and the carried cache are split over the batch axes
       (`batch_sharding`, `cache_shardings`; a dimension they do not divide stays replicated), and
       the per-token log-probs come back replicated, so every process of a multi-host job reads
       them all. None: one device (the model's own).
+    names: what the caller's user calls `seq_len`, `batch_size` and `num_slots` (e.g. a tool's config
+      keys), for the out-of-memory advice; default those names.
 
   Raises:
     ValueError: sizes below 1 (seq_len below 2).
   """
 
   def __init__(self, model, *, seq_len: int, batch_size: int = 1, num_slots: int = 8, pad_id: int = 0,
-               cache_multiple: int = 64, mesh=None, rules=None):
+               cache_multiple: int = 64, mesh=None, rules=None, names: dict[str, str] | None = None):
     if int(seq_len) < 2:
       raise ValueError(f"max_target_length must be >= 2 (a token and its target), got {seq_len}")
     for name, v in (("batch_size", batch_size), ("num_slots", num_slots), ("cache_multiple", cache_multiple)):
@@ -133,19 +222,20 @@ class Scorer:
     self.seq_len, self.batch_size, self.num_slots = int(seq_len), int(batch_size), int(num_slots)
     self.pad_id, self.cache_multiple = int(pad_id), int(cache_multiple)
     self.mesh, self._rules = mesh, rules
+    self.names = {"seq_len": "seq_len", "batch_size": "batch_size", "num_slots": "num_slots", **(names or {})}
     self._graphdef, state = nnx.split(model)
     self._leaves, self._treedef = jax.tree.flatten(state)
 
-  def _window_fn(self, cache_length: int):
-    """`((compiled, input shardings), seconds to compile and warm up)` for this cache length (cached).
+  def _window_fn(self, rows: int, slots: int, cache_length: int):
+    """`((compiled, input shardings), seconds to compile and warm up)` for windows `[rows, T]` of
+    `slots` slots and this cache length (cached).
 
     The input shardings are `(cache, [B, T] arrays, [B, N] arrays)`: None each off-mesh."""
     rules_key = None if self._rules is None else repr(partitioning.as_rules(self._rules))
-    key = (self._graphdef, self._treedef, self.seq_len, self.batch_size, self.num_slots, cache_length, self.mesh,
-           rules_key)
+    key = (self._graphdef, self._treedef, self.seq_len, rows, slots, cache_length, self.mesh, rules_key)
     if key in _COMPILED:
       return _COMPILED[key], 0.0
-    b, n = self.batch_size, self.num_slots
+    b, n = rows, slots
     graphdef, treedef = self._graphdef, self._treedef  # not self: the cache must not keep parameters alive
 
     def run(leaves, cache, inputs, targets, loss_mask, segment_ids, continues, prev_label):
@@ -156,7 +246,7 @@ class Scorer:
       lp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
       return jnp.where(loss_mask, lp, 0.0), cache
 
-    cache = jax.eval_shape(lambda: self.model.init_cache(b, n, cache_length))
+    cache = self._empty_cache(b, n, cache_length)
     mesh = self.mesh
     if mesh is None:
       shardings = (None, None, None)
@@ -191,10 +281,54 @@ class Scorer:
     _COMPILED[key] = (compiled, shardings)
     return _COMPILED[key], time.perf_counter() - t0
 
-  def windows(self, docs: Sequence[np.ndarray]) -> list[EvalWindow]:
-    """`pack_eval_windows` of `docs` with this scorer's T, B and N."""
-    return pack_eval_windows(docs, self.seq_len, self.batch_size, max_segments=self.num_slots,
-                             pad_id=self.pad_id)
+  def _empty_cache(self, rows: int, slots: int, cache_length: int):
+    return jax.eval_shape(lambda: self.model.init_cache(rows, slots, cache_length))
+
+  def schedules(self, docs: Sequence[np.ndarray]) -> list[Schedule]:
+    """`plan_schedules` of `docs` with this scorer's T, B, N and cache multiple."""
+    return plan_schedules([int(np.size(d)) for d in docs], seq_len=self.seq_len, batch_size=self.batch_size,
+                          num_slots=self.num_slots, cache_multiple=self.cache_multiple,
+                          has_mla="mla" in self.model.args.layer_types)
+
+  def windows(self, docs: Sequence[np.ndarray], schedule: Schedule) -> list[EvalWindow]:
+    """`pack_eval_windows` of the documents of `schedule` (indices into `docs`) in its window shape;
+    `doc_index` indexes `schedule.documents`."""
+    return pack_eval_windows([docs[i] for i in schedule.documents], self.seq_len, schedule.rows,
+                             max_segments=schedule.slots, pad_id=self.pad_id)
+
+  def cache_bytes(self, schedule: Schedule) -> int:
+    """Bytes of the carried cache of `schedule` (every layer: KDA states, conv windows, MLA latents)."""
+    empty = self._empty_cache(schedule.rows, schedule.slots, schedule.cache_length)
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(empty)))
+
+  def memory_advice(self, schedule: Schedule, lengths: Sequence[int] = ()) -> str:
+    """What lowers the memory of `schedule`'s pass, naming only sizes that do (in `self.names`).
+
+    The window (rows x T tokens, the MLA prefix scores per block) shrinks with T; rows with B while a
+    pass has more than one row (a long pass has min(B, its documents)); the packed pass's N slots,
+    and its cache (at most 2T per slot), with N and T. A long pass's cache holds its documents'
+    latents: no size lowers it, and the advice says how large it is.
+    """
+    nm = self.names
+    keys = [nm["seq_len"]] if self.seq_len > 2 else []
+    if schedule.rows > 1:
+      keys.append(nm["batch_size"])
+    if not schedule.long and schedule.slots > 1:
+      keys.append(nm["num_slots"])
+    what = (f"windows of {schedule.rows} x {self.seq_len} tokens" +
+            (f" with {schedule.slots} documents per row" if not schedule.long else ""))
+    advice = ("lower " + (", ".join(keys[:-1]) + " or " + keys[-1] if len(keys) > 1 else keys[0])) if keys else ""
+    if schedule.long:
+      docs = schedule.documents
+      who = f"document {docs[0]}" if len(docs) == 1 else f"{len(docs)} documents"
+      if len(lengths):
+        longest = max(int(lengths[i]) for i in docs)
+        who += f" ({longest} tokens)" if len(docs) == 1 else f" (the longest {longest} tokens)"
+      note = (f"{what}; the cache of {who}, {schedule.rows} x {schedule.cache_length} MLA entries per layer "
+              f"({self.cache_bytes(schedule) / 2**20:.1f} MiB in all), shrinks with no key")
+    else:
+      note = f"{what}, an MLA cache of {schedule.rows} x {schedule.slots} x {schedule.cache_length} entries per layer"
+    return f"{advice} ({note})" if advice else note
 
   def score(self, docs: Sequence[Sequence[int]], *, progress: Callable | None = None) -> ScoreResult:
     """Log-probabilities of every document token after the first.
@@ -204,10 +338,12 @@ class Scorer:
       progress: optional `fn(iterable, total) -> iterable` wrapping the window loop (e.g. tqdm).
 
     Returns:
-      `ScoreResult`.
+      `ScoreResult` (its `schedules` say how each pass was sized).
 
     Raises:
-      ScoringError: token ids outside the model's vocabulary. ValueError: malformed documents.
+      ScoringError: token ids outside the model's vocabulary. ScoringOutOfMemory: XLA ran out of
+      memory in a pass (the message says what lowers that pass's memory). ValueError: malformed
+      documents.
     """
     docs = [np.asarray(d, np.int64).reshape(-1) for d in docs]
     vocab = self.model.args.vocab_size
@@ -215,30 +351,49 @@ class Scorer:
       if d.size and (d.min() < 0 or d.max() >= vocab):
         bad = d[(d < 0) | (d >= vocab)]
         raise ScoringError(f"document {i} holds token ids outside the vocabulary [0, {vocab}): {bad[:8].tolist()}")
-    windows = self.windows(docs)
-    longest = max((d.size for d in docs), default=1)
-    length = round_up(longest, self.cache_multiple)
-    (fn, (cache_sh, bt_sh, bn_sh)), compile_s = self._window_fn(length)
-    empty = jax.eval_shape(lambda: self.model.init_cache(self.batch_size, self.num_slots, length))
-    cache = _zeros_like(empty, cache_sh)
-    put = lambda x, sh: x if sh is None else jax.device_put(x, sh)
-    sizes = np.array([max(d.size - 1, 0) for d in docs], np.int64)
+    lengths = [int(d.size) for d in docs]
+    passes = [(sch, self.windows(docs, sch)) for sch in self.schedules(docs)]
+    sizes = np.array([max(n - 1, 0) for n in lengths], np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     flat = np.zeros(int(starts[-1]), np.float64)   # every document's scores, end to end
-    it = windows if progress is None else progress(windows, len(windows))
+    num_windows = sum(len(ws) for _, ws in passes)
+
+    def work():
+      for k, (_, ws) in enumerate(passes):
+        for w in ws:
+          yield k, w
+
+    it = work() if progress is None else progress(work(), num_windows)
+    put = lambda x, sh: x if sh is None else jax.device_put(x, sh)
+    total, count, compile_s = 0.0, 0, 0.0
+    current, fn, cache = None, None, None
     t0 = time.perf_counter()
-    total, count = 0.0, 0
-    for w in it:
-      lp, cache = fn(self._leaves, cache, put(w.inputs, bt_sh), put(w.targets, bt_sh), put(w.loss_mask, bt_sh),
-                     put(w.segment_ids, bt_sh), put(w.continues, bn_sh), put(w.prev_label, bn_sh))
-      lp = np.asarray(lp, np.float64)
+    for k, w in it:
+      sch = passes[k][0]
+      try:
+        if k != current:  # a new pass: its compiled window and a fresh cache
+          cache = None    # the previous pass's cache is freed before the next one is made
+          (fn, (cache_sh, bt_sh, bn_sh)), c_s = self._window_fn(sch.rows, sch.slots, sch.cache_length)
+          compile_s += c_s
+          cache = _zeros_like(self._empty_cache(sch.rows, sch.slots, sch.cache_length), cache_sh)
+          current = k
+        lp, cache = fn(self._leaves, cache, put(w.inputs, bt_sh), put(w.targets, bt_sh), put(w.loss_mask, bt_sh),
+                       put(w.segment_ids, bt_sh), put(w.continues, bn_sh), put(w.prev_label, bn_sh))
+        lp = np.asarray(lp, np.float64)
+      except Exception as e:
+        xla = out_of_memory(e)
+        if xla is None:
+          raise
+        raise ScoringOutOfMemory(out_of_memory_message(e, self.memory_advice(sch, lengths)), sch, xla) from e
       rows, cols = np.nonzero(w.loss_mask)
       slot = w.segment_ids[rows, cols] - 1
-      doc = w.doc_index[rows, slot]
+      doc = np.asarray(sch.documents, np.int64)[w.doc_index[rows, slot]]
       pos = w.positions[rows, cols]            # offset of the input token; it predicts token pos + 1
       flat[starts[doc] + pos] = lp[rows, cols]
       total += float(lp[rows, cols].sum())
       count += rows.size
-    seconds = time.perf_counter() - t0
+    cache = None
+    seconds = time.perf_counter() - t0 - compile_s
     out = [flat[starts[i]:starts[i + 1]] for i in range(len(docs))]
-    return ScoreResult(out, count, total, seconds, compile_s, len(windows))
+    done = [dataclasses.replace(sch, num_windows=len(ws)) for sch, ws in passes]
+    return ScoreResult(out, count, total, seconds, compile_s, num_windows, done)

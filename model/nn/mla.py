@@ -24,6 +24,9 @@ from model.nn import cache as cache_lib
 from model.nn.layers import RMSNorm, as_dtype, linear
 
 _NEG = -1e30  # finite "minus infinity": a fully masked row gives zeros, not NaN
+# Cached tokens per step of the prefix loop (`_attend_prefix_then_window`): bounds the prefix scores to
+# [B, H, T, N, PREFIX_BLOCK] and the loop's wasted work (the last block's invalid tail) to this many.
+PREFIX_BLOCK = 128
 
 
 def _masked_softmax(scores, mask):
@@ -144,22 +147,65 @@ class MultiHeadLatentAttention(nnx.Module):
       p = _masked_softmax(scores, mask[:, None])
       o = jnp.einsum("bhts,bshd->bthd", p, v.astype(jnp.float32))
       return self._out(o), lat
-    n, length = prefix.shape[1], prefix.shape[2]
-    kp, vp = self.expand(prefix.astype(self.dtype))                       # [B, N, L, nH, *]
-    slot = jnp.clip(seg - 1, 0, n - 1)
-    onehot = (slot[:, :, None] == jnp.arange(n)[None, None]) & (seg > 0)[:, :, None]   # [B, T, N]
-    sp = jnp.einsum("bthd,bnlhd->bhtnl", q, kp.astype(jnp.float32)) * self.scale
-    valid = jnp.arange(length)[None, None, :] < prefix_lengths[:, :, None]            # [B, N, L]
-    pmask = onehot[:, :, :, None] & valid[:, None, :, :]                              # [B, T, N, L]
-    sp = jnp.sum(jnp.where(onehot[:, None, :, :, None], sp, 0.0), axis=3)             # own slot: [B, H, T, L]
-    pmask_own = jnp.any(pmask, axis=2)                                                # [B, T, L]
-    allp = _masked_softmax(jnp.concatenate([sp, scores], axis=-1),
-                           jnp.concatenate([pmask_own, mask], axis=-1)[:, None])
-    p_pre, p_cur = allp[..., :length], allp[..., length:]
-    o = jnp.einsum("bhts,bshd->bthd", p_cur, v.astype(jnp.float32))
-    p_pre_slots = jnp.where(onehot[:, None, :, :, None], p_pre[:, :, :, None, :], 0.0)  # [B, H, T, N, L]
-    o = o + jnp.einsum("bhtnl,bnlhd->bthd", p_pre_slots, vp.astype(jnp.float32))
+    o = self._attend_prefix_then_window(q, scores, mask, v, prefix, prefix_lengths, seg)
     return self._out(o), lat
+
+  def _attend_prefix_then_window(self, q, scores, mask, v, prefix, prefix_lengths, seg):
+    """Softmax over [own slot's prefix | the window's own keys], streamed over the prefix.
+
+    One online softmax (running max `m`, denominator `l`, weighted values `acc`; the same rescaling
+    as flash attention) starts from the window's own scores, then visits the prefix in blocks of
+    `PREFIX_BLOCK` cached tokens, only as many blocks as the longest valid prefix in the batch
+    (`lax.fori_loop` with a data-dependent trip count): memory is O(B * H * T * N * block) whatever
+    the cache length L, and the work grows with the tokens actually cached, not with L. A block's
+    keys and values are re-expanded from its latents (`expand`), as the one-shot softmax did.
+
+    Args:
+      q: float32 `[B, T, nH, dn + dr]`. scores: float32 `[B, nH, T, T]` (scaled). mask: bool
+      `[B, T, T]`. v: `[B, T, nH, dv]`. prefix: latent `[B, N, L, r + dr]`. prefix_lengths: int32
+      `[B, N]`. seg: int32 `[B, T]` (label n reads slot n-1's prefix; 0 = padding).
+
+    Returns:
+      float32 `[B, T, nH, dv]`, zeros for padding tokens.
+    """
+    b, n, length, _ = prefix.shape
+    block = min(PREFIX_BLOCK, length)
+    if length % block:  # the last block must not run past L (dynamic_slice would shift it back)
+      prefix = jnp.pad(prefix, ((0, 0), (0, 0), (0, block - length % block), (0, 0)))
+    slot = jnp.clip(seg - 1, 0, n - 1)
+    onehot = (slot[:, :, None] == jnp.arange(n)[None, None]) & (seg > 0)[:, :, None]     # [B, T, N]
+    own_length = jnp.sum(jnp.where(onehot, prefix_lengths[:, None, :], 0), axis=-1)       # [B, T]
+    s = jnp.where(mask[:, None], scores, _NEG)
+    m = jnp.max(s, axis=-1)                                                               # [B, H, T]
+    p = jnp.where(mask[:, None], jnp.exp(s - m[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    acc = jnp.einsum("bhts,bshd->bhtd", p, v.astype(jnp.float32))                         # [B, H, T, dv]
+
+    def visit(j, carry):
+      m, l, acc = carry
+      lat = jax.lax.dynamic_slice_in_dim(prefix, j * block, block, axis=2)                # [B, N, blk, C]
+      kp, vp = self.expand(lat.astype(self.dtype))                                        # [B, N, blk, H, *]
+      if n == 1:
+        sp = jnp.einsum("bthd,blhd->bhtl", q, kp[:, 0].astype(jnp.float32)) * self.scale
+      else:
+        sp = jnp.einsum("bthd,bnlhd->bhtnl", q, kp.astype(jnp.float32)) * self.scale
+        sp = jnp.sum(jnp.where(onehot[:, None, :, :, None], sp, 0.0), axis=3)              # own slot
+      valid = (j * block + jnp.arange(block))[None, None, :] < own_length[:, :, None]      # [B, T, blk]
+      sp = jnp.where(valid[:, None], sp, _NEG)
+      m_new = jnp.maximum(m, jnp.max(sp, axis=-1))
+      rescale = jnp.exp(m - m_new)
+      pp = jnp.where(valid[:, None], jnp.exp(sp - m_new[..., None]), 0.0)                 # [B, H, T, blk]
+      if n == 1:
+        o = jnp.einsum("bhtl,blhd->bhtd", pp, vp[:, 0].astype(jnp.float32))
+      else:
+        pn = jnp.where(onehot[:, None, :, :, None], pp[:, :, :, None, :], 0.0)            # [B, H, T, N, blk]
+        o = jnp.einsum("bhtnl,bnlhd->bhtd", pn, vp.astype(jnp.float32))
+      return m_new, l * rescale + jnp.sum(pp, axis=-1), acc * rescale[..., None] + o
+
+    num_blocks = (jnp.max(prefix_lengths) + block - 1) // block
+    m, l, acc = jax.lax.fori_loop(0, num_blocks, visit, (m, l, acc))
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return jnp.transpose(o, (0, 2, 1, 3))
 
   def decode_latent(self, x, latent_cache, lengths):
     """One token per sequence against the latent cache.

@@ -39,7 +39,7 @@ import optax
 from flax import nnx
 
 from model.errors import UserError
-from model import loading, partitioning
+from model import loading, memory, partitioning
 from model.nn import moe
 from model.nn.kimi_linear import KimiLinearForCausalLM
 
@@ -307,26 +307,7 @@ def step_bytes_needed(compiled, *, arguments_resident: bool) -> int | None:
   return need
 
 
-def available_memory_bytes(device) -> tuple[int | None, bool]:
-  """`(bytes, arguments_resident)` a step may use on `device`: an accelerator's `bytes_limit` (its
-  whole memory: the step's arguments must fit in it too), or on CPU the host's available memory
-  (MemAvailable of /proc/meminfo, else free pages by os.sysconf), where the train state already lives.
-  `(None, False)` when the device reports nothing."""
-  if device.platform != "cpu":
-    stats = device.memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    return (int(limit) if limit else None), False
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024, True
-  except OSError:
-    pass
-  try:
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), True
-  except (ValueError, OSError):
-    return None, True
+available_memory_bytes = memory.available_memory_bytes  # the step's budget (model/memory.py)
 
 
 BATCH_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids")

@@ -130,6 +130,30 @@ def test_prefill_continues_documents_across_windows(prefilled):
   np.testing.assert_array_equal(np.asarray(cache2.lengths), [p.size + q.size for p, q in zip(prompts, new)])
 
 
+def test_prefix_streamed_in_blocks_equals_one_block(prefilled, monkeypatch):
+  """The MLA prefix attention streams over the cache in blocks of PREFIX_BLOCK tokens (online softmax,
+  only the blocks holding valid tokens): with blocks of 2 (prefixes of 0, 4, 5 and 8 tokens: up to four
+  blocks, two slots per row, a cache of 16 = 8 blocks) the second window equals the one-block result to 1e-6."""
+  from flax import nnx
+  from model.nn import mla
+  _, gd, st = helpers.build(*REF)
+  _, cache = prefilled
+  assert int(np.max(np.asarray(cache.lengths))) > 2 * 3  # a prefix spans four blocks of 2
+  ids = RNG.integers(3, 64, (2, 6)).astype(np.int32)
+  seg = np.array([[1, 1, 1, 2, 2, 0], [1, 1, 2, 2, 2, 2]], np.int32)
+
+  def second_window():
+    f = jax.jit(lambda st, i, s, c: nnx.merge(gd, st).prefill(i, s, cache=c))  # traced anew: reads PREFIX_BLOCK
+    return f(st, jnp.asarray(ids), jnp.asarray(seg), cache)
+
+  one_logits, one_cache = second_window()
+  monkeypatch.setattr(mla, "PREFIX_BLOCK", 2)
+  blk_logits, blk_cache = second_window()
+  np.testing.assert_allclose(np.asarray(blk_logits), np.asarray(one_logits), atol=1e-6, rtol=0)
+  for a, b in zip(jax.tree.leaves(blk_cache), jax.tree.leaves(one_cache)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+
+
 # kda_native's train route and kda_chunked's every sequence mode call the same op (kda_chunked), so
 # one compile of each op covers the three backends: native/eval -> kda_inference, chunked/train ->
 # kda_chunked, reference -> kda_reference.

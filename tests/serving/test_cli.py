@@ -311,23 +311,35 @@ def test_json_output_has_no_nan(tmp_path):
 
 def test_out_of_memory_is_one_error_line(checkpoints, tmp_path, capsys, monkeypatch):
   """XLA's RESOURCE_EXHAUSTED (e.g. max_target_length=100000: 2.6 TB for the demo model) is one
-  `error:` line naming the keys to lower, exit 2 (was a traceback, exit 1). Simulated: the scoring /
-  generation call raises the error XLA raises (nothing is allocated)."""
+  `error:` line, exit 2 (was a traceback, exit 1), naming only keys that lower the memory of what ran out:
+  in a scoring window the keys of that pass (a lone long document: max_target_length, not
+  eval_batch_size), outside the windows none. Simulated: the window / scoring / generation call raises
+  the error XLA raises (nothing is allocated)."""
   import jax
+  from model.engine.scoring import Scorer
   from model.engine.serving import Generator
   ids = tmp_path / "ok.txt"
   ids.write_text("3 4 5 6\n")
+  long = tmp_path / "long.txt"
+  long.write_text(" ".join(["7"] * 40) + "\n3 4 5\n")
   ck = f"load_parameters_path={checkpoints['dense']}"
   xla = "RESOURCE_EXHAUSTED: Out of memory allocating 2662825103120 bytes."
 
   def oom(*a, **k):
     raise jax.errors.JaxRuntimeError(xla + "\nmore detail")
+  real = Scorer._window_fn
+  monkeypatch.setattr(Scorer, "_window_fn", lambda self, rows, slots, length: oom() if slots == 1 else
+                      real(self, rows, slots, length))
+  assert _ppl([ck, f"eval_data={long}", "eval_format=ids", "max_target_length=8"]) == 2
+  err = capsys.readouterr().err.splitlines()[-1]
+  assert err.startswith(f"error: out of memory ({xla}): lower max_target_length (windows of 1 x 8 tokens; the "
+                        f"cache of document 0 (40 tokens), 1 x 64 MLA entries per layer ("), err
+  assert "eval_batch_size" not in err and "max_num_segments" not in err
   monkeypatch.setattr(perplexity, "score", oom)
   monkeypatch.setattr(Generator, "generate", oom)
   assert _ppl([ck, f"eval_data={ids}", "eval_format=ids", "max_target_length=100000"]) == 2
   err = capsys.readouterr().err.splitlines()[-1]
-  assert err == f"error: out of memory ({xla}): lower {perplexity.MEMORY_KEYS}", err
-  assert "max_target_length or eval_batch_size" in perplexity.MEMORY_KEYS
+  assert err == f"error: out of memory ({xla}): {perplexity.OUTSIDE_SCORING}", err
   assert _gen([ck, "prompt_ids=3,4", "max_new_tokens=2"]) == 2
   err = capsys.readouterr().err.splitlines()[-1]
   assert err == f"error: out of memory ({xla}): lower generate_batch_size, max_new_tokens or the prompt length", err

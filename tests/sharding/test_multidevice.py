@@ -72,5 +72,7 @@ def test_two_process_job_through_the_distributed_keys():
     assert len(got) == len(want) == 3 and len(set(want)) == 3, v  # three different steps
     for g, w in zip(got, want):
       assert abs(g - w) <= 1e-5 * (1 + abs(w)), v
+    # A checksum of a parameter spread over both processes is the whole array's (issue 17 item 4).
+    assert v["sharded_crc"]["fully_addressable"] is False and v["sharded_crc"]["crc32"] == v["sharded_crc"]["whole"], v
   # Both processes report the same global losses (one global computation, not two local ones).
   assert views[0]["mesh_train_losses"] == views[1]["mesh_train_losses"], views

@@ -1,0 +1,111 @@
+"""The memory a model's parameters take against the memory the machine has.
+
+`model/loading.py` runs `check_parameters_fit` before it allocates a model (random init or restore),
+so a config too large for the machine is one line naming the parameter count and bytes instead of a
+kernel OOM kill minutes later; `available_memory_bytes` is also the train step's budget
+(`model/training/steps.py`). Imports nothing of the model: it reads `jax.ShapeDtypeStruct` trees.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+
+from model.errors import ConfigError
+
+
+class ModelTooLargeError(ConfigError):
+  """The parameters of the model about to be built do not fit the device's or host's memory."""
+
+
+def available_memory_bytes(device) -> tuple[int | None, bool]:
+  """`(bytes, arguments_resident)` a step may use on `device`: an accelerator's `bytes_limit` (its
+  whole memory: the step's arguments must fit in it too), or on CPU the host's available memory
+  (MemAvailable of /proc/meminfo, else free pages by os.sysconf), where the train state already lives.
+  `(None, False)` when the device reports nothing."""
+  if device.platform != "cpu":
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return (int(limit) if limit else None), False
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024, True
+  except OSError:
+    pass
+  try:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), True
+  except (ValueError, OSError):
+    return None, True
+
+
+def parameter_bytes(state, devices=None) -> tuple[int, int, dict]:
+  """`(parameter count, total bytes, {device: bytes it holds})` of a state of `jax.ShapeDtypeStruct`s
+  (or arrays).
+
+  A leaf with a `sharding` counts its shard (`shard_shape`) on each device of `devices` that holds
+  one; without one it counts whole on `devices[0]`. `devices` None: every leaf whole, under key None.
+  """
+  count = total = 0
+  held: dict = {}
+  for leaf in jax.tree.leaves(state):
+    n = math.prod(leaf.shape)
+    item = jax.numpy.dtype(leaf.dtype).itemsize
+    count += n
+    total += n * item
+    sharding = getattr(leaf, "sharding", None)
+    if devices is None or sharding is None:
+      key = None if devices is None else devices[0]
+      held[key] = held.get(key, 0) + n * item
+      continue
+    shard = math.prod(sharding.shard_shape(leaf.shape)) * item
+    for d in sharding.device_set:
+      if d in devices:
+        held[d] = held.get(d, 0) + shard
+  return count, total, held
+
+
+def _gb(n: int) -> str:
+  return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def check_parameters_fit(state, *, name: str, devices, allow: bool = False) -> None:
+  """Raises ModelTooLargeError when the parameters of `state` (`jax.ShapeDtypeStruct`s, nothing
+  allocated) exceed the memory that will hold them.
+
+  On an accelerator: the busiest device's share of the parameters against its `bytes_limit`. On CPU
+  (every device of this host shares its memory): all of this host's shards against MemAvailable.
+  Nothing is checked when the device reports no figure.
+
+  Args:
+    state: the model's abstract state (leaves with a `sharding` when it goes onto a mesh).
+    name: the model, for the message. devices: the devices that will hold it (a mesh's devices, or
+      the one default device). allow: skip the check (`allow_large_model=true`).
+
+  Raises:
+    ModelTooLargeError: one line with the parameter count, their bytes and the memory figure.
+  """
+  if allow:
+    return
+  devices = list(devices)
+  local = [d for d in devices if d.process_index == jax.process_index()] or devices
+  have, _ = available_memory_bytes(local[0])
+  if have is None:
+    return
+  count, total, held = parameter_bytes(state, local)
+  cpu = local[0].platform == "cpu"
+  if cpu:
+    need = sum(held.values())
+    where = f"this host has {_gb(have)} available (MemAvailable)"
+  else:
+    need = max(held.values(), default=0)
+    where = f"a {local[0].device_kind} has {_gb(have)} (bytes_limit)"
+  if need <= have:
+    return
+  share = "" if need == total else f", {_gb(need)} of them on {'this host' if cpu else 'one device'}"
+  raise ModelTooLargeError(
+      f"model {name} has {count:,} parameters, {_gb(total)}{share}, but {where}: building it would run out "
+      f"of memory; pass allow_large_model=true to build it anyway, or pick a smaller config (e.g. tiny)")
