@@ -275,20 +275,30 @@ def unit_lower_inverse(a):
   product (I - A)(I + A^2)(I + A^4)... forms powers of A whose entries reach C(15, 7) ~ 6e3 and
   cancel, losing ~3 digits in float32 for nearly parallel keys); its rounding matches it.
   """
-  c = a.shape[0]
-  if c & (c - 1):
-    raise ValueError(f"unit_lower_inverse: a must be [C, C] with C a power of two, got {a.shape}")
+  return unit_lower_inverses([a])[0]
+
+
+def unit_lower_inverses(mats, dots=F32):
+  """`unit_lower_inverse` of several independent matrices, level by level: each doubling issues its
+  matmul for every matrix before the next one, so their MXU latencies overlap (a step's heads:
+  one dependent chain of 10 matmuls instead of 10 per head; tools/tpu_cost.py follows the chain)."""
+  c = mats[0].shape[0]
+  if c & (c - 1) or any(a.shape != (c, c) for a in mats):
+    raise ValueError("unit_lower_inverse: a must be [C, C] with C a power of two, got "
+                     f"{[a.shape for a in mats]}")
   r = iota((c, c), 0)
   col = iota((c, c), 1)
   eye = (r == col).astype(jnp.float32)
-  x = eye - jnp.where((jnp.right_shift(r, 1) == jnp.right_shift(col, 1)) & (r > col), a, 0.0)
+  pair = (jnp.right_shift(r, 1) == jnp.right_shift(col, 1)) & (r > col)
+  xs = [eye - jnp.where(pair, a, 0.0) for a in mats]
   shift = 1
   while (1 << shift) < c:
     quad = ((jnp.right_shift(r, shift + 1) == jnp.right_shift(col, shift + 1))
             & (jnp.right_shift(r, shift) != jnp.right_shift(col, shift)))
-    x = x - dot(x, dot(jnp.where(quad, a, 0.0), x))
+    ys = [dots.nn(jnp.where(quad, a, 0.0), x) for a, x in zip(mats, xs)]
+    xs = [x - dots.nn(x, y) for x, y in zip(xs, ys)]
     shift += 1
-  return x
+  return xs
 
 
 def chunk_prep(q, k, g, beta, seg_col, seg_row, *, blocked: bool, cumulative: bool = False,
@@ -306,16 +316,24 @@ def chunk_prep(q, k, g, beta, seg_col, seg_row, *, blocked: bool, cumulative: bo
     G `[C, K]` (cumulative gate), tinv `[C, C]` = (I + Diag(beta) Akk)^-1, aqk `[C, C]` (masked to
     same document and r >= i).
   """
-  c = q.shape[0]
   G = g if cumulative else cumsum_rows(g)
-  akk, aqk = intra_chunk_scores(q, k, G, blocked=blocked, dots=dots)
+  tinv, aqk = chunk_prep_heads([q], [k], [G], [beta], seg_col, seg_row, blocked=blocked, dots=dots)[0]
+  return G, tinv, aqk
+
+
+def chunk_prep_heads(qs, ks, Gs, betas, seg_col, seg_row, *, blocked: bool, dots=F32,
+                     inverse_dots=F32):
+  """`chunk_prep` of several heads of one chunk (lists of `[C, K]` q, k, cumulative G and `[C, 1]`
+  beta), stage by stage across the heads so that their independent matmuls are issued together
+  and their MXU latencies overlap. Returns `[(tinv, aqk)]` per head."""
+  c = qs[0].shape[0]
   r = iota((c, c), 0)
   col = iota((c, c), 1)
   same = (seg_col == seg_row) & (seg_col != 0)
-  akk = jnp.where(same & (r > col), akk, 0.0)
-  aqk = jnp.where(same & (r >= col), aqk, 0.0)
-  tinv = unit_lower_inverse(beta * akk)
-  return G, tinv, aqk
+  scores = [intra_chunk_scores(q, k, G, blocked=blocked, dots=dots) for q, k, G in zip(qs, ks, Gs)]
+  akks = [beta * jnp.where(same & (r > col), akk, 0.0) for beta, (akk, _) in zip(betas, scores)]
+  aqks = [jnp.where(same & (r >= col), aqk, 0.0) for _, aqk in scores]
+  return list(zip(unit_lower_inverses(akks, inverse_dots), aqks))
 
 
 def piece_with_state(G, q, k, beta, tinv, u, mask, first, last, s_in, dots=F32):

@@ -1,8 +1,12 @@
 """Pallas TPU (Mosaic) kernel for packed-sequence KDA inference with native segment IDs.
 
 Grid `(B, H / HG, NC)`: batch and head group are parallel, the chunk axis is sequential
-("arbitrary"); each step takes HG heads (`heads_per_step`: 4 when H allows), whose work is
-independent, so the compiler overlaps their dependency chains and the step count drops HG-fold. Every
+("arbitrary"); each step takes HG heads (`heads_per_step`: 8 when H allows), whose work is
+independent and issued stage by stage across the heads (`_chunk_math.chunk_prep_heads`), so their
+MXU latencies overlap and the step count drops HG-fold. What the MXU sees was chosen with the frozen
+cost model (tools/tpu_cost.py, chain of MXU round trips per step): one cumulative-gate matmul for
+all the step's heads, one matmul for all below-diagonal scores of a head, bf16 operands with float32
+accumulation for bfloat16 inputs (`matmul_precision`). Every
 block index is arithmetic in the grid position, so nothing about the packing steers a DMA: one grid
 step per 64-row chunk builds the chunk's matrices once (cumulative gate, masked Akk / Aqk, the UT
 inverse, U), then loops over the chunk's pieces (the runs of one document inside it, from the
@@ -98,22 +102,29 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_st
       g_all = cm.activate_gate(g_all, row(aexp_ref), row(dtb_ref), lower_bound)
       g_all = jnp.where((cm.iota(g_all.shape, 1) & (kp - 1)) < key_dim, g_all, 0.0)  # padded lanes: g = 0
     G_all = cm.cumsum_rows(jnp.where(valid_row, g_all, 0.0))
-    for i in range(hg):  # independent chains: the scheduler interleaves the heads
-      beta = jnp.where(valid_row, _chunk_rows(cm.row_at(beta_all, hb * hg + i), c), 0.0)
+    # the heads are independent: each stage is issued for all of them before the next, so their
+    # MXU latencies overlap (cm.chunk_prep_heads)
+    qs, ks, betas = [], [], []
+    for i in range(hg):
+      betas.append(jnp.where(valid_row, _chunk_rows(cm.row_at(beta_all, hb * hg + i), c), 0.0))
       q = q_ref[:, cols(i, kp)].astype(jnp.float32)
       k = k_ref[:, cols(i, kp)].astype(jnp.float32)
       if use_l2norm:
         q, k = cm.l2norm_rows(q), cm.l2norm_rows(k)
-      q = q * scale
-      G, tinv, aqk = cm.chunk_prep(q, k, G_all[:, cols(i, kp)], beta, seg_col, seg_row,
-                                   blocked=True, cumulative=True, dots=dots)
-      g_scr[i] = G
-      q_scr[i] = q
-      k_scr[i] = k
+      qs.append(q * scale)
+      ks.append(k)
+    Gs = [G_all[:, cols(i, kp)] for i in range(hg)]
+    prepped = cm.chunk_prep_heads(qs, ks, Gs, betas, seg_col, seg_row, blocked=True, dots=dots,
+                                  inverse_dots=dots)
+    for i, (tinv, aqk) in enumerate(prepped):
+      g_scr[i] = Gs[i]
+      q_scr[i] = qs[i]
+      k_scr[i] = ks[i]
       tinv_scr[i] = tinv
       aqk_scr[i] = aqk
-      beta_scr[i] = beta
-      u_scr[i] = dots.nn(tinv, beta * v_ref[:, cols(i, vp)].astype(jnp.float32))
+      beta_scr[i] = betas[i]
+    for i, (tinv, _) in enumerate(prepped):
+      u_scr[i] = dots.nn(tinv, betas[i] * v_ref[:, cols(i, vp)].astype(jnp.float32))
     vacc_scr[...] = jnp.zeros_like(vacc_scr)
     oacc_scr[...] = jnp.zeros_like(oacc_scr)
 
@@ -168,19 +179,23 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_st
 
 
 def matmul_precision(dtype) -> cm.Dots:
-  """bf16 MXU operands with float32 accumulation for bfloat16 inputs (their 5e-3 relative tolerance
-  holds: tests/kernels/test_inference_numerics.py), float32 at HIGHEST for float32 inputs (1e-4
-  absolute). The cumulative gate and the UT inverse stay float32 at HIGHEST for both: a bf16 gate
-  sum is off by ~0.1 nats over a chunk, and the inverse's recursion compounds operand rounding."""
+  """The MXU precision of every matmul but the cumulative gate's: bf16 operands with float32
+  accumulation (one MXU pass) for bfloat16 inputs, the UT inverse included (their 5e-3 relative
+  tolerance holds: tests/kernels/test_inference_numerics.py, b3_packed_bounded_bf16 rel L2 of o
+  3.1e-3 with a bf16 or a float32 inverse alike); float32 at HIGHEST (six passes) for float32 inputs
+  (1e-4 absolute). The cumulative gate is float32 at HIGHEST for both: summed from bf16 operands it
+  would be off by ~0.1 nats over a chunk. tools/tpu_cost.py, TPU7x seed shape (ESTIMATE): 0.962 ms
+  with a float32 inverse, 0.472 ms with the bf16 one."""
   return cm.Dots(bf16=jnp.dtype(dtype) == jnp.bfloat16)
 
 
 def heads_per_step(num_heads: int, kp: int, vp: int) -> int:
-  """Heads one grid step processes (their chains are independent, so the scheduler overlaps them and
-  the step count drops by that factor): the largest of 4, 2, 1 dividing H, 2 at most for K or V of 256
-  (VMEM)."""
-  cap = 2 if max(kp, vp) > LANE else 4
-  return next(d for d in (4, 2, 1) if d <= cap and num_heads % d == 0)
+  """Heads one grid step processes (their chains are independent and issued stage by stage, so their
+  MXU latencies overlap, and the step count drops by that factor): the largest of 8, 4, 2, 1 dividing
+  H, 4 at most for K or V of 256 (VMEM). tools/tpu_cost.py, TPU7x seed shape, float32 inverse
+  (ESTIMATE): 4 heads 1.026 ms, 8 heads 0.962 ms."""
+  cap = 4 if max(kp, vp) > LANE else 8
+  return next(d for d in (8, 4, 2, 1) if d <= cap and num_heads % d == 0)
 
 
 def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
