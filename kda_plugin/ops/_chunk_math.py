@@ -56,6 +56,36 @@ def unpack_refs(refs, *, gate: bool, has_h0: bool, want_final: bool) -> KernelRe
   final = next(it) if want_final else None
   return KernelRefs(q, k, v, g, beta, seg_col, seg_row, a_exp, dt_bias, h0, o, final, tuple(it))
 
+class Dots(NamedTuple):
+  """The matmul precision of one call: float32 at HIGHEST (six bf16 MXU passes), or bf16 operands
+  with float32 accumulation (one pass; `bf16=True`). The operands are cast explicitly, so interpret
+  mode on a CPU rounds them exactly as the MXU does and the numerics tests see the device's error."""
+
+  bf16: bool = False
+
+  def _mm(self, a, b, dims):
+    dn = (dims, ((), ()))
+    if self.bf16:
+      return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dn,
+                             preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, dn, precision=(_HI, _HI), preferred_element_type=jnp.float32)
+
+  def nn(self, a, b):
+    """a @ b."""
+    return self._mm(a, b, ((1,), (0,)))
+
+  def nt(self, a, b):
+    """a @ b.T."""
+    return self._mm(a, b, ((1,), (1,)))
+
+  def tn(self, a, b):
+    """a.T @ b."""
+    return self._mm(a, b, ((0,), (0,)))
+
+
+F32 = Dots(bf16=False)
+
+
 def iota(shape, dim):
   return lax.broadcasted_iota(jnp.int32, shape, dim)
 
@@ -182,30 +212,35 @@ def _diag_scores_all_blocks(q, k, G):
   return lax.fori_loop(0, SUB, body, (zero, zero))
 
 
-def _below_diag_scores(q, k, G):
-  """Scores of every entry below the diagonal 16x16 blocks, `(akk, aqk)` `[C, C]`, by matmuls.
+def _below_diag_scores(q, k, G, dots=F32):
+  """Scores of every entry below the diagonal 16x16 blocks, `(akk, aqk)` `[C, C]`, in ONE matmul.
 
   Column block `blk` against all rows below it, factored around the block's last row `p`:
-  exp(G_r - G_i) = exp(G_r - G_p) exp(G_p - G_i) with i <= p < r, so both factors are <= 1 and
-  neither can overflow (an underflowed factor only hides a product that is smaller still).
-  Only masks (no value slicing): usable by Mosaic and Triton.
+  exp(G_r - G_p) exp(G_p - G_i) with i <= p < r, so both factors are <= 1 and neither can
+  overflow (an underflowed factor only hides a product that is smaller still). The C/16 - 1 column
+  blocks are stacked along the contraction (their key rows are disjoint, so the sum over the
+  stacked channels is the sum over blocks) and the k and q rows along M: one `[2C, (C/16-1) K] x
+  [C, (C/16-1) K]^T` product, one MXU round trip instead of 2 (C/16 - 1) (tools/tpu_cost.py: the
+  step's chain is a sum of MXU round trips). Only masks and aligned concatenations: Mosaic and Triton.
   """
   c = G.shape[0]
   rows = iota(G.shape, 0)
   # exp(G_p - G_i) for every row i against the last row p of its own block: one exponent per
   # (row, channel), shared by all column blocks (each one uses only its own rows)
   k_inside = k * jnp.exp(block_row(G, SUB - 1) - G)
-  akk = aqk = jnp.zeros((c, c), jnp.float32)
+  k_parts, q_parts, key_parts = [], [], []
   for blk in range(c // SUB - 1):
     p = blk * SUB + SUB - 1
     below = jnp.exp(jnp.where(rows > p, G - row_at(G, p), NEG_INF))
-    kl = jnp.where((rows >= blk * SUB) & (rows <= p), k_inside, 0.0)
-    akk = akk + dot_nt(k * below, kl)
-    aqk = aqk + dot_nt(q * below, kl)
-  return akk, aqk
+    k_parts.append(k * below)
+    q_parts.append(q * below)
+    key_parts.append(jnp.where((rows >= blk * SUB) & (rows <= p), k_inside, 0.0))
+  lhs = jnp.concatenate([jnp.concatenate(k_parts, axis=1), jnp.concatenate(q_parts, axis=1)], axis=0)
+  both = dots.nt(lhs, jnp.concatenate(key_parts, axis=1))
+  return both[:c], both[c:]
 
 
-def intra_chunk_scores(q, k, G, *, blocked: bool):
+def intra_chunk_scores(q, k, G, *, blocked: bool, dots=F32):
   """`Akk` and `Aqk` of the chunk before segment/causal masking (entries with r >= i are valid).
 
   Args: q, k, G float32 `[C, K]` (C a multiple of 16). Returns `(akk, aqk)` float32 `[C, C]`.
@@ -224,7 +259,7 @@ def intra_chunk_scores(q, k, G, *, blocked: bool):
                          G[i * SUB:(i + 1) * SUB], i * SUB, c) for i in range(nb)]
     akk = jnp.concatenate([a for a, _ in diag], axis=0)
     aqk = jnp.concatenate([a for _, a in diag], axis=0)
-  below_kk, below_qk = _below_diag_scores(q, k, G)
+  below_kk, below_qk = _below_diag_scores(q, k, G, dots)
   return akk + below_kk, aqk + below_qk
 
 
@@ -240,47 +275,68 @@ def unit_lower_inverse(a):
   product (I - A)(I + A^2)(I + A^4)... forms powers of A whose entries reach C(15, 7) ~ 6e3 and
   cancel, losing ~3 digits in float32 for nearly parallel keys); its rounding matches it.
   """
-  c = a.shape[0]
-  if c & (c - 1):
-    raise ValueError(f"unit_lower_inverse: a must be [C, C] with C a power of two, got {a.shape}")
+  return unit_lower_inverses([a])[0]
+
+
+def unit_lower_inverses(mats, dots=F32):
+  """`unit_lower_inverse` of several independent matrices, level by level: each doubling issues its
+  matmul for every matrix before the next one, so their MXU latencies overlap (a step's heads:
+  one dependent chain of 10 matmuls instead of 10 per head; tools/tpu_cost.py follows the chain)."""
+  c = mats[0].shape[0]
+  if c & (c - 1) or any(a.shape != (c, c) for a in mats):
+    raise ValueError("unit_lower_inverse: a must be [C, C] with C a power of two, got "
+                     f"{[a.shape for a in mats]}")
   r = iota((c, c), 0)
   col = iota((c, c), 1)
   eye = (r == col).astype(jnp.float32)
-  x = eye - jnp.where((jnp.right_shift(r, 1) == jnp.right_shift(col, 1)) & (r > col), a, 0.0)
+  pair = (jnp.right_shift(r, 1) == jnp.right_shift(col, 1)) & (r > col)
+  xs = [eye - jnp.where(pair, a, 0.0) for a in mats]
   shift = 1
   while (1 << shift) < c:
     quad = ((jnp.right_shift(r, shift + 1) == jnp.right_shift(col, shift + 1))
             & (jnp.right_shift(r, shift) != jnp.right_shift(col, shift)))
-    x = x - dot(x, dot(jnp.where(quad, a, 0.0), x))
+    ys = [dots.nn(jnp.where(quad, a, 0.0), x) for a, x in zip(mats, xs)]
+    xs = [x - dots.nn(x, y) for x, y in zip(xs, ys)]
     shift += 1
-  return x
+  return xs
 
 
-def chunk_prep(q, k, g, beta, seg_col, seg_row, *, blocked: bool):
+def chunk_prep(q, k, g, beta, seg_col, seg_row, *, blocked: bool, cumulative: bool = False,
+               dots=F32):
   """The chunk-wide matrices that do not depend on the incoming states.
 
   Args:
     q: float32 `[C, K]`, already normalised and scaled. k: float32 `[C, K]`.
-    g: float32 `[C, K]` activated gate, 0 on padding rows. beta: `[C, 1]`, 0 on padding rows.
+    g: float32 `[C, K]` activated gate, 0 on padding rows (with `cumulative`, already its
+      inclusive cumulative sum G: the TPU kernel sums all of a step's heads in one matmul).
+    beta: `[C, 1]`, 0 on padding rows.
     seg_col `[C, 1]`, seg_row `[1, C]`: int32 labels of the chunk's rows.
 
   Returns:
     G `[C, K]` (cumulative gate), tinv `[C, C]` = (I + Diag(beta) Akk)^-1, aqk `[C, C]` (masked to
     same document and r >= i).
   """
-  c = q.shape[0]
-  G = cumsum_rows(g)
-  akk, aqk = intra_chunk_scores(q, k, G, blocked=blocked)
-  r = iota((c, c), 0)
-  col = iota((c, c), 1)
-  same = (seg_col == seg_row) & (seg_col != 0)
-  akk = jnp.where(same & (r > col), akk, 0.0)
-  aqk = jnp.where(same & (r >= col), aqk, 0.0)
-  tinv = unit_lower_inverse(beta * akk)
+  G = g if cumulative else cumsum_rows(g)
+  tinv, aqk = chunk_prep_heads([q], [k], [G], [beta], seg_col, seg_row, blocked=blocked, dots=dots)[0]
   return G, tinv, aqk
 
 
-def piece_with_state(G, q, k, beta, tinv, u, mask, first, last, s_in):
+def chunk_prep_heads(qs, ks, Gs, betas, seg_col, seg_row, *, blocked: bool, dots=F32,
+                     inverse_dots=F32):
+  """`chunk_prep` of several heads of one chunk (lists of `[C, K]` q, k, cumulative G and `[C, 1]`
+  beta), stage by stage across the heads so that their independent matmuls are issued together
+  and their MXU latencies overlap. Returns `[(tinv, aqk)]` per head."""
+  c = qs[0].shape[0]
+  r = iota((c, c), 0)
+  col = iota((c, c), 1)
+  same = (seg_col == seg_row) & (seg_col != 0)
+  scores = [intra_chunk_scores(q, k, G, blocked=blocked, dots=dots) for q, k, G in zip(qs, ks, Gs)]
+  akks = [beta * jnp.where(same & (r > col), akk, 0.0) for beta, (akk, _) in zip(betas, scores)]
+  aqks = [jnp.where(same & (r >= col), aqk, 0.0) for _, aqk in scores]
+  return list(zip(unit_lower_inverses(akks, inverse_dots), aqks))
+
+
+def piece_with_state(G, q, k, beta, tinv, u, mask, first, last, s_in, dots=F32):
   """One document piece (rows `mask`, first row `first`, last row `last`) with incoming state s_in.
 
   Returns (vnew `[C, V]` restricted to the piece, o_add `[C, V]` = (q~ exp(G - G_a)) S_in,
@@ -288,14 +344,14 @@ def piece_with_state(G, q, k, beta, tinv, u, mask, first, last, s_in):
   """
   ga = row_at(G, first - 1)
   e = jnp.exp(jnp.where(mask, G - ga, NEG_INF))
-  w = dot(tinv, beta * k * e)
-  vnew = jnp.where(mask, u - dot(w, s_in), 0.0)
-  o_add = dot(q * e, s_in)
+  w = dots.nn(tinv, beta * k * e)
+  vnew = jnp.where(mask, u - dots.nn(w, s_in), 0.0)
+  o_add = dots.nn(q * e, s_in)
   s_base = row_to_col(jnp.exp(row_at(G, last) - ga)) * s_in
   return vnew, o_add, s_base
 
 
-def piece_state_update(G, k, mask, last, vnew):
+def piece_state_update(G, k, mask, last, vnew, dots=F32):
   """sum_{i in piece} (k_i exp(G_e - G_i)) vnew_i^T, `[K, V]`: the piece's writes seen at row e."""
   e = jnp.exp(jnp.where(mask, row_at(G, last) - G, NEG_INF))
-  return dot_tn(k * e, vnew)
+  return dots.tn(k * e, vnew)

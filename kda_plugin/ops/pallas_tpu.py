@@ -1,8 +1,12 @@
 """Pallas TPU (Mosaic) kernel for packed-sequence KDA inference with native segment IDs.
 
 Grid `(B, H / HG, NC)`: batch and head group are parallel, the chunk axis is sequential
-("arbitrary"); each step takes HG heads (`heads_per_step`: 4 when H allows), whose work is
-independent, so the compiler overlaps their dependency chains and the step count drops HG-fold. Every
+("arbitrary"); each step takes HG heads (`heads_per_step`: 8 when H allows), whose work is
+independent and issued stage by stage across the heads (`_chunk_math.chunk_prep_heads`), so their
+MXU latencies overlap and the step count drops HG-fold. What the MXU sees was chosen with the frozen
+cost model (tools/tpu_cost.py, chain of MXU round trips per step): one cumulative-gate matmul for
+all the step's heads, one matmul for all below-diagonal scores of a head, bf16 operands with float32
+accumulation for bfloat16 inputs (`matmul_precision`). Every
 block index is arithmetic in the grid position, so nothing about the packing steers a DMA: one grid
 step per 64-row chunk builds the chunk's matrices once (cumulative gate, masked Akk / Aqk, the UT
 inverse, U), then loops over the chunk's pieces (the runs of one document inside it, from the
@@ -55,7 +59,7 @@ def _chunk_rows(row, c):
 
 
 def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_step, scale, use_l2norm,
-            gate, lower_bound, has_h0, want_final, key_dim, out_dtype):
+            gate, lower_bound, has_h0, want_final, key_dim, out_dtype, dots):
   it = iter(refs)
   aexp_ref, dtb_ref = (next(it), next(it)) if gate else (None, None)
   h0_ref = next(it) if has_h0 else None
@@ -90,26 +94,37 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_st
   def _():
     seg_row = cm.col_to_row(seg_col.astype(jnp.float32)).astype(jnp.int32)
     beta_all = beta_ref[...].astype(jnp.float32)
-    for i in range(hg):  # independent chains: the scheduler interleaves the heads
-      beta = jnp.where(valid_row, _chunk_rows(cm.row_at(beta_all, hb * hg + i), c), 0.0)
+    # every head's gate at once: the cumulative sum of the whole [C, HG*Kp] block is one matmul
+    # (one MXU round trip for the step instead of one per head)
+    g_all = g_ref[...].astype(jnp.float32)
+    if gate:
+      row = lambda ref: jnp.concatenate([ref[i] for i in range(hg)], axis=1)  # [1, HG*Kp]
+      g_all = cm.activate_gate(g_all, row(aexp_ref), row(dtb_ref), lower_bound)
+      g_all = jnp.where((cm.iota(g_all.shape, 1) & (kp - 1)) < key_dim, g_all, 0.0)  # padded lanes: g = 0
+    G_all = cm.cumsum_rows(jnp.where(valid_row, g_all, 0.0))
+    # the heads are independent: each stage is issued for all of them before the next, so their
+    # MXU latencies overlap (cm.chunk_prep_heads)
+    qs, ks, betas = [], [], []
+    for i in range(hg):
+      betas.append(jnp.where(valid_row, _chunk_rows(cm.row_at(beta_all, hb * hg + i), c), 0.0))
       q = q_ref[:, cols(i, kp)].astype(jnp.float32)
       k = k_ref[:, cols(i, kp)].astype(jnp.float32)
       if use_l2norm:
         q, k = cm.l2norm_rows(q), cm.l2norm_rows(k)
-      q = q * scale
-      g = g_ref[:, cols(i, kp)].astype(jnp.float32)
-      if gate:
-        g = cm.activate_gate(g, aexp_ref[i], dtb_ref[i], lower_bound)
-        g = jnp.where(cm.iota(g.shape, 1) < key_dim, g, 0.0)  # padded lanes stay at g = 0
-      g = jnp.where(valid_row, g, 0.0)
-      G, tinv, aqk = cm.chunk_prep(q, k, g, beta, seg_col, seg_row, blocked=True)
-      g_scr[i] = G
-      q_scr[i] = q
-      k_scr[i] = k
+      qs.append(q * scale)
+      ks.append(k)
+    Gs = [G_all[:, cols(i, kp)] for i in range(hg)]
+    prepped = cm.chunk_prep_heads(qs, ks, Gs, betas, seg_col, seg_row, blocked=True, dots=dots,
+                                  inverse_dots=dots)
+    for i, (tinv, aqk) in enumerate(prepped):
+      g_scr[i] = Gs[i]
+      q_scr[i] = qs[i]
+      k_scr[i] = ks[i]
       tinv_scr[i] = tinv
       aqk_scr[i] = aqk
-      beta_scr[i] = beta
-      u_scr[i] = cm.dot(tinv, beta * v_ref[:, cols(i, vp)].astype(jnp.float32))
+      beta_scr[i] = betas[i]
+    for i, (tinv, _) in enumerate(prepped):
+      u_scr[i] = dots.nn(tinv, betas[i] * v_ref[:, cols(i, vp)].astype(jnp.float32))
     vacc_scr[...] = jnp.zeros_like(vacc_scr)
     oacc_scr[...] = jnp.zeros_like(oacc_scr)
 
@@ -124,7 +139,7 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_st
 
       def finish(i, vnew, s_base):
         vacc_scr[i] = vacc_scr[i] + vnew
-        s_end = s_base + cm.piece_state_update(g_scr[i], k_scr[i], mask, last, vnew)
+        s_end = s_base + cm.piece_state_update(g_scr[i], k_scr[i], mask, last, vnew, dots)
 
         @pl.when(ends == 0)
         def _():
@@ -146,7 +161,7 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_st
 
           vnew, o_add, s_base = cm.piece_with_state(
               g_scr[i], q_scr[i], k_scr[i], beta_scr[i], tinv_scr[i], u_scr[i], mask, first, last,
-              carry_ref[i])
+              carry_ref[i], dots)
           oacc_scr[i] = oacc_scr[i] + o_add
           finish(i, vnew, s_base)
 
@@ -159,16 +174,28 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_st
 
     lax.fori_loop(0, count, piece, 0)
     for i in range(hg):
-      o = oacc_scr[i] + cm.dot(aqk_scr[i], vacc_scr[i])
+      o = oacc_scr[i] + dots.nn(aqk_scr[i], vacc_scr[i])
       o_ref[:, cols(i, vp)] = jnp.where(valid_row, o, 0.0).astype(out_dtype)
 
 
+def matmul_precision(dtype) -> cm.Dots:
+  """The MXU precision of every matmul but the cumulative gate's: bf16 operands with float32
+  accumulation (one MXU pass) for bfloat16 inputs, the UT inverse included (their 5e-3 relative
+  tolerance holds: tests/kernels/test_inference_numerics.py, b3_packed_bounded_bf16 rel L2 of o
+  3.1e-3 with a bf16 or a float32 inverse alike); float32 at HIGHEST (six passes) for float32 inputs
+  (1e-4 absolute). The cumulative gate is float32 at HIGHEST for both: summed from bf16 operands it
+  would be off by ~0.1 nats over a chunk. tools/tpu_cost.py, TPU7x seed shape (ESTIMATE): 0.962 ms
+  with a float32 inverse, 0.472 ms with the bf16 one."""
+  return cm.Dots(bf16=jnp.dtype(dtype) == jnp.bfloat16)
+
+
 def heads_per_step(num_heads: int, kp: int, vp: int) -> int:
-  """Heads one grid step processes (their chains are independent, so the scheduler overlaps them and
-  the step count drops by that factor): the largest of 4, 2, 1 dividing H, 2 at most for K or V of 256
-  (VMEM)."""
-  cap = 2 if max(kp, vp) > LANE else 4
-  return next(d for d in (4, 2, 1) if d <= cap and num_heads % d == 0)
+  """Heads one grid step processes (their chains are independent and issued stage by stage, so their
+  MXU latencies overlap, and the step count drops by that factor): the largest of 8, 4, 2, 1 dividing
+  H, 4 at most for K or V of 256 (VMEM). tools/tpu_cost.py, TPU7x seed shape, float32 inverse
+  (ESTIMATE): 4 heads 1.026 ms, 8 heads 0.962 ms."""
+  cap = 4 if max(kp, vp) > LANE else 8
+  return next(d for d in (8, 4, 2, 1) if d <= cap and num_heads % d == 0)
 
 
 def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
@@ -240,7 +267,8 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
              pltpu.VMEM((hg, kp, vp), f32)]  # a final state on its way to HBM
   kernel = functools.partial(
       _kernel, heads_per_step=hg, scale=float(scale), use_l2norm=use_l2norm, gate=gate, lower_bound=lower_bound,
-      has_h0=has_h0, want_final=want_final, key_dim=key_dim, out_dtype=q2.dtype)
+      has_h0=has_h0, want_final=want_final, key_dim=key_dim, out_dtype=q2.dtype,
+      dots=matmul_precision(q2.dtype))
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(bsz, num_heads // hg, nc), in_specs=in_specs,
       out_specs=out_specs, scratch_shapes=scratch, input_output_aliases=aliases,

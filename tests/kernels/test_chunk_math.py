@@ -156,12 +156,14 @@ def _count_ops(fn, *args):
 @pytest.mark.parametrize("blocked", [True, False], ids=["mosaic_blocked", "triton_unblocked"])
 def test_chunk_prep_op_budget(blocked):
   """Per-chunk work of chunk_prep (C = 64, K = 128): 20 C*K exps (16 for the diagonal blocks, 4 for
-  the blocks below), 6 score matmuls [C,K]x[C,K]^T, the cumsum matmul and 10 [C,C] matmuls for the
-  inverse. Was 22 C*K (TPU) / 64 C*K (GPU) exps and 21 inverse matmuls before the restructuring."""
+  the blocks below), ONE score matmul [2C,3K]x[C,3K]^T for every entry below the diagonal blocks
+  of Akk and Aqk (was 6 [C,K]x[C,K]^T: one MXU round trip instead of six), the cumsum matmul and
+  10 [C,C] matmuls for the inverse. Was 22 C*K (TPU) / 64 C*K (GPU) exps and 21 inverse matmuls
+  before the restructuring."""
   kd = 128
   x = jnp.zeros((C, kd), jnp.float32)
   exps, dots = _count_ops(lambda *a: cm.chunk_prep(*a, blocked=blocked), x, x, x,
                           jnp.zeros((C, 1)), jnp.zeros((C, 1), jnp.int32),
                           jnp.zeros((1, C), jnp.int32))
   assert exps == 20 * C * kd
-  assert dots == {((C, C), (C, kd)): 1, ((C, kd), (C, kd)): 6, ((C, C), (C, C)): 10}
+  assert dots == {((C, C), (C, kd)): 1, ((2 * C, 3 * kd), (C, 3 * kd)): 1, ((C, C), (C, C)): 10}
