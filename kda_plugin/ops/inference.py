@@ -100,6 +100,54 @@ def _check_kernel_limits(name: str, key_dim: int, value_dim: int, num_segments: 
           "pass interpret=True to run the kernel in interpret mode, or use implementation='xla'")
 
 
+# HBM one jax device may use, by `device_kind`, for an abstract (ahead-of-time) target, where there
+# is no `memory_stats()`: libtpu 0.0.52's own figure, read from its compile-time out-of-memory message
+# (tools/aot_compile.py probes it the same way). A real TPU device reports `bytes_limit` instead.
+USABLE_HBM_BYTES = {"TPU v5 lite": int(15.75 * 2**30), "TPU v5": int(95.73 * 2**30),
+                    "TPU v6 lite": int(31.24 * 2**30), "TPU7x": int(94.74 * 2**30)}
+
+
+def device_hbm_bytes() -> tuple[str, int] | None:
+  """(device kind, HBM bytes one device may use) of the TPU being traced for, or None when unknown
+  (not a TPU, or a device kind missing from `USABLE_HBM_BYTES` that reports no memory stats)."""
+  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+  device = getattr(get_mesh(), "abstract_device", None) if get_mesh is not None else None
+  if device is not None:
+    if device.platform != "tpu":
+      return None
+    kind = device.device_kind
+    return (kind, USABLE_HBM_BYTES[kind]) if kind in USABLE_HBM_BYTES else None
+  if jax.default_backend() != "tpu":
+    return None
+  dev = jax.devices()[0]
+  try:
+    limit = (dev.memory_stats() or {}).get("bytes_limit")
+  except jax.errors.JaxRuntimeError:
+    limit = None
+  if limit is None:
+    limit = USABLE_HBM_BYTES.get(dev.device_kind)
+  return None if limit is None else (dev.device_kind, int(limit))
+
+
+def _check_fits_hbm(q, k, v, g, beta, *, segment_ids, initial_state, output_final_state, num_segments,
+                    a_log, dt_bias, num_heads) -> None:
+  """ValueError before lowering when the TPU kernel's HBM buffers (`estimate_peak_memory`, within
+  10 % of the compiled figure) exceed what one device has: libtpu would otherwise fail the compile
+  with RESOURCE_EXHAUSTED, or the run would fail at allocation."""
+  hbm = device_hbm_bytes()
+  if hbm is None:
+    return
+  kind, limit = hbm
+  need = estimate_peak_memory(q, k, v, g, beta, segment_ids=segment_ids, initial_state=initial_state,
+                              output_final_state=output_final_state, max_num_segments=num_segments,
+                              a_log=a_log, dt_bias=dt_bias, num_heads=num_heads, implementation="pallas_tpu")
+  if need > limit:
+    raise ValueError(
+        f"kda_inference(implementation='pallas_tpu') needs about {need / 2**30:.2f} GiB of HBM for these "
+        f"shapes (q {tuple(np.shape(q))}; estimate_peak_memory) but one {kind} device has "
+        f"{limit / 2**30:.2f} GiB: split the batch or the sequence (or shard it over a mesh)")
+
+
 def _check_gate_args(g_is_raw, a_log, dt_bias, lower_bound, num_heads, key_dim):
   if not g_is_raw:
     if dt_bias is not None or lower_bound is not None:
@@ -149,7 +197,8 @@ def kda_inference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, out
 
   Raises:
     ValueError / TypeError: invalid inputs (see `check_kda_inputs`), gate parameters without a_log,
-      an unknown implementation, or a shape beyond the chosen kernel's limit.
+      an unknown implementation, a shape beyond the chosen kernel's limit, or (pallas_tpu, before
+      lowering) buffers larger than one TPU device's HBM (`device_hbm_bytes`).
     RuntimeError: a Pallas kernel requested on a platform that cannot run it (without interpret).
   """
   name = _choose_implementation(implementation, backend)
@@ -170,6 +219,11 @@ def kda_inference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, out
                              use_qk_l2norm=use_qk_l2norm)
     return (o.reshape(*o.shape[:2], -1) if lane_dense else o), final
   _check_kernel_limits(name, p.key_dim, p.value_dim, p.num_segments or 1, interpret)
+  if name == "pallas_tpu" and not interpret:
+    _check_fits_hbm(q, k, v, g, beta, segment_ids=segment_ids, initial_state=initial_state,
+                    output_final_state=output_final_state,
+                    num_segments=p.num_segments if segment_ids is not None else None,
+                    a_log=a_log, dt_bias=dt_bias, num_heads=num_heads)
   if scale is not None and not is_concrete(scale):
     raise ValueError("scale must be a static Python float for the Pallas kernels, not a traced value")
   scale = float(default_scale(scale, p.key_dim))

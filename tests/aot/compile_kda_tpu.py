@@ -16,7 +16,8 @@ Usage: python -m tests.aot.compile_kda_tpu --chip tpu7x --dtype bfloat16 --gate 
   [--batch 1 --seq-len 8192 --heads 8 --key-dim 128 --value-dim 128 --docs 2 --num-segments N]
 
 Output (last stdout line): {"chip", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
-"generated_code_bytes", "estimate_bytes", "compile_s"}.
+"generated_code_bytes", "estimate_bytes", "compile_s"}; or {"chip", "value_error", "seconds"} when
+kda_inference refuses the call while tracing (e.g. buffers larger than the device's HBM).
 """
 
 from __future__ import annotations
@@ -92,7 +93,12 @@ def main(argv=None) -> int:
 
   start = time.perf_counter()
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    compiled = jax.jit(f).lower(*arrays).compile()
+    try:
+      lowered = jax.jit(f).lower(*arrays)
+    except ValueError as e:  # refused while tracing, before anything reaches the compiler
+      print(json.dumps(dict(chip=args.chip, value_error=str(e), seconds=round(time.perf_counter() - start, 2))))
+      return 0
+    compiled = lowered.compile()
   compile_s = time.perf_counter() - start
   ma = compiled.memory_analysis()
   estimate = estimate_peak_memory(

@@ -109,3 +109,18 @@ def test_tpu_kernel_compiles_lean(tpu_aot, case):
 def test_tpu_kernel_lowering_matrix_compiles(tpu_aot, case):
   report = _compile(tpu_aot, case)
   _check(report, case, temp_limit=0.10)
+
+
+@pytest.mark.aot
+def test_call_larger_than_hbm_is_a_value_error_before_lowering(tpu_aot):
+  """B=256 at the seed shape on v5e needs about 23 GiB of HBM buffers (estimate_peak_memory), more
+  than the 15.75 GiB libtpu lets a v5e device use: kda_inference refuses it while tracing, naming
+  the limit, instead of libtpu's RESOURCE_EXHAUSTED at compile (the same batch fits TPU7x: the
+  large-batch case of test_tpu_kernel_compiles_lean)."""
+  case = _case("v5e", batch=256)
+  report = _compile(tpu_aot, case)
+  assert "value_error" in report, report
+  message = report["value_error"]
+  assert "one TPU v5 lite device has 15.75 GiB" in message and "split the batch" in message, message
+  need = float(message.split("needs about ")[1].split(" GiB")[0])
+  assert 20 < need < 26, message
