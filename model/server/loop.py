@@ -116,16 +116,18 @@ class EngineLoop:
         self.engine.cancel(rid)
 
   def _apply_commands(self, block: bool = False) -> None:
+    # Also the engine's `poll` inside a long step: the snapshot is refreshed even with no command, so
+    # /metrics sees the running group.
     try:
       command = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
     except queue.Empty:
-      return
-    while True:
+      command = None
+    while command is not None:
       self._apply(command)
       try:
         command = self._commands.get_nowait()
       except queue.Empty:
-        break
+        command = None
     self._refresh()
 
   def _refresh(self) -> None:

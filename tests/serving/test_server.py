@@ -211,7 +211,7 @@ def test_text_prompt_stop_string_and_seeded_sampling(server):
                                                             stop=[stop], stream=True, extra_body={"ignore_eos": True})
                      if ch.choices)
   assert streamed == cut.choices[0].text
-  a, b = (c.create(model="demo", prompt="ROMEO:", max_tokens=10, temperature=0.8, top_k=20, seed=7,
+  a, b = (c.create(model="demo", prompt="ROMEO:", max_tokens=10, temperature=0.8, seed=7,
                    extra_body={"top_k": 20, "ignore_eos": True, "return_token_ids": True}) for _ in range(2))
   assert _token_ids(a.choices[0]) == _token_ids(b.choices[0]) and len(_token_ids(a.choices[0])) == 10
 
