@@ -170,7 +170,7 @@ class _Generation:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": int(self.cached)}}
 
-  def logprobs_of(self, start: int, stop: int, text_base: int = 0):
+  def logprobs_of(self, start: int, stop: int):
     if self.body.logprobs is None:
       return None
     ids = self.token_ids[start:stop]

@@ -164,3 +164,13 @@ def test_static_engine_refuses_an_explicit_prefix_cache():
   with pytest.raises(UsageError, match="engine must be"):
     build_engine("dynamic", None, max_num_seqs=1, max_model_len=8, max_num_batched_tokens=8, prefix_cache_bytes=0,
                  vocab_limit=None)
+
+
+def test_serving_keys_stay_out_of_checkpoints():
+  import json
+  from configs import base
+  from model.config import checkpoint_json
+  stored = json.loads(checkpoint_json(base.get_config()))
+  for key in ("engine", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_waiting",
+              "prefix_cache_bytes", "host", "port"):
+    assert key in base.SERVING_KEYS and key not in stored, key
