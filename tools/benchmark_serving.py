@@ -8,7 +8,8 @@ Online (`--online`; everything after it is the online mode's flags, see `--onlin
         [--url http://HOST:PORT  (an already running server: measures that one only)]
 
 For each configuration it starts `python -m tools.serve` on the demo checkpoint (port=0), waits for
-/health, sends `--warmup` requests (compilations, not measured), then the workload from
+/health, sends `--warmup` requests (compilations, not measured; drawn with another seed, so the
+measured prompts never meet themselves in the prefix cache), then the workload from
 `--concurrency` concurrent clients through the official `openai` client, streaming with
 `ignore_eos` (every request produces exactly its output length). Workloads: "mixed" (prompt lengths
 uniform in 16-1024, outputs uniform in 16-256 tokens) for every engine; "shared_prefix" (one

@@ -53,9 +53,9 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
-def workload(kind: str, args, vocab: int) -> list[tuple[list[int], int]]:
+def workload(kind: str, args, vocab: int, seed: int) -> list[tuple[list[int], int]]:
   """`[(prompt ids, output tokens)]` of `--num-requests` requests (ids drawn from [4, vocab))."""
-  rng = np.random.default_rng(args.seed)
+  rng = np.random.default_rng(seed)
   outs = rng.integers(args.output_min, args.output_max + 1, args.num_requests)
   if kind == "mixed":
     lens = rng.integers(args.prompt_min, args.prompt_max + 1, args.num_requests)
@@ -159,12 +159,12 @@ def _metrics(url) -> dict:
   return out
 
 
-def measure(args, url, label, requests) -> dict:
+def measure(args, url, label, requests, warmup) -> dict:
   with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
     model = json.loads(r.read())["data"][0]["id"]
   warm = args.concurrency if args.warmup is None else args.warmup
-  if warm:
-    asyncio.run(_run(url, model, requests[:warm], args.concurrency))
+  if warm:  # other prompts (another seed): the measured ones must not find themselves in the prefix cache
+    asyncio.run(_run(url, model, warmup[:warm], args.concurrency))
   results, wall = asyncio.run(_run(url, model, requests, args.concurrency))
   row = {"config": label, **summarize(results, wall), "server_metrics": _metrics(url), "load_after": os.getloadavg()}
   print(f"[{label}] {row['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {row['ttft_p50_s']:.3f} s, "
@@ -187,13 +187,14 @@ def main(argv) -> int:
   args.json.parent.mkdir(parents=True, exist_ok=True)
   vocab = json.loads((args.checkpoint / "config.json").read_text())["vocab_size"]   # the served one's, with --url
   kinds = [w for w in args.workloads.split(",") if w]
-  loads = {k: workload(k, args, vocab) for k in kinds}
-  longest = max(len(ids) + n for reqs in loads.values() for ids, n in reqs)
+  loads = {k: workload(k, args, vocab, args.seed) for k in kinds}
+  warmups = {k: workload(k, args, vocab, args.seed + 1) for k in kinds}
+  longest = max(len(ids) + n for reqs in (*loads.values(), *warmups.values()) for ids, n in reqs)
   max_len = args.max_model_len or longest
   rows = []
   if args.url:
     for k in kinds:
-      rows.append({"workload": k, **measure(args, args.url.rstrip("/"), args.url, loads[k])})
+      rows.append({"workload": k, **measure(args, args.url.rstrip("/"), args.url, loads[k], warmups[k])})
   else:
     base = [f"max_num_seqs={args.max_num_seqs}", f"max_model_len={max_len}",
             f"max_num_batched_tokens={args.max_num_batched_tokens}"]
@@ -209,7 +210,7 @@ def main(argv) -> int:
     for kind, label, keys in configs:
       server = _Server(args, base + keys, f"{kind}_{label}")
       try:
-        rows.append({"workload": kind, **measure(args, server.url, label, loads[kind])})
+        rows.append({"workload": kind, **measure(args, server.url, label, loads[kind], warmups[kind])})
       finally:
         server.stop()
   md = table(rows)
