@@ -164,7 +164,10 @@ def measure(args, url, label, requests, warmup) -> dict:
     model = json.loads(r.read())["data"][0]["id"]
   warm = args.concurrency if args.warmup is None else args.warmup
   if warm:  # other prompts (another seed): the measured ones must not find themselves in the prefix cache
-    asyncio.run(_run(url, model, warmup[:warm], args.concurrency))
+    # One request alone first, so the rest (sharing its prefix in shared_prefix) also compile the
+    # prefix-cache hit path: concurrent first requests all miss.
+    asyncio.run(_run(url, model, warmup[:1], 1))
+    asyncio.run(_run(url, model, warmup[1:warm], args.concurrency))
   results, wall = asyncio.run(_run(url, model, requests, args.concurrency))
   row = {"config": label, **summarize(results, wall), "server_metrics": _metrics(url), "load_after": os.getloadavg()}
   print(f"[{label}] {row['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {row['ttft_p50_s']:.3f} s, "
