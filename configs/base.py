@@ -31,6 +31,9 @@ SERVING_KEYS = (
     "decode_stop_at_eos", "generate_add_bos", "generate_batch_size", "prefill_length_multiple",
     "eval_data", "eval_format", "max_target_length", "eval_add_bos", "eval_add_eos",
     "compare_attention", "compare_tolerance", "dump_logprobs", "output_json", "overwrite",
+) + (  # tools.serve (the HTTP server; model/server/, model/engine/continuous.py and static.py)
+    "engine", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_waiting", "prefix_cache_bytes",
+    "host", "port",
 )
 # tools.train.
 TRAIN_KEYS = (
@@ -154,6 +157,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.dump_logprobs = False  # tools.perplexity: write every document's per-token log-probs to output_json
   c.output_json = ""  # tools.generate / tools.perplexity: write the results here as JSON ("" = no file)
   c.overwrite = False  # replace an existing output_json (generate/perplexity); tools.train: use an output_dir holding other files
+  # tools.serve: the OpenAI-compatible server (names as vLLM's). Job keys: never stored in a checkpoint.
+  c.engine = "continuous"  # "continuous" (slot pool, mixed prefill+decode steps) or "static" (Generator groups, the baseline)
+  c.max_num_seqs = 8  # requests decoding at once (slots of the engine)
+  c.max_model_len = 2048  # prompt + output tokens of one request (the MLA cache rows per slot)
+  c.max_num_batched_tokens = 2048  # tokens one engine step may process (prefill chunk budget)
+  c.max_waiting = 128  # requests waiting for a slot at which new ones get HTTP 503
+  c.prefix_cache_bytes = 1 << 30  # byte budget of the prefix cache of KDA/MLA state snapshots (0 = off)
+  c.host = "127.0.0.1"  # address the server listens on
+  c.port = 8000  # TCP port the server listens on (0 = any free port, printed at start-up)
 
   # ---- Training (tools.train; model/training/steps.py) ------------------------------------------------
   # Data: the train side of the held-out split of `train_data`, tokenised with `tokenizer_path`

@@ -1,4 +1,24 @@
-r"""Serving throughput of our engine against transformers' own Kimi-Linear, on CPU, with the same weights.
+r"""Serving throughput: offline, our engine against transformers' own Kimi-Linear (same weights); --online,
+the HTTP server (tools/serve.py) under concurrent clients, engine against engine.
+
+Online (`--online`; everything after it is the online mode's flags, see `--online --help`):
+
+    .venv/bin/python tools/benchmark_serving.py --online [--engines continuous,static] \
+        [--workloads mixed,shared_prefix] [--num-requests 64] [--concurrency 32] [--json FILE]
+        [--url http://HOST:PORT  (an already running server: measures that one only)]
+
+For each configuration it starts `python -m tools.serve` on the demo checkpoint (port=0), waits for
+/health, sends `--warmup` requests (compilations, not measured; drawn with another seed, so the
+measured prompts never meet themselves in the prefix cache), then the workload from
+`--concurrency` concurrent clients through the official `openai` client, streaming with
+`ignore_eos` (every request produces exactly its output length). Workloads: "mixed" (prompt lengths
+uniform in 16-1024, outputs uniform in 16-256 tokens) for every engine; "shared_prefix" (one
+512-token prefix + a different 16-128-token suffix, outputs as mixed) on engine=continuous with
+the prefix cache on and off. Figures: output tokens/s = generated tokens / workload wall time;
+TTFT (request sent -> first token received) and TPOT ((last - first token time) / (tokens - 1))
+p50 / p99 over the requests. Prints a markdown table and writes --json.
+
+Offline (default):
 
     .venv/bin/python tools/benchmark_serving.py [--hf-dir runs/reference/demo_hf] \
         [--checkpoint runs/serving/demo_ckpt] [--attention kda_native] [--prefill-tokens 512] \
@@ -96,6 +116,11 @@ def measure_ours(args, ckpt: pathlib.Path) -> dict:
 
 
 def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if "--online" in argv:
+    from tools import serving_load  # the online client: only this mode needs openai and asyncio
+    argv.remove("--online")
+    return serving_load.main(argv)
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
   p.add_argument("--hf-dir", type=pathlib.Path, default=REPO / "runs/reference/demo_hf")

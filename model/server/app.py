@@ -1,0 +1,353 @@
+"""The FastAPI application: OpenAI-compatible routes in front of one `EngineLoop`.
+
+Routes:
+- `POST /v1/completions`: one prompt (text or token ids) per request; `stream=true` answers with
+  server-sent events, one `data: {chunk}` per text delta, then `data: [DONE]` (with
+  `stream_options.include_usage`, a last chunk with `usage` and no choices comes before it).
+  `usage` = prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details.cached_tokens.
+  `logprobs=1` (or 0) gives `tokens`, `token_logprobs` (the chosen token's natural-log probability,
+  null where the engine reports none: the static engine), `text_offset`; no alternatives.
+  `return_token_ids=true` adds the generated ids as `token_ids` to each choice (vLLM's field).
+- `POST /v1/chat/completions`: needs a tokenizer with a chat template; without one (this project's
+  sentencepiece and ids-only tokenizers carry none) it answers 400 `chat_template_missing`.
+- `GET /v1/models`, `GET /health` (200 while serving, 503 while draining or when the engine loop is
+  gone), `GET /metrics` (Prometheus text, `model.server.metrics`).
+
+Requests are validated before they reach the engine (`model.server.protocol`); every refusal has the
+OpenAI error body, FastAPI's own 422 and 404 bodies included. A handler never touches the engine: it
+submits to the loop and reads its request's events from an asyncio queue the loop feeds with
+`call_soon_threadsafe`. A client that goes away (a closed stream, or a dropped connection while a
+non-streaming request runs) cancels its request, which frees its slot. While `draining` (SIGTERM,
+see tools/serve.py) new requests get 503 and running ones finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import fastapi
+import prometheus_client
+import pydantic
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from model.engine.api import TokenEvent
+from model.engine.serving import GenerationError
+from model.server import protocol
+from model.server.loop import EngineLoop
+from model.server.metrics import ServerMetrics
+from model.server.protocol import ApiError, bad_request
+from model.server.text import TextStream
+
+DISCONNECT_POLL_S = 0.25   # how often a non-streaming request looks whether its client is still there
+
+
+class ServerState:
+  """What the routes share: the loop, the tokenizer, the limits and the live requests.
+
+  Args:
+    loop: the started `EngineLoop`. tokenizer: the served checkpoint's (or ids-only) tokenizer.
+    model_name: the id `/v1/models` lists and requests may name. max_waiting: waiting requests at
+      which new ones get 503. max_body_bytes: larger bodies get 413. add_bos: prepend BOS to text
+      prompts (the tokenizer's, when it has one).
+  """
+
+  def __init__(self, loop: EngineLoop, tokenizer, *, model_name: str, max_waiting: int,
+               max_body_bytes: int = 1 << 20, add_bos: bool = True):
+    self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
+    engine = loop.engine
+    self.max_model_len, self.vocab_size = int(engine.max_model_len), int(engine.vocab_size)
+    self.max_waiting, self.max_body_bytes, self.add_bos = int(max_waiting), int(max_body_bytes), add_bos
+    self.created = int(time.time())
+    self.draining = False
+    self.live: set[str] = set()     # requests the engine still holds (added, no final event yet)
+    self.metrics = ServerMetrics(lambda: loop.snapshot, loop.num_waiting)
+
+
+def _error(e: ApiError) -> JSONResponse:
+  return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _read_body(request: fastapi.Request, limit: int) -> bytes:
+  length = request.headers.get("content-length")
+  if length is not None and length.isdigit() and int(length) > limit:
+    raise ApiError(413, f"the request body has {length} bytes; at most {limit} are accepted", None,
+                   "request_too_large")
+  chunks, size = [], 0
+  async for chunk in request.stream():
+    size += len(chunk)
+    if size > limit:
+      raise ApiError(413, f"the request body exceeds {limit} bytes", None, "request_too_large")
+    chunks.append(chunk)
+  return b"".join(chunks)
+
+
+def _piece(tokenizer, token_id: int) -> str:
+  piece = getattr(tokenizer, "id_to_piece", None)
+  return piece(int(token_id)) if piece is not None else str(int(token_id))
+
+
+class _Generation:
+  """One admitted request: its queue of engine events and the response it builds from them."""
+
+  def __init__(self, state: ServerState, prepared: protocol.Prepared, body: protocol.CompletionRequest):
+    self.state, self.prepared, self.body = state, prepared, body
+    self.request = prepared.request
+    self.rid = self.request.request_id
+    tok = state.tokenizer
+    self.text = TextStream(tok, self.request.prompt_ids, prepared.stop, self.request.stop_token_ids)
+    self.queue: asyncio.Queue = asyncio.Queue()
+    self.token_ids: list[int] = []
+    self.logprobs: list[float | None] = []
+    self.offsets: list[int] = []
+    self.cached = 0
+    self.finish: str | None = None
+    self.arrival = time.perf_counter()
+    self.first: float | None = None
+    self.last: float | None = None
+    self._aloop = asyncio.get_running_loop()
+
+  def start(self) -> None:
+    self.state.live.add(self.rid)
+    self.state.loop.submit(self.request, self._sink)
+
+  def _sink(self, item) -> None:   # engine-loop thread
+    self._aloop.call_soon_threadsafe(self._put, item)
+
+  def _put(self, item) -> None:    # event loop
+    if isinstance(item, Exception) or item.finish_reason is not None:
+      self.state.live.discard(self.rid)
+    self.queue.put_nowait(item)
+
+  def cancel(self) -> None:
+    """Asks the engine to end the request now (its slot frees); idempotent."""
+    if self.rid in self.state.live:
+      self.state.loop.cancel(self.rid)
+
+  async def next_delta(self) -> tuple[str, int] | None:
+    """Waits for the next event; returns `(text delta, tokens it added)`, or None once finished.
+
+    Raises:
+      ApiError: the engine refused or failed the request (400 for a GenerationError, else 500).
+    """
+    if self.finish is not None:
+      return None
+    item = await self.queue.get()
+    if isinstance(item, Exception):
+      self.finish = "error"
+      if isinstance(item, GenerationError):
+        raise bad_request(str(item), "prompt")
+      raise ApiError(500, f"the engine failed this request: {type(item).__name__}: {item}", None,
+                     "engine_error", type="server_error")
+    event: TokenEvent = item
+    self.cached = event.cached_tokens
+    delta = ""
+    n = 0
+    if event.token_id is not None:
+      now = time.perf_counter()
+      self.first = self.first if self.first is not None else now
+      self.last = now
+      self.offsets.append(len(self.text.text))
+      self.token_ids.append(int(event.token_id))
+      self.logprobs.append(event.logprob)
+      delta = self.text.add(event.token_id)
+      n = 1
+    if self.text.stopped and event.finish_reason is None:
+      self.finish = "stop"       # a stop string: the engine is told to free the slot
+      self.cancel()
+    elif event.finish_reason is not None:
+      self.finish = "stop" if event.finish_reason == "stop" else event.finish_reason
+    if self.finish is not None:
+      delta += self.text.finish()
+    return delta, n
+
+  def usage(self) -> dict:
+    p, c = len(self.request.prompt_ids), len(self.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": int(self.cached)}}
+
+  def logprobs_of(self, start: int, stop: int):
+    if self.body.logprobs is None:
+      return None
+    ids = self.token_ids[start:stop]
+    return {"tokens": [_piece(self.state.tokenizer, t) for t in ids],
+            "token_logprobs": list(self.logprobs[start:stop]),
+            "top_logprobs": None, "text_offset": list(self.offsets[start:stop])}
+
+  def choice(self, text: str, start: int, stop: int, finish: str | None) -> dict:
+    out = {"index": 0, "text": text, "logprobs": self.logprobs_of(start, stop), "finish_reason": finish}
+    if self.body.return_token_ids:
+      out["token_ids"] = self.token_ids[start:stop]
+    return out
+
+  def envelope(self, choices: list, usage: dict | None) -> dict:
+    return {"id": self.rid, "object": "text_completion", "created": int(time.time()),
+            "model": self.state.model_name, "choices": choices, "usage": usage}
+
+  def record(self) -> None:
+    self.state.metrics.observe_request(arrival=self.arrival, first=self.first, last=self.last,
+                                       tokens=len(self.token_ids), reason=self.finish or "cancelled")
+
+
+def _prepare(state: ServerState, raw: bytes) -> tuple[protocol.CompletionRequest, protocol.Prepared]:
+  try:
+    data = json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+  if not isinstance(data, dict):
+    raise bad_request("the request body must be a JSON object", None, "invalid_json")
+  try:
+    body = protocol.CompletionRequest.model_validate(data)
+  except pydantic.ValidationError as e:
+    raise protocol.from_validation_error(e) from None
+  if body.model is not None and body.model != state.model_name:
+    raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
+                   "model", "model_not_found")
+  prepared = protocol.to_engine_request(body, request_id=f"cmpl-{uuid.uuid4().hex}", tokenizer=state.tokenizer,
+                                        vocab_size=state.vocab_size, max_model_len=state.max_model_len,
+                                        add_bos=state.add_bos)
+  return body, prepared
+
+
+def _admit(state: ServerState) -> None:
+  if state.draining:
+    raise ApiError(503, "the server is shutting down and admits no new requests", None, "draining",
+                   type="service_unavailable")
+  if not state.loop.alive:
+    raise ApiError(503, "the engine loop has stopped", None, "engine_stopped", type="service_unavailable")
+  waiting = state.loop.num_waiting()
+  if waiting >= state.max_waiting:
+    raise ApiError(503, f"{waiting} requests are waiting (max_waiting={state.max_waiting}); retry later", None,
+                   "max_waiting", type="service_unavailable")
+
+
+async def _until_done_or_gone(gen: _Generation, request: fastapi.Request) -> str:
+  """The whole text of a non-streaming request; cancels it when the client disconnects first."""
+  text = []
+
+  async def drain():
+    while (d := await gen.next_delta()) is not None:
+      text.append(d[0])
+
+  task = asyncio.ensure_future(drain())
+  try:
+    while True:
+      done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+      if done:
+        task.result()
+        return "".join(text)
+      if await request.is_disconnected():
+        task.cancel()
+        gen.cancel()
+        raise ApiError(499, "the client closed the connection", None, "client_closed")
+  finally:
+    if not task.done():
+      task.cancel()
+
+
+def _sse(data) -> str:
+  return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def build_app(state: ServerState) -> fastapi.FastAPI:
+  """The application serving `state` (the loop must be started by the caller)."""
+  app = fastapi.FastAPI(title="kda_plugin OpenAI-compatible server", docs_url=None, redoc_url=None)
+  app.state.server = state
+
+  @app.exception_handler(ApiError)
+  async def _api_error(request, e: ApiError):
+    return _error(e)
+
+  @app.exception_handler(RequestValidationError)
+  async def _validation(request, e: RequestValidationError):
+    return _error(protocol.from_validation_error(e.errors()))
+
+  @app.exception_handler(StarletteHTTPException)
+  async def _http(request, e: StarletteHTTPException):
+    kind = "not_found" if e.status_code == 404 else "invalid_request_error"
+    return _error(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None,
+                           kind if e.status_code == 404 else None, type="invalid_request_error"))
+
+  @app.get("/health")
+  async def health():
+    if state.draining or not state.loop.alive:
+      return JSONResponse({"status": "draining" if state.draining else "engine_stopped"}, status_code=503)
+    return {"status": "ok"}
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                        "owned_by": "kda_plugin", "max_model_len": state.max_model_len}]}
+
+  @app.get("/metrics")
+  async def metrics():
+    return Response(state.metrics.render(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+  @app.post("/v1/chat/completions")
+  async def chat(request: fastapi.Request):
+    raw = await _read_body(request, state.max_body_bytes)
+    try:
+      protocol.ChatCompletionRequest.model_validate_json(raw)
+    except pydantic.ValidationError as e:
+      raise protocol.from_validation_error(e) from None
+    if getattr(state.tokenizer, "chat_template", None) is None:
+      raise ApiError(400, f"the tokenizer of {state.model_name!r} has no chat template, so chat messages cannot "
+                          f"be turned into a prompt: use POST /v1/completions with a prompt", "messages",
+                     "chat_template_missing")
+    raise ApiError(501, "chat templates are not implemented by this server", "messages", "not_implemented",
+                   type="server_error")
+
+  @app.post("/v1/completions")
+  async def completions(request: fastapi.Request):
+    _admit(state)
+    raw = await _read_body(request, state.max_body_bytes)
+    body, prepared = _prepare(state, raw)
+    _admit(state)
+    gen = _Generation(state, prepared, body)
+    gen.start()
+    if not body.stream:
+      try:
+        text = await _until_done_or_gone(gen, request)
+      finally:
+        if gen.finish is None:
+          gen.cancel()
+        gen.record()
+      return gen.envelope([gen.choice(text, 0, len(gen.token_ids), gen.finish)], gen.usage())
+    try:   # the first event before the headers: a refusal is still an HTTP error status
+      first = await gen.next_delta()
+    except BaseException:
+      gen.cancel()
+      gen.record()
+      raise
+    return StreamingResponse(_stream(gen, first), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+  return app
+
+
+async def _stream(gen: _Generation, first):
+  include_usage = gen.body.stream_options is not None and gen.body.stream_options.include_usage
+  try:
+    delta, done = first, 0
+    while delta is not None:
+      text, n = delta
+      if text or gen.finish is not None or (n and gen.body.return_token_ids):
+        # Tokens whose text was held back (a partial stop string) go out with the next chunk that has text.
+        yield _sse(gen.envelope([gen.choice(text, done, len(gen.token_ids), gen.finish)], None))
+        done = len(gen.token_ids)
+      try:
+        delta = await gen.next_delta()
+      except ApiError as e:
+        yield _sse(e.body())
+        break
+    if include_usage:
+      yield _sse(gen.envelope([], gen.usage()))
+    yield "data: [DONE]\n\n"
+  finally:   # also when the client went away (the task is cancelled): free the slot
+    if gen.finish is None:
+      gen.cancel()
+    gen.record()

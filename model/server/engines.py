@@ -1,0 +1,32 @@
+"""Builds the engine the `engine=` key names: "continuous" (model.engine.continuous) or "static"
+(model.engine.static, the static-batcher baseline)."""
+
+from __future__ import annotations
+
+from model.engine.continuous import ContinuousEngine
+from model.engine.static import StaticEngine
+from model.errors import UsageError
+
+ENGINES = ("continuous", "static")
+
+
+def build_engine(kind: str, model, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                 prefix_cache_bytes: int, vocab_limit: int | None, mesh=None, rules=None,
+                 prefix_cache_given: bool = False):
+  """The engine of `kind` over `model` with the vLLM-named sizes.
+
+  Raises:
+    UsageError: an unknown kind; prefix_cache_bytes given explicitly with engine=static (it has no prefix cache: the key would
+      be silently ignored).
+    GenerationError: a size out of range (the engine's own check, naming the key).
+  """
+  if kind not in ENGINES:
+    raise UsageError(f"engine must be one of {ENGINES}, got {kind!r}")
+  sizes = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+               vocab_limit=vocab_limit, mesh=mesh, rules=rules)
+  if kind == "static":
+    if prefix_cache_given and int(prefix_cache_bytes) > 0:
+      raise UsageError("engine=static has no prefix cache: drop prefix_cache_bytes (or pass prefix_cache_bytes=0), "
+                       "or use engine=continuous")
+    return StaticEngine(model, **sizes)
+  return ContinuousEngine(model, prefix_cache_bytes=int(prefix_cache_bytes), **sizes)

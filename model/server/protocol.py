@@ -1,0 +1,208 @@
+"""The OpenAI-compatible request schemas, their validation, and the error body of every refusal.
+
+`CompletionRequest` is the body of `POST /v1/completions` (the legacy completions API as OpenAI and
+vLLM define it; `top_k`, `ignore_eos` and `return_token_ids` are vLLM's extensions, with vLLM's names).
+Pydantic checks the types; `to_engine_request` checks the values against the served model and
+builds the `model.engine.api.Request`. Every refusal is an `ApiError`, answered as
+
+    {"error": {"message": ..., "type": ..., "param": <the field at fault or null>, "code": ...}}
+
+with the HTTP status it carries (400 invalid_request_error for bad input, 404 for an unknown model or
+route, 413 for an oversized body, 503 when the server is full or draining).
+
+Sampling (how the OpenAI fields map to `model.engine.serving.SamplingParams`):
+- `temperature` absent or 0: greedy (argmax); `top_k` / `top_p` are then not used.
+- `temperature` > 0 and neither filter: "weighted" (a draw from softmax(logits / temperature)).
+- `top_k` >= 1 (-1 or 0 = off, as vLLM): "topk"; `top_p` < 1 (1 or absent = off): "nucleus".
+- Both filters on at once is refused (400 naming `top_k`): the sampling strategies apply one filter
+  each, and picking one silently would sample from another distribution than the one asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import pydantic
+
+from model.engine.api import Request
+from model.engine.serving import GenerationError, SamplingParams
+
+
+class ApiError(Exception):
+  """A refused request: the HTTP status and the fields of the OpenAI error body."""
+
+  def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+               type: str = "invalid_request_error"):
+    super().__init__(message)
+    self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+  def body(self) -> dict:
+    return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None, code: str | None = None) -> ApiError:
+  """400 invalid_request_error naming `param`."""
+  return ApiError(400, message, param, code)
+
+
+def from_validation_error(e: pydantic.ValidationError | list) -> ApiError:
+  """The 400 of pydantic's (or FastAPI's) first validation error, `param` the field's dotted path."""
+  errors = e.errors() if isinstance(e, pydantic.ValidationError) else list(e)
+  first = errors[0]
+  loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+  param = ".".join(loc) or None
+  if first.get("type") == "json_invalid":
+    return bad_request(f"the request body is not valid JSON: {first.get('msg')}", None, "invalid_json")
+  if first.get("type") == "missing":
+    return bad_request(f"{param} is required", param, "missing_field")
+  if first.get("type") == "extra_forbidden":
+    return bad_request(f"{param} is not a field this server accepts", param, "unknown_field")
+  return bad_request(f"{param}: {first.get('msg')} (got {first.get('input')!r})", param, "invalid_value")
+
+
+class StreamOptions(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra="forbid")
+  include_usage: bool = False
+
+
+class CompletionRequest(pydantic.BaseModel):
+  """The body of POST /v1/completions (unknown fields are refused by name, not ignored)."""
+
+  model_config = pydantic.ConfigDict(extra="forbid")
+
+  model: str | None = None
+  prompt: str | list[int] | list[str] | list[list[int]]
+  max_tokens: int | None = 16           # OpenAI's default
+  temperature: float | None = None
+  top_p: float | None = None
+  top_k: int | None = None
+  stop: str | list[str] | None = None
+  seed: int | None = None
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  logprobs: int | None = None
+  n: int = 1
+  echo: bool = False
+  user: str | None = None
+  ignore_eos: bool = False              # vLLM: generate max_tokens tokens even past EOS
+  return_token_ids: bool = False        # vLLM: choices carry the generated ids as `token_ids`
+
+
+class ChatCompletionRequest(pydantic.BaseModel):
+  """The body of POST /v1/chat/completions (checked only as far as the chat-template test needs)."""
+
+  model_config = pydantic.ConfigDict(extra="allow")
+
+  model: str | None = None
+  messages: list[dict]
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+  if stop is None:
+    return ()
+  stops = (stop,) if isinstance(stop, str) else tuple(stop)
+  if len(stops) > 4:
+    raise bad_request(f"stop holds {len(stops)} strings; at most 4 are accepted", "stop")
+  if any(s == "" for s in stops):
+    raise bad_request("stop strings must not be empty", "stop")
+  return stops
+
+
+def sampling_of(req: CompletionRequest, vocab_size: int) -> SamplingParams:
+  """The `SamplingParams` of the OpenAI fields (module docstring). Raises ApiError naming the field."""
+  t = req.temperature
+  if t is not None and (not math.isfinite(t) or t < 0):
+    raise bad_request(f"temperature must be a finite number >= 0, got {t}", "temperature")
+  if req.top_p is not None and not (math.isfinite(req.top_p) and 0.0 < req.top_p <= 1.0):
+    raise bad_request(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
+  if req.top_k is not None and req.top_k < -1:
+    raise bad_request(f"top_k must be -1 or 0 (off) or an integer >= 1, got {req.top_k}", "top_k")
+  if req.top_k is not None and req.top_k > vocab_size:
+    raise bad_request(f"top_k={req.top_k} exceeds the vocabulary size {vocab_size}", "top_k")
+  if t is None or t == 0:
+    return SamplingParams("greedy")   # the canonical greedy params: one compiled function for every request
+  top_k = req.top_k if req.top_k is not None and req.top_k >= 1 else None
+  top_p = req.top_p if req.top_p is not None and req.top_p < 1.0 else None
+  if top_k is not None and top_p is not None:
+    raise bad_request("top_k and top_p cannot both filter one request (the sampling strategies apply one "
+                      "filter each): pass top_k=-1 or top_p=1", "top_k")
+  try:
+    if top_k is not None:
+      return SamplingParams("topk", float(t), top_k=top_k)
+    if top_p is not None:
+      return SamplingParams("nucleus", float(t), top_p=top_p)
+    return SamplingParams("weighted", float(t))
+  except GenerationError as e:  # the library's own check, should a rule above miss a case
+    raise bad_request(str(e), "temperature") from None
+
+
+class Prepared:
+  """A validated completion: the engine request plus what the response needs."""
+
+  def __init__(self, request: Request, stop: tuple[str, ...], prompt_text: str | None):
+    self.request, self.stop, self.prompt_text = request, stop, prompt_text
+
+
+def prompt_ids_of(req: CompletionRequest, tokenizer, *, add_bos: bool) -> tuple[list[int], str | None]:
+  """`(ids, text or None)` of the request's one prompt. Raises ApiError naming `prompt`."""
+  prompt = req.prompt
+  if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+    if len(prompt) != 1:
+      raise bad_request(f"prompt holds {len(prompt)} prompts; this server takes one prompt per request "
+                        f"(send several requests: they are batched on the server)", "prompt")
+    prompt = prompt[0]
+  if isinstance(prompt, str):
+    if not prompt:
+      raise bad_request("prompt is empty", "prompt")
+    if getattr(tokenizer, "ids_only", False):
+      raise bad_request("prompt text needs a tokenizer and the served checkpoint has none: send token ids",
+                        "prompt")
+    bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+    return bos + tokenizer.encode(prompt), prompt
+  if not prompt:
+    raise bad_request("prompt is empty (no token ids)", "prompt")
+  return [int(t) for t in prompt], None
+
+
+def to_engine_request(req: CompletionRequest, *, request_id: str, tokenizer, vocab_size: int,
+                      max_model_len: int, add_bos: bool) -> Prepared:
+  """Checks the values of `req` and builds the engine's `Request`.
+
+  Raises:
+    ApiError (400): n != 1, echo, logprobs outside [0, 1], max_tokens <= 0, a seed outside [0, 2**32),
+      an empty prompt, token ids
+      outside [0, vocab_size), a prompt of max_model_len tokens or more, prompt + max_tokens >
+      max_model_len, and the sampling errors of `sampling_of`.
+  """
+  if req.n != 1:
+    raise bad_request(f"n must be 1, got {req.n}: send several requests instead", "n")
+  if req.echo:
+    raise bad_request("echo is not supported", "echo")
+  if req.logprobs is not None and not 0 <= req.logprobs <= 1:
+    raise bad_request(f"logprobs must be 0 or 1 (the log-prob of the chosen token), got {req.logprobs}",
+                      "logprobs")
+  max_tokens = 16 if req.max_tokens is None else req.max_tokens
+  if max_tokens <= 0:
+    raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+  sampling = sampling_of(req, vocab_size)
+  stop = _stop_strings(req.stop)
+  ids, text = prompt_ids_of(req, tokenizer, add_bos=add_bos)
+  bad = [t for t in ids if not 0 <= t < vocab_size]
+  if bad:
+    raise bad_request(f"prompt holds token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}", "prompt",
+                      "token_id_out_of_range")
+  if len(ids) >= max_model_len:
+    raise bad_request(f"prompt has {len(ids)} tokens; max_model_len={max_model_len} leaves room for at most "
+                      f"{max_model_len - 1} prompt tokens", "prompt", "context_length_exceeded")
+  if len(ids) + max_tokens > max_model_len:
+    raise bad_request(f"prompt has {len(ids)} tokens; with max_tokens={max_tokens} it needs "
+                      f"{len(ids) + max_tokens} > max_model_len={max_model_len} tokens (lower max_tokens)",
+                      "max_tokens", "context_length_exceeded")
+  eos = getattr(tokenizer, "eos_id", None)
+  stop_ids = frozenset() if req.ignore_eos or eos is None else frozenset({int(eos)})
+  if req.seed is not None and not 0 <= req.seed < 2**32:
+    raise bad_request(f"seed must be in [0, 2**32), got {req.seed}", "seed")
+  seed = req.seed if req.seed is not None else secrets.randbits(31)
+  request = Request(request_id, tuple(ids), int(max_tokens), sampling, int(seed), stop_ids)
+  return Prepared(request, stop, text)
+

@@ -1,0 +1,176 @@
+"""The server's pieces without a server: OpenAI fields -> SamplingParams, request validation,
+incremental text with stop strings, the serve tool's key checks (all before any model loads)."""
+
+from __future__ import annotations
+
+import pytest
+
+from model.engine.serving import SamplingParams
+from model.errors import UsageError
+from model.server import protocol
+from model.server.engines import build_engine
+from model.server.text import TextStream
+
+
+class _CharTokenizer:
+  """id i <-> chr(ord('a') + i) for i < 26; id 26 = a 3-byte character sent as 3 byte pieces (27, 28, 29)."""
+
+  ids_only = False
+  bos_id, eos_id = None, 30
+
+  def decode(self, ids):
+    out, pending = [], []
+    for i in ids:
+      if 27 <= i <= 29:
+        pending.append(i)
+        if len(pending) == 3:
+          out.append("日")
+          pending = []
+        continue
+      out.append("\ufffd" * len(pending))
+      pending = []
+      out.append(chr(ord("a") + i) if i < 26 else "")
+    out.append("\ufffd" * len(pending))
+    return "".join(out)
+
+  def encode(self, text):
+    return [ord(c) - ord("a") for c in text]
+
+
+def _req(**kw):
+  return protocol.CompletionRequest(prompt=[1, 2, 3], **kw)
+
+
+@pytest.mark.parametrize("fields, want", [
+    ({}, SamplingParams("greedy")),
+    ({"temperature": 0}, SamplingParams("greedy")),
+    ({"temperature": 0, "top_k": 5, "top_p": 0.5}, SamplingParams("greedy")),   # greedy ignores the filters
+    ({"temperature": 0.7}, SamplingParams("weighted", 0.7)),
+    ({"temperature": 0.7, "top_k": -1, "top_p": 1.0}, SamplingParams("weighted", 0.7)),
+    ({"temperature": 0.7, "top_k": 5}, SamplingParams("topk", 0.7, top_k=5)),
+    ({"temperature": 0.7, "top_p": 0.9}, SamplingParams("nucleus", 0.7, top_p=0.9)),
+    ({"temperature": 0.7, "top_p": 0.9, "top_k": 0}, SamplingParams("nucleus", 0.7, top_p=0.9)),
+])
+def test_sampling_fields_map_to_one_strategy(fields, want):
+  assert protocol.sampling_of(_req(**fields), vocab_size=100) == want
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": -1.0}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": 1.0, "top_p": 0.0}, "top_p"), ({"temperature": 1.0, "top_p": 1.01}, "top_p"),
+    ({"temperature": 1.0, "top_k": -2}, "top_k"), ({"temperature": 1.0, "top_k": 101}, "top_k"),
+    ({"temperature": 1.0, "top_k": 5, "top_p": 0.5}, "top_k"),    # two filters at once: refused, not picked
+])
+def test_bad_sampling_fields_name_the_field(fields, param):
+  with pytest.raises(protocol.ApiError) as e:
+    protocol.sampling_of(_req(**fields), vocab_size=100)
+  assert e.value.status == 400 and e.value.param == param
+
+
+def _prepare(vocab=26, max_model_len=16, **fields):
+  body = protocol.CompletionRequest(**{"prompt": [1, 2, 3], "max_tokens": 4, **fields})
+  return protocol.to_engine_request(body, request_id="r", tokenizer=_CharTokenizer(), vocab_size=vocab,
+                                    max_model_len=max_model_len, add_bos=True)
+
+
+def test_a_valid_request_becomes_an_engine_request():
+  p = _prepare(prompt="abc", max_tokens=5, stop=["xy"], seed=3)
+  r = p.request
+  assert r.prompt_ids == (0, 1, 2) and r.max_tokens == 5 and r.seed == 3 and r.stop_token_ids == {30}
+  assert p.stop == ("xy",) and p.prompt_text == "abc"
+  assert _prepare(ignore_eos=True).request.stop_token_ids == frozenset()
+
+
+@pytest.mark.parametrize("fields, param, code", [
+    ({"prompt": [1] * 16}, "prompt", "context_length_exceeded"),
+    ({"prompt": [1] * 10, "max_tokens": 7}, "max_tokens", "context_length_exceeded"),
+    ({"max_tokens": 0}, "max_tokens", None),
+    ({"prompt": [1, 26]}, "prompt", "token_id_out_of_range"),
+    ({"prompt": [-1]}, "prompt", "token_id_out_of_range"),
+    ({"prompt": []}, "prompt", None),
+    ({"prompt": ""}, "prompt", None),
+    ({"prompt": ["ab", "cd"]}, "prompt", None),
+    ({"n": 2}, "n", None),
+    ({"logprobs": 3}, "logprobs", None),
+    ({"seed": -1}, "seed", None),
+    ({"stop": [""]}, "stop", None),
+])
+def test_bad_values_name_the_field(fields, param, code):
+  with pytest.raises(protocol.ApiError) as e:
+    _prepare(**fields)
+  assert (e.value.status, e.value.param, e.value.code) == (400, param, code)
+  assert e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_validation_errors_become_openai_bodies():
+  import pydantic
+  with pytest.raises(pydantic.ValidationError) as e:
+    protocol.CompletionRequest.model_validate({"max_tokens": 3})
+  err = protocol.from_validation_error(e.value)
+  assert (err.status, err.param, err.code) == (400, "prompt", "missing_field")
+  with pytest.raises(pydantic.ValidationError) as e:
+    protocol.CompletionRequest.model_validate({"prompt": "a", "temprature": 1})
+  assert protocol.from_validation_error(e.value).param == "temprature"
+
+
+def _stream(ids, stop=()):
+  s = TextStream(_CharTokenizer(), [0], stop, frozenset({30}))
+  parts = [s.add(i) for i in ids]
+  return parts, s.finish(), s
+
+
+def test_text_streams_without_stop_strings():
+  parts, tail, s = _stream([1, 2, 3])
+  assert parts == ["b", "c", "d"] and tail == "" and s.text == "bcd"
+
+
+def test_incomplete_characters_are_held_back():
+  parts, tail, s = _stream([1, 27, 28, 29, 2])
+  assert parts == ["b", "", "", "日", "c"] and "".join(parts) + tail == "b日c"
+
+
+def test_stop_string_cuts_the_text_and_is_not_shown():
+  parts, tail, s = _stream([1, 2, 3, 4, 5], stop=("de",))   # b c d e f
+  assert s.stopped and s.text == "bc"
+  assert "".join(parts) + tail == "bc" and parts[2] == ""    # "d" held back: it may start "de"
+  assert parts[4] == ""                                      # nothing after the stop
+
+
+def test_a_partial_stop_that_does_not_complete_is_released():
+  parts, tail, s = _stream([3, 4, 4], stop=("dex",))          # d e e
+  assert not s.stopped and "".join(parts) + tail == "dee" and parts[:2] == ["", ""]
+
+
+def test_stop_tokens_are_never_text():
+  parts, tail, s = _stream([1, 30])
+  assert "".join(parts) + tail == "b"
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["engine=bogus"], "engine"), (["max_num_seqs=0"], "max_num_seqs"), (["port=70000"], "port"),
+    (["max_model_len=1"], "max_model_len"), (["prefix_cache_bytes=-1"], "prefix_cache_bytes"),
+    (["host="], "host"), (["max_waiting=0"], "max_waiting"),
+])
+def test_serve_checks_its_keys_before_loading(argv, key):
+  from tools import serve  # the tool module imports the server stack: only this test needs it
+  with pytest.raises(UsageError, match=key):
+    serve.run(["load_parameters_path=/nonexistent/for-this-test", *argv])
+
+
+def test_static_engine_refuses_an_explicit_prefix_cache():
+  with pytest.raises(UsageError, match="prefix_cache_bytes"):
+    build_engine("static", None, max_num_seqs=1, max_model_len=8, max_num_batched_tokens=8, prefix_cache_bytes=1,
+                 vocab_limit=None, prefix_cache_given=True)
+  with pytest.raises(UsageError, match="engine must be"):
+    build_engine("dynamic", None, max_num_seqs=1, max_model_len=8, max_num_batched_tokens=8, prefix_cache_bytes=0,
+                 vocab_limit=None)
+
+
+def test_serving_keys_stay_out_of_checkpoints():
+  import json
+  from configs import base
+  from model.config import checkpoint_json
+  stored = json.loads(checkpoint_json(base.get_config()))
+  for key in ("engine", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_waiting",
+              "prefix_cache_bytes", "host", "port"):
+    assert key in base.SERVING_KEYS and key not in stored, key

@@ -1,0 +1,118 @@
+r"""Serve a checkpoint over HTTP with an OpenAI-compatible API (FastAPI + uvicorn, one engine loop).
+
+Usage:
+  python -m tools.serve load_parameters_path=DIR [engine=continuous|static] [max_num_seqs=8]
+      [max_model_len=2048] [max_num_batched_tokens=2048] [max_waiting=128] [prefix_cache_bytes=N]
+      [host=127.0.0.1] [port=8000] [attention=kda_native] [ici_*_parallelism=...]
+
+Routes: POST /v1/completions (prompt as text or token ids; max_tokens, temperature, top_p, top_k, stop,
+seed, stream (server-sent events ending with `data: [DONE]`), logprobs, ignore_eos, return_token_ids),
+POST /v1/chat/completions (400 chat_template_missing: this project's tokenizers carry no chat
+template), GET /v1/models, GET /health, GET /metrics (Prometheus). Details: model/server/app.py,
+sampling rules: model/server/protocol.py.
+
+Keys (vLLM's names; none is written into a checkpoint):
+  load_parameters_path    checkpoint directory (config.json + params/, tokenizer.model when it has one). Required.
+  engine                  continuous (slot pool, mixed prefill + decode steps, chunked prefill, prefix cache)
+                          or static (today's Generator: groups of up to max_num_seqs requests; the next group
+                          starts when the whole group has ended; the benchmark's baseline).
+  max_num_seqs            requests decoding at once (slots).
+  max_model_len           prompt + output tokens of one request; also the model's MLA cache length
+                          (max_cache_length is set to it). Longer requests get HTTP 400.
+  max_num_batched_tokens  tokens one engine step may process (continuous: the prefill chunk budget; static:
+                          the prompt tokens of one group's prefill row).
+  max_waiting             waiting requests at which new ones get HTTP 503.
+  prefix_cache_bytes      byte budget of the continuous engine's prefix cache (0 = off); engine=static has
+                          none (giving it there is an error).
+  host, port              where to listen (port=0: any free port). The line "listening on http://HOST:PORT"
+                          goes to stdout once the server accepts requests.
+  generate_add_bos        prepend BOS to text prompts (default true, as tools.generate).
+  ici_*_parallelism       with several devices: the mesh to serve on (model/partitioning.py).
+
+SIGTERM or Ctrl-C drains: new requests get 503, running ones finish (those still running after 30 s
+are cancelled), then the server exits with status 0. A bad key or value, a missing checkpoint or an
+address in use prints one `error:` line and exits with status 2 before serving.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from model import partitioning
+from model.engine.api import Request
+from model.errors import UsageError
+from model.server.app import ServerState, build_app
+from model.server.engines import build_engine
+from model.server.loop import EngineLoop
+from model.server.runner import bind, serve
+from tools import cli as common
+
+# What sizes the engine's memory: named in the one-line error when XLA runs out of memory.
+MEMORY_KEYS = "max_num_seqs, max_model_len or max_num_batched_tokens"
+DRAIN_TIMEOUT_S = 30.0
+
+
+def check_keys(cfg) -> None:
+  """UsageError naming the first serving key out of range (before anything loads)."""
+  for key, low in (("max_num_seqs", 1), ("max_model_len", 2), ("max_num_batched_tokens", 1), ("max_waiting", 1),
+                   ("prefix_cache_bytes", 0), ("port", 0)):
+    if cfg[key] < low:
+      raise UsageError(f"{key} must be an integer >= {low}, got {cfg[key]}")
+  if cfg.port > 65535:
+    raise UsageError(f"port must be in [0, 65535], got {cfg.port}")
+  if not cfg.host:
+    raise UsageError("host is empty: give an address to listen on, e.g. host=127.0.0.1")
+
+
+def warm_up(engine) -> float:
+  """Runs one 1-token request to its end (compiles the smallest step); returns the seconds it took."""
+  t0 = time.perf_counter()
+  engine.add_request(Request("warm-up", (0,), 1))
+  while engine.has_unfinished():
+    engine.step(lambda event: None)
+  return time.perf_counter() - t0
+
+
+def run(argv: list[str]) -> int:
+  """Serves as the `key=value` arguments say (see the module docstring); raises on bad input."""
+  overrides, cfg = common.parse_args(argv)
+  check_keys(cfg)
+  given = common.given_keys(argv)
+  if cfg.engine not in ("continuous", "static"):
+    raise UsageError(f"engine must be 'continuous' or 'static', got {cfg.engine!r}")
+  stored = common.checkpoint_config(cfg, overrides, extra=[f"max_cache_length={cfg.max_model_len}"])
+  tokenizer = common.tokenizer_for(stored)
+  vocab = int(stored.vocab_size)
+  sock = bind(cfg.host, cfg.port)   # an address in use fails now, before the model loads
+  model, mcfg, mesh = common.load(stored)
+  if mesh is not None:
+    print(f"serving on {partitioning.describe_mesh(mesh)}", file=sys.stderr)
+  engine = build_engine(cfg.engine, model, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+                        max_num_batched_tokens=cfg.max_num_batched_tokens, prefix_cache_bytes=cfg.prefix_cache_bytes,
+                        vocab_limit=min(vocab, tokenizer.vocab_size), mesh=mesh, rules=mcfg,
+                        prefix_cache_given="prefix_cache_bytes" in given)
+  seconds = warm_up(engine)
+  cache = (f"prefix cache {cfg.prefix_cache_bytes} bytes" if cfg.engine == "continuous" else "no prefix cache")
+  print(f"model {mcfg.model_name} from {mcfg.load_parameters_path}: attention={mcfg.attention}, dtype={mcfg.dtype}; "
+        f"engine={cfg.engine}, max_num_seqs={cfg.max_num_seqs}, max_model_len={cfg.max_model_len}, "
+        f"max_num_batched_tokens={cfg.max_num_batched_tokens}, {cache}; warm-up {seconds:.1f} s", file=sys.stderr)
+  loop = EngineLoop(engine)
+  loop.start()
+  state = ServerState(loop, tokenizer, model_name=str(mcfg.model_name), max_waiting=cfg.max_waiting,
+                      add_bos=cfg.generate_add_bos)
+  port = sock.getsockname()[1]
+  started = lambda: print(f"listening on http://{cfg.host}:{port}", flush=True)
+  try:
+    serve(build_app(state), state, sock, drain_timeout_s=DRAIN_TIMEOUT_S, on_started=started)
+  finally:
+    loop.stop()
+  print("drained; exiting", file=sys.stderr)
+  return 0
+
+
+main = common.tool_main(run, __doc__)
+command = common.command(main)
+
+if __name__ == "__main__":
+  command()

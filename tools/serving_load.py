@@ -1,0 +1,228 @@
+"""The online mode of tools/benchmark_serving.py: concurrent OpenAI clients against tools/serve.py.
+
+`python tools/benchmark_serving.py --online --help` lists the flags; the method is in that file's
+docstring. Each configuration runs in a fresh server process, so compilations and caches of one do
+not help another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DEMO = REPO / "kda_plugin" / "assets" / "demo"
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="benchmark_serving.py --online",
+                              description="Online serving benchmark (see tools/benchmark_serving.py).")
+  p.add_argument("--url", default="", help="an already running server: measure it (one configuration) instead")
+  p.add_argument("--checkpoint", type=pathlib.Path, default=DEMO)
+  p.add_argument("--engines", default="continuous,static", help="engines of the mixed workload")
+  p.add_argument("--workloads", default="mixed,shared_prefix")
+  p.add_argument("--num-requests", type=int, default=64)
+  p.add_argument("--concurrency", type=int, default=32, help="concurrent clients")
+  p.add_argument("--prompt-min", type=int, default=16)
+  p.add_argument("--prompt-max", type=int, default=1024)
+  p.add_argument("--output-min", type=int, default=16)
+  p.add_argument("--output-max", type=int, default=256)
+  p.add_argument("--prefix-len", type=int, default=512, help="shared_prefix: the common prefix")
+  p.add_argument("--suffix-min", type=int, default=16)
+  p.add_argument("--suffix-max", type=int, default=128)
+  p.add_argument("--warmup", type=int, default=None, help="unmeasured requests first (default: --concurrency)")
+  p.add_argument("--max-num-seqs", type=int, default=32)
+  p.add_argument("--max-model-len", type=int, default=0, help="default: longest prompt + longest output")
+  p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+  p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, help="the 'prefix cache on' budget")
+  p.add_argument("--serve-arg", action="append", default=[], help="more key=value for tools.serve (repeatable)")
+  p.add_argument("--start-timeout", type=float, default=1200.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--json", type=pathlib.Path, default=REPO / "runs/serving/benchmark_serving_online.json")
+  return p
+
+
+def workload(kind: str, args, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+  """`[(prompt ids, output tokens)]` of `--num-requests` requests (ids drawn from [4, vocab))."""
+  rng = np.random.default_rng(seed)
+  outs = rng.integers(args.output_min, args.output_max + 1, args.num_requests)
+  if kind == "mixed":
+    lens = rng.integers(args.prompt_min, args.prompt_max + 1, args.num_requests)
+    return [(rng.integers(4, vocab, n).tolist(), int(o)) for n, o in zip(lens, outs)]
+  if kind == "shared_prefix":
+    prefix = rng.integers(4, vocab, args.prefix_len).tolist()
+    lens = rng.integers(args.suffix_min, args.suffix_max + 1, args.num_requests)
+    return [(prefix + rng.integers(4, vocab, n).tolist(), int(o)) for n, o in zip(lens, outs)]
+  raise SystemExit(f"unknown workload {kind!r}; expected mixed or shared_prefix")
+
+
+async def _one(client, model, ids, n, sem) -> dict:
+  async with sem:
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = cached = 0
+    stream = await client.completions.create(model=model, prompt=ids, max_tokens=n, temperature=0, stream=True,
+                                             stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    async for chunk in stream:
+      now = time.perf_counter()
+      if chunk.choices:
+        got = len((chunk.choices[0].model_extra or {}).get("token_ids") or [])
+        if got:
+          first = now if first is None else first
+          last = now
+          tokens += got
+      if chunk.usage is not None:
+        cached = chunk.usage.prompt_tokens_details.cached_tokens if chunk.usage.prompt_tokens_details else 0
+        tokens = chunk.usage.completion_tokens
+    return {"prompt_tokens": len(ids), "output_tokens": tokens, "cached_tokens": cached, "sent": t0,
+            "ttft_s": first - t0, "tpot_s": (last - first) / (tokens - 1) if tokens > 1 else None, "end": last}
+
+
+async def _run(url, model, requests, concurrency) -> tuple[list[dict], float]:
+  import openai  # the official client (test extra): needed by this mode only
+  client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+  sem = asyncio.Semaphore(concurrency)
+  t0 = time.perf_counter()
+  results = await asyncio.gather(*(_one(client, model, ids, n, sem) for ids, n in requests))
+  wall = time.perf_counter() - t0
+  await client.close()
+  return results, wall
+
+
+def _pct(values, q):
+  return float(np.percentile(np.asarray(values, float), q)) if values else float("nan")
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+  ttft = [r["ttft_s"] for r in results]
+  tpot = [r["tpot_s"] for r in results if r["tpot_s"] is not None]
+  out = sum(r["output_tokens"] for r in results)
+  prompt = sum(r["prompt_tokens"] for r in results)
+  return {"requests": len(results), "wall_s": wall, "output_tokens": out, "output_tokens_per_s": out / wall,
+          "prompt_tokens": prompt, "cached_tokens": sum(r["cached_tokens"] for r in results),
+          "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "tpot_p50_s": _pct(tpot, 50),
+          "tpot_p99_s": _pct(tpot, 99), "ttft_mean_s": statistics.fmean(ttft)}
+
+
+class _Server:
+  """`python -m tools.serve` on port 0, until stopped (SIGTERM drain)."""
+
+  def __init__(self, args, keys: list[str], label: str):
+    argv = [sys.executable, "-m", "tools.serve", f"load_parameters_path={args.checkpoint}", "port=0", *keys,
+            *args.serve_arg]
+    print("$ " + " ".join(argv), flush=True)
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
+    self.log = open(args.json.with_suffix(f".{slug}.serve.log"), "w")
+    self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.monotonic() + args.start_timeout
+    while True:
+      line = self.proc.stdout.readline()
+      m = re.search(r"listening on (http://\S+)", line or "")
+      if m:
+        self.url = m.group(1)
+        break
+      if not line and self.proc.poll() is not None or time.monotonic() > deadline:
+        self.stop()
+        raise SystemExit(f"the server did not start (see {self.log.name})")
+
+  def stop(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.terminate()
+      try:
+        self.proc.wait(timeout=120)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+        self.proc.wait()
+    self.log.close()
+
+
+def _metrics(url) -> dict:
+  with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+    text = r.read().decode()
+  out = {}
+  for name in ("kda_num_compilations", "kda_prefix_cache_hit_rate", "kda_generation_tokens_total"):
+    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    out[name] = float(m.group(1)) if m else None
+  return out
+
+
+def measure(args, url, label, requests, warmup) -> dict:
+  with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+    model = json.loads(r.read())["data"][0]["id"]
+  warm = args.concurrency if args.warmup is None else args.warmup
+  if warm:  # other prompts (another seed): the measured ones must not find themselves in the prefix cache
+    # One request alone first, so the rest (sharing its prefix in shared_prefix) also compile the
+    # prefix-cache hit path: concurrent first requests all miss.
+    asyncio.run(_run(url, model, warmup[:1], 1))
+    asyncio.run(_run(url, model, warmup[1:warm], args.concurrency))
+  results, wall = asyncio.run(_run(url, model, requests, args.concurrency))
+  row = {"config": label, **summarize(results, wall), "server_metrics": _metrics(url), "load_after": os.getloadavg()}
+  print(f"[{label}] {row['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {row['ttft_p50_s']:.3f} s, "
+        f"TPOT p50 {row['tpot_p50_s'] * 1e3:.1f} ms; load {row['load_after'][0]:.1f}", flush=True)
+  return row
+
+
+def table(rows: list[dict]) -> str:
+  lines = ["| workload | configuration | requests | output tok/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | "
+           "TPOT p99 (ms) | cached prompt tokens |", "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['workload']} | {r['config']} | {r['requests']} | {r['output_tokens_per_s']:.1f} | "
+                 f"{r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['tpot_p50_s'] * 1e3:.1f} | "
+                 f"{r['tpot_p99_s'] * 1e3:.1f} | {r['cached_tokens']} |")
+  return "\n".join(lines)
+
+
+def main(argv) -> int:
+  args = _parser().parse_args(argv)
+  args.json.parent.mkdir(parents=True, exist_ok=True)
+  vocab = json.loads((args.checkpoint / "config.json").read_text())["vocab_size"]   # the served one's, with --url
+  kinds = [w for w in args.workloads.split(",") if w]
+  loads = {k: workload(k, args, vocab, args.seed) for k in kinds}
+  warmups = {k: workload(k, args, vocab, args.seed + 1) for k in kinds}
+  longest = max(len(ids) + n for reqs in (*loads.values(), *warmups.values()) for ids, n in reqs)
+  max_len = args.max_model_len or longest
+  rows = []
+  if args.url:
+    for k in kinds:
+      rows.append({"workload": k, **measure(args, args.url.rstrip("/"), args.url, loads[k], warmups[k])})
+  else:
+    base = [f"max_num_seqs={args.max_num_seqs}", f"max_model_len={max_len}",
+            f"max_num_batched_tokens={args.max_num_batched_tokens}"]
+    configs = []
+    if "mixed" in kinds:
+      for e in [e for e in args.engines.split(",") if e]:
+        keys = [f"engine={e}"] + ([f"prefix_cache_bytes={args.prefix_cache_bytes}"] if e == "continuous" else [])
+        configs.append(("mixed", f"engine={e}", keys))
+    if "shared_prefix" in kinds:
+      for on in (True, False):
+        configs.append(("shared_prefix", f"engine=continuous, prefix cache {'on' if on else 'off'}",
+                        ["engine=continuous", f"prefix_cache_bytes={args.prefix_cache_bytes if on else 0}"]))
+    for kind, label, keys in configs:
+      server = _Server(args, base + keys, f"{kind}_{label}")
+      try:
+        rows.append({"workload": kind, **measure(args, server.url, label, loads[kind], warmups[kind])})
+      finally:
+        server.stop()
+  md = table(rows)
+  print(md)
+  result = {"what": "tools/benchmark_serving.py --online: tools.serve under concurrent streaming clients, CPU",
+            "cpu_count": os.cpu_count(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+            "table": md}
+  tmp = args.json.with_suffix(".tmp")
+  tmp.write_text(json.dumps(result, indent=1) + "\n")
+  os.replace(tmp, args.json)
+  print(f"wrote {args.json}")
+  return 0
