@@ -51,6 +51,8 @@ MESH_KEYS = (
     "num_processes", "process_id",
 ) + (  # how this job loads a checkpoint (model/loading.py): job keys too, never stored
     "allow_non_finite", "verify_checksums", "allow_large_model",
+) + (  # how this job compiles the model (model/nn/scan.py): same parameters and numerics, never stored
+    "scan_layers", "remat_policy",
 )
 TOOL_KEYS = SERVING_KEYS + TRAIN_KEYS + MESH_KEYS
 
@@ -131,6 +133,9 @@ def get_config() -> ml_collections.ConfigDict:
   # true: build (random init or restore) a model whose parameters exceed the device's memory (the host's
   # MemAvailable on CPU); default refuses it in one line before allocating (model/memory.py)
   c.allow_large_model = False
+  # How a job compiles the model (model/nn/scan.py; parameters and numerics unchanged, never stored).
+  c.scan_layers = False  # true: one jax.lax.scan over the repeated layer groups (48B: layers 2-25, 6 x [KDA, KDA, MLA, KDA])
+  c.remat_policy = "none"  # training rematerialisation: none, full (= nothing_saveable), minimal, dots_saveable
 
   # ---- Serving: generation and perplexity (tools.generate, tools.perplexity; model/engine/serving.py,
   # model/engine/scoring.py). The model config comes from the checkpoint; these keys only steer the tools.

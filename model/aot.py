@@ -21,6 +21,12 @@ Programs (`MODES`); the shapes come from the config keys:
 
 Per device means per jax device: TPU7x exposes two devices per chip, v5e/v5p/v6e one.
 
+The fit verdict compares against the HBM libtpu says a program may use (`usable_hbm_bytes`), which is
+a little less than the chip's HBM (v5e: 15.75 GiB of 16): libtpu reports it in its compile-time
+out-of-memory error, so a probe compile of a 1 TiB program on one device of the topology reads it
+(1.5 s). A program libtpu itself refuses (RESOURCE_EXHAUSTED at compile) is a "does not fit" report
+with the bytes libtpu says it needed, not an error.
+
 Import only in a process whose jax has libtpu (`.venv-tpu-aot`): jax starts its backends at import.
 """
 
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 
 import jax
@@ -44,8 +51,9 @@ from model.training import steps
 
 MODES = ("train", "prefill", "decode")
 
-# HBM per jax device, GiB (Google Cloud TPU system architecture pages: v4 32 GiB, v5e 16 GiB,
-# v5p 95 GiB, v6e 32 GiB per chip; TPU7x 192 GiB per chip, exposed as two devices of 96 GiB).
+# Nominal HBM per jax device, GiB (Google Cloud TPU system architecture pages: v4 32 GiB, v5e 16 GiB,
+# v5p 95 GiB, v6e 32 GiB per chip; TPU7x 192 GiB per chip, exposed as two devices of 96 GiB). Reported
+# next to the usable figure; the verdict uses libtpu's usable HBM (`usable_hbm_bytes`).
 HBM_GIB_BY_DEVICE_KIND = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95, "TPU v5p": 95,
                           "TPU v6 lite": 32, "TPU v6e": 32, "TPU7x": 96}
 
@@ -58,7 +66,8 @@ class Target:
   num_slices: int
   devices: tuple
   device_kind: str
-  hbm_bytes: int
+  hbm_bytes: int        # usable HBM per device, as libtpu reports it (`usable_hbm_bytes`)
+  hbm_spec_bytes: int   # the nominal HBM per device (HBM_GIB_BY_DEVICE_KIND)
 
 
 def topology(name: str, num_slices: int = 1) -> Target:
@@ -82,7 +91,59 @@ def topology(name: str, num_slices: int = 1) -> Target:
   if kind not in HBM_GIB_BY_DEVICE_KIND:
     raise ConfigError(f"compile_topology={name!r} has devices of kind {kind!r} whose HBM is not in "
                       f"model.aot.HBM_GIB_BY_DEVICE_KIND")
-  return Target(name, num_slices, devices, kind, HBM_GIB_BY_DEVICE_KIND[kind] * 2**30)
+  return Target(name, num_slices, devices, kind, usable_hbm_bytes(devices[0]), HBM_GIB_BY_DEVICE_KIND[kind] * 2**30)
+
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# libtpu's compile-time OOM (E1000 CompileTimeHbmOom): "... the total memory required for HLO
+# temporaries (33.05G) exceeds available HBM (15.75G) ..."; units are binary (2.00T for 2**41 bytes).
+_AVAILABLE_RE = re.compile(r"exceeds available HBM \(([0-9.]+)\s*([KMGT]?)i?B?\)")
+_REQUIRED_RE = re.compile(r"memory required for [^(]*\(([0-9.]+)\s*([KMGT]?)i?B?\)")
+PROBE_BYTES = 2**40  # more than any TPU device holds: the probe program always exceeds HBM
+
+
+def _size(match) -> int | None:
+  return None if match is None else int(round(float(match.group(1)) * _UNITS[match.group(2)]))
+
+
+def is_compile_oom(e: BaseException) -> bool:
+  """True when `e` is libtpu refusing a program for memory (RESOURCE_EXHAUSTED at compile)."""
+  return isinstance(e, jax.errors.JaxRuntimeError) and str(e).lstrip().startswith("RESOURCE_EXHAUSTED")
+
+
+def oom_bytes(e: BaseException) -> tuple[int | None, int | None]:
+  """`(required, available)` bytes per device from libtpu's compile-time OOM text (None: not stated).
+
+  libtpu prints both rounded to two decimals of its unit (e.g. 33.05G), so each is exact to +- 0.005 GiB.
+  """
+  text = str(e)
+  return _size(_REQUIRED_RE.search(text)), _size(_AVAILABLE_RE.search(text))
+
+
+def usable_hbm_bytes(device) -> int:
+  """The HBM per device that libtpu lets one program use on `device`'s kind (a topology device).
+
+  Read from libtpu itself: a probe program that needs `PROBE_BYTES` (1 TiB) on one device is refused
+  with "exceeds available HBM (X)", and X is the figure (v5e 15.75 GiB, v5p 95.73, v6e 31.24, TPU7x
+  94.74 per device with libtpu 0.0.52). Abstract topology devices have no `memory_stats()`.
+
+  Raises:
+    RuntimeError: the probe compiled, or libtpu's message does not state the available HBM (a libtpu
+      whose wording changed: `_AVAILABLE_RE` needs updating; no figure is guessed).
+  """
+  mesh = jax.sharding.Mesh(np.array([device]), ("probe",))
+  probe = jax.ShapeDtypeStruct((PROBE_BYTES // 4,), jnp.float32, sharding=NamedSharding(mesh, P()))
+  try:
+    jax.jit(lambda a: a + 1).lower(probe).compile()
+  except Exception as e:
+    if is_compile_oom(e):
+      available = oom_bytes(e)[1]
+      if available is not None:
+        return available
+    raise RuntimeError(f"could not read the usable HBM of {device.device_kind} from libtpu's out-of-memory "
+                       f"message (model.aot._AVAILABLE_RE): {str(e).splitlines()[0] if str(e) else e!r}") from e
+  raise RuntimeError(f"a {PROBE_BYTES} byte probe program compiled for {device.device_kind}: the usable HBM "
+                     f"cannot be read from libtpu")
 
 
 def _check_num_slices(cfg, target: Target) -> None:
@@ -182,7 +243,7 @@ def memory_report(compiled, hbm_bytes: int) -> dict:
   """Per-device bytes of a compiled program (`memory_analysis()`) and the fit verdict.
 
   total = arguments + outputs - aliased (donated buffers reused as outputs) + temporaries; the
-  program fits when total <= the device's HBM.
+  program fits when total <= `hbm_bytes` (the usable HBM per device).
   """
   m = compiled.memory_analysis()
   args, out, alias, temp = (int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
@@ -190,7 +251,41 @@ def memory_report(compiled, hbm_bytes: int) -> dict:
   total = args + out - alias + temp
   return {"argument_bytes": args, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
           "generated_code_bytes": int(m.generated_code_size_in_bytes), "total_bytes": total,
-          "hbm_bytes": int(hbm_bytes), "fits": total <= hbm_bytes, "margin_bytes": int(hbm_bytes - total)}
+          "hbm_bytes": int(hbm_bytes), "fits": total <= hbm_bytes, "margin_bytes": int(hbm_bytes - total),
+          "refused_by_compiler": False}
+
+
+def refused_report(e: BaseException, hbm_bytes: int) -> dict:
+  """The memory report of a program libtpu refused for memory: only the total it says it needed.
+
+  The byte breakdown (arguments, outputs, temporaries) is None: libtpu states one figure. The total
+  and margin are None too when its message does not state the requirement.
+  """
+  required, available = oom_bytes(e)
+  hbm = int(available if available is not None else hbm_bytes)
+  return {"argument_bytes": None, "output_bytes": None, "alias_bytes": None, "temp_bytes": None,
+          "generated_code_bytes": None, "total_bytes": required, "hbm_bytes": hbm, "fits": False,
+          "margin_bytes": None if required is None else hbm - required, "refused_by_compiler": True,
+          "compiler_message": str(e).strip().splitlines()[0]}
+
+
+def _gib(n: int) -> str:
+  return f"{n / 2**30:.2f} GiB"
+
+
+def verdict(memory: dict, device_kind: str) -> str:
+  """The one-line verdict of a memory report: "fits: ..." or "does not fit ... by X GiB" (GiB = 2**30 B).
+
+  The available figure is libtpu's usable HBM per device (`usable_hbm_bytes`).
+  """
+  hbm = f"{_gib(memory['hbm_bytes'])} usable HBM per {device_kind} device (libtpu)"
+  if memory["fits"]:
+    return f"fits: {_gib(memory['total_bytes'])} of {hbm}, {_gib(memory['margin_bytes'])} to spare"
+  how = "libtpu refused the program at compile" if memory["refused_by_compiler"] else "memory_analysis total"
+  if memory["total_bytes"] is None:
+    return f"does not fit in {hbm} ({how}; it states no byte count: {memory.get('compiler_message')})"
+  return (f"does not fit in {hbm} by {_gib(-memory['margin_bytes'])}: needs {_gib(memory['total_bytes'])} "
+          f"({how})")
 
 
 def flops(compiled) -> float | None:
@@ -207,7 +302,9 @@ def compile_for(cfg, mode: str, target: Target) -> dict:
 
   Returns:
     dict with topology, device_kind, num_devices, mesh (axis sizes), the shapes, memory
-    (`memory_report`), flops_per_device, compile_seconds and hlo (the compiled HLO text).
+    (`memory_report`, or `refused_report` when libtpu refuses the program for memory; then
+    flops_per_device and hlo are None), flops_per_device, compile_seconds, hlo (the compiled HLO
+    text) and hbm_spec_bytes (the nominal HBM per device).
 
   Raises:
     ConfigError: a mesh that does not divide the topology's devices, heads or experts that do not
@@ -218,10 +315,20 @@ def compile_for(cfg, mode: str, target: Target) -> dict:
   t0 = time.perf_counter()
   lowered, info = lower(cfg, mode, mesh)
   t1 = time.perf_counter()
-  compiled = lowered.compile()
+  try:
+    compiled = lowered.compile()
+  except Exception as e:
+    if not is_compile_oom(e):
+      raise
+    compiled = None
+    memory = refused_report(e, target.hbm_bytes)
+  else:
+    memory = memory_report(compiled, target.hbm_bytes)
   t2 = time.perf_counter()
   return {"topology": target.name, "num_slices": target.num_slices, "device_kind": target.device_kind,
           "num_devices": len(target.devices), "mode": mode,
           "mesh": {a: int(s) for a, s in zip(mesh.axis_names, np.shape(mesh.devices))},
-          **info, "memory": memory_report(compiled, target.hbm_bytes), "flops_per_device": flops(compiled),
-          "lower_seconds": t1 - t0, "compile_seconds": t2 - t1, "hlo": compiled.as_text()}
+          **info, "memory": memory, "hbm_spec_bytes": target.hbm_spec_bytes,
+          "flops_per_device": None if compiled is None else flops(compiled),
+          "lower_seconds": t1 - t0, "compile_seconds": t2 - t1,
+          "hlo": None if compiled is None else compiled.as_text()}

@@ -28,6 +28,8 @@ from model.errors import ConfigError  # re-exported: `from model.config import C
 _CONFIGS_DIR = pathlib.Path(base.__file__).parent
 _DTYPES = ("float32", "bfloat16")
 _BOOL = {"true": True, "false": False}
+# remat_policy values (MaxText's names); model/nn/scan.py maps each to a jax.checkpoint policy.
+REMAT_POLICY_NAMES = ("none", "full", "nothing_saveable", "minimal", "dots_saveable")
 
 
 def available_configs() -> list[str]:
@@ -229,6 +231,8 @@ def validate_config(cfg) -> None:
     raise ConfigError(f"kda_gate_lower_bound must be None or in [-5, 0), got {lb}")
   if cfg.q_lora_rank is not None and cfg.q_lora_rank < 1:
     raise ConfigError(f"q_lora_rank must be None or >= 1, got {cfg.q_lora_rank}")
+  if cfg.remat_policy not in REMAT_POLICY_NAMES:
+    raise ConfigError(f"remat_policy must be one of {', '.join(REMAT_POLICY_NAMES)}, got {cfg.remat_policy!r}")
   partitioning.validate_mesh_config(cfg)  # mesh sizes, axis rules, heads/experts vs. their mesh axes
 
 
@@ -325,6 +329,8 @@ class ModelArgs:
   initializer_range: float
   max_num_segments: int
   max_cache_length: int
+  scan_layers: bool = False
+  remat_policy: str = "none"
 
   @classmethod
   def from_config(cls, cfg, *, validate: bool = True) -> "ModelArgs":

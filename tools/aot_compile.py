@@ -19,10 +19,16 @@ config key (configs/base.py: mesh `ici_*` / `dcn_*_parallelism`, `logical_axis_r
   output_json=PATH                  also write the report (with the compiled HLO text) there
   overwrite=true                    replace an existing output_json
 
-Prints per device: arguments, outputs, temporaries, total, the device's HBM, one verdict line ("fits" /
-"does not fit", by how much), the compiler's FLOP count per step and the compile time; the last stdout
-line is the report as JSON (without the HLO). Runs only under a jax with libtpu (.venv-tpu-aot); bad
-input is one `error:` line naming the key, exit 2.
+Prints per device: arguments, outputs, temporaries, total, the device's usable HBM, one verdict line
+("fits: ..." / "does not fit in ... by X GiB: needs ..."), the compiler's FLOP count per step and the
+compile time; the last stdout line is the report as JSON (without the HLO; its "verdict" is the line).
+The usable HBM is libtpu's own figure (a probe compile reads it from libtpu's out-of-memory message:
+15.75 GiB per v5e device, 95.73 v5p, 31.24 v6e, 94.74 per TPU7x device), not the nominal 16/95/32/96.
+A program that does not fit, whether its memory_analysis total exceeds the usable HBM or libtpu
+refuses it at compile (RESOURCE_EXHAUSTED: then only libtpu's total is known), is a report, not an error.
+
+Exit status: 0 fits; 3 does not fit (the report is still printed and written); 2 bad input (one
+`error:` line naming the key). Runs only under a jax with libtpu (.venv-tpu-aot).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ TOOL_KEYS = ("compile_topology", "compile_topology_num_slices", "mode")
 MODES = ("train", "prefill", "decode")
 MEMORY_KEYS = "batch_size, seq_len, max_cache_length or the mesh sizes"
 GIB = 2**30
+EXIT_DOES_NOT_FIT = 3
 
 
 def _split(argv):
@@ -80,8 +87,8 @@ def _parse(argv):
   return cfg, own["compile_topology"], slices, mode
 
 
-def _gib(n: int) -> str:
-  return f"{n / GIB:.3f} GiB"
+def _gib(n: int | None) -> str:
+  return "n/a" if n is None else f"{n / GIB:.3f} GiB"
 
 
 def run(argv: list[str]) -> int:
@@ -98,26 +105,23 @@ def run(argv: list[str]) -> int:
   print(f"{cfg.model_name} {mode} on {topology_name} x{slices} ({report['num_devices']} devices, "
         f"{target.device_kind}), mesh {mesh}, batch {report['batch_size']} x {report['seq_len']}, "
         f"{report['num_slots']} slots, cache {report['cache_length']}")
-  print("per device:")
-  print(f"  arguments    {_gib(m['argument_bytes'])}")
-  print(f"  outputs      {_gib(m['output_bytes'])} (of which {_gib(m['alias_bytes'])} reuse donated arguments)")
-  print(f"  temporaries  {_gib(m['temp_bytes'])}")
+  print("per device:" + (" (libtpu refused the program: it states only the total)" if m["refused_by_compiler"]
+                         else ""))
+  if not m["refused_by_compiler"]:
+    print(f"  arguments    {_gib(m['argument_bytes'])}")
+    print(f"  outputs      {_gib(m['output_bytes'])} (of which {_gib(m['alias_bytes'])} reuse donated arguments)")
+    print(f"  temporaries  {_gib(m['temp_bytes'])}")
   print(f"  total        {_gib(m['total_bytes'])}")
-  print(f"  device HBM   {_gib(m['hbm_bytes'])}")
-  if m["fits"]:
-    verdict = f"fits: {_gib(m['total_bytes'])} of {_gib(m['hbm_bytes'])}, {_gib(m['margin_bytes'])} to spare"
-  else:
-    verdict = (f"does not fit: {_gib(m['total_bytes'])} needed, {_gib(m['hbm_bytes'])} available, "
-               f"{_gib(-m['margin_bytes'])} over")
-  report["verdict"] = verdict
-  print(f"verdict: {verdict}")
+  print(f"  usable HBM   {_gib(m['hbm_bytes'])} (libtpu's figure; nominal {_gib(report['hbm_spec_bytes'])})")
+  report["verdict"] = aot.verdict(m, target.device_kind)
+  print(f"verdict: {report['verdict']}")
   f = report["flops_per_device"]
   print(f"compiler FLOPs per step per device: {'n/a' if f is None else f'{f:.4g}'}")
   print(f"compile time: {report['compile_seconds']:.1f} s (lowering {report['lower_seconds']:.1f} s)")
   if cfg.output_json:
     cli.write_json_atomic(cfg.output_json, {**report, "hlo": hlo}, overwrite=cfg.overwrite)
-  print(json.dumps({**report, "has_tpu_custom_call": "tpu_custom_call" in hlo}))
-  return 0
+  print(json.dumps({**report, "has_tpu_custom_call": hlo is not None and "tpu_custom_call" in hlo}))
+  return 0 if m["fits"] else EXIT_DOES_NOT_FIT
 
 
 main = cli.tool_main(run, __doc__)

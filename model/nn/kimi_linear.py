@@ -25,6 +25,7 @@ from model.nn.kda import KimiDeltaAttention
 from model.nn.layers import RMSNorm, SwiGLU, as_dtype, linear, normal_init
 from model.nn.mla import MultiHeadLatentAttention
 from model.nn.moe import SparseMoeBlock
+from model.nn import scan as scan_lib
 
 MODES = ("train", "eval")
 
@@ -147,17 +148,27 @@ class KimiLinearForCausalLM(nnx.Module):
         raise ValueError(f"segment_ids holds label {top} but only {num_slots} document slots per row are "
                          f"configured (max_num_segments / num_slots); raise it")
 
+  def _scan_plan(self):
+    """`scan_lib.scan_plan` of this model's layers when `scan_layers` is on, else None (unrolled)."""
+    a = self.args
+    if not a.scan_layers:
+      return None
+    return scan_lib.scan_plan([(t, i >= a.first_k_dense_replace) for i, t in enumerate(a.layer_types)])
+
   def _run(self, input_ids, segment_ids, mode, num_slots, cache=None, return_cache=False, cache_length=None):
     # Logical activation axes (no-ops outside a mesh; see model/partitioning.py).
     x = partitioning.constrain(self.model.embed_tokens(input_ids), partitioning.HIDDEN)
-    new_layers = []
     lengths = None if cache is None else cache.lengths
-    for i, layer in enumerate(self.model.layers):
-      x, new = layer(x, segment_ids=segment_ids, mode=mode, num_slots=num_slots,
-                     cache=None if cache is None else cache.layers[i], lengths=lengths,
-                     return_cache=return_cache, cache_length=cache_length)
-      x = partitioning.constrain(x, partitioning.HIDDEN)
-      new_layers.append(new)
+    caches = [None] * len(self.model.layers) if cache is None else list(cache.layers)
+
+    def step(layer, x, c):
+      return layer(x, segment_ids=segment_ids, mode=mode, num_slots=num_slots, cache=c, lengths=lengths,
+                   return_cache=return_cache, cache_length=cache_length)
+
+    x, new_layers = scan_lib.run_layers(list(self.model.layers), x, caches, step,
+                                        lambda h: partitioning.constrain(h, partitioning.HIDDEN),
+                                        plan=self._scan_plan(), remat_policy=self.args.remat_policy,
+                                        train=mode == "train")
     logits = partitioning.constrain(self.lm_head(self.model.norm(x)), partitioning.LOGITS)
     return logits, new_layers
 
@@ -274,11 +285,10 @@ class KimiLinearForCausalLM(nnx.Module):
       if int(np.max(np.asarray(cache.lengths))) >= length:
         raise ValueError(f"the MLA cache is full (cache_length={length}); prefill with a larger cache_length")
     x = partitioning.constrain(self.model.embed_tokens(ids), partitioning.DECODE_HIDDEN)
-    layers = []
-    for layer, c in zip(self.model.layers, cache.layers):
-      x, new = layer.decode(x, c, cache.lengths)
-      x = partitioning.constrain(x, partitioning.DECODE_HIDDEN)
-      layers.append(new)
+    x, layers = scan_lib.run_layers(list(self.model.layers), x, list(cache.layers),
+                                    lambda layer, h, c: layer.decode(h, c, cache.lengths),
+                                    lambda h: partitioning.constrain(h, partitioning.DECODE_HIDDEN),
+                                    plan=self._scan_plan(), remat_policy="none", train=False)
     logits = partitioning.constrain(self.lm_head(self.model.norm(x)), partitioning.DECODE_LOGITS)
     return (logits[:, None] if with_time else logits), cache_lib.ModelCache(tuple(layers), cache.lengths + 1)
 

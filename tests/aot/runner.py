@@ -32,10 +32,12 @@ class AotRunner:
   python: pathlib.Path
   root: pathlib.Path
 
-  def run(self, module: str, *args: str, timeout: float = 300, env: dict | None = None) -> dict:
+  def run(self, module: str, *args: str, timeout: float = 300, env: dict | None = None,
+          returncodes: tuple[int, ...] = (0,)) -> dict:
     """Runs `python -m module *args` in the compile venv; returns the JSON report of its last line.
 
-    Raises AotFailed with the child's output when it exits non-zero or prints no JSON.
+    Raises AotFailed with the child's output when its exit status is not in `returncodes` (e.g. 3 is
+    tools.aot_compile's "does not fit") or it prints no JSON.
     """
     child_env = {k: v for k, v in os.environ.items() if not k.startswith(("KDA_AOT_", "PYTEST_"))}
     child_env["PYTHONPATH"] = str(self.root)
@@ -55,7 +57,7 @@ class AotRunner:
         report = json.loads(lines[-1])
       except json.JSONDecodeError:
         report = None
-    if proc.returncode != 0 or not isinstance(report, dict):
+    if proc.returncode not in returncodes or not isinstance(report, dict):
       raise AotFailed(f"{module} {' '.join(args)} exited {proc.returncode}\n--- stdout\n"
                       f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     return report

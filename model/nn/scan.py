@@ -1,0 +1,167 @@
+"""Scan over repeated groups of decoder layers, and rematerialisation policies (config keys
+`scan_layers`, `remat_policy`, as MaxText's).
+
+Kimi-Linear-48B's 27 layers are KDA except MLA at [4, 8, ..., 24, 27], with the dense FFN in layer 1
+and MoE after it: six groups of KDA x3 + MLA over layers 1-24, then a KDA, KDA, MLA tail. Layer 1's
+dense FFN makes the first group differ, so `scan_plan` (the longest stretch of identical consecutive
+groups, at least two, by layers covered) takes the same period shifted by one: layers 2-25 are six
+copies of (KDA, KDA, MLA, KDA), all MoE. `run_layers` executes them as one `jax.lax.scan` whose body
+is the group: the compiled program holds one copy of the group instead of six, so compile time and
+program size stop growing with depth. Layer 1 and the KDA, MLA tail 26-27 run unrolled.
+
+Parameters stay per layer (`model.layers.{i}....`, the Hugging Face names of docs/checkpoints.md):
+the scan stacks the group's per-layer parameters inside the traced function (`jnp.stack`, one copy
+of the scanned layers' parameters per device, which the AOT report's temporaries include), so
+checkpoints, conversion, training resume and the optimizer state are unchanged. The result equals
+the unrolled model's (the same operations in the same order; tests/model/test_scan_layers.py).
+
+`remat_policy` (training only, i.e. mode "train"; jax.checkpoint around each scanned group and each
+unrolled layer): "none" (default: no rematerialisation, the forward's activations are kept),
+"full" (`jax.checkpoint_policies.nothing_saveable`: only layer inputs are kept, everything is
+recomputed in the backward), "minimal" (`checkpoint_dots_with_no_batch_dims`: the results of matmuls
+against parameters are kept, the rest recomputed), "dots_saveable" (`dots_saveable`: every matmul
+result is kept).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.config import REMAT_POLICY_NAMES
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+}
+assert tuple(REMAT_POLICIES) == REMAT_POLICY_NAMES
+
+
+def scan_plan(signatures: Sequence) -> tuple[int, int, int] | None:
+  """`(start, period, repeats)`: the longest run of `repeats >= 2` identical consecutive groups of
+  `period` layers from layer index `start` (0-indexed), by layers covered; ties go to the earliest
+  start, then the shortest period. None when no group repeats.
+
+  Args:
+    signatures: one hashable per layer, equal for layers of the same structure (mixer kind, FFN kind).
+  """
+  n = len(signatures)
+  best = None
+  for period in range(1, n // 2 + 1):
+    for start in range(n - 2 * period + 1):
+      block = tuple(signatures[start:start + period])
+      repeats = 1
+      while tuple(signatures[start + repeats * period:start + (repeats + 1) * period]) == block:
+        repeats += 1
+      if repeats >= 2:
+        key = (repeats * period, -start, -period)
+        if best is None or key > best[0]:
+          best = (key, (start, period, repeats))
+  return None if best is None else best[1]
+
+
+def _routing_blocks(module):
+  return [m for _, m in nnx.iter_modules(module) if getattr(m, "record_routing", False)]
+
+
+def _checkpointed(fn: Callable, policy_name: str, train: bool) -> Callable:
+  if not train or REMAT_POLICIES[policy_name] is None:
+    return fn
+  return jax.checkpoint(fn, policy=REMAT_POLICIES[policy_name], prevent_cse=False)
+
+
+def _pure(graphdefs, step, constrain):
+  """`(states, x, caches) -> (x, new caches, routed_experts per layer or None)` over one group."""
+  def fn(states, x, caches):
+    news, routed = [], []
+    for gdef, st, c in zip(graphdefs, states, caches):
+      layer = nnx.merge(gdef, st)
+      blocks = _routing_blocks(layer)
+      if blocks:  # load balancing: the group's routing, handed out of the scan (nnx.capture of sow)
+        (x, new), inter = nnx.capture(lambda m, x_, c_: step(m, x_, c_), nnx.Intermediate)(layer, x, c)
+        flat = [v.get_value() for _, v in nnx.to_flat_state(inter)]
+        routed.append(flat[0][0] if flat else None)
+      else:
+        x, new = step(layer, x, c)
+        routed.append(None)
+      x = constrain(x)
+      news.append(new)
+    return x, news, routed
+  return fn
+
+
+def run_layers(layers, x, caches, step: Callable, constrain: Callable, *, plan, remat_policy: str,
+               train: bool):
+  """Runs `layers` in order on `x`: `step(layer, x, cache) -> (x, new cache)`, `constrain(x)` after
+  each layer; layers `[start, start + period * repeats)` of `plan` (`scan_plan`, or None: all
+  unrolled) as one `jax.lax.scan` over their groups.
+
+  Args:
+    layers: the decoder layers (nnx modules). caches: one incoming cache per layer (None entries allowed).
+    remat_policy: a key of `REMAT_POLICIES`, applied when `train`.
+
+  Returns:
+    `(x, [new cache per layer])`. MoE blocks recording their routing (`record_routing`) get it sown
+    on the model's own modules, as unrolled layers do.
+  """
+  n = len(layers)
+  start, period, repeats = plan if plan is not None else (n, 0, 0)
+  news = [None] * n
+  use_pure = train and REMAT_POLICIES[remat_policy] is not None
+
+  def unrolled(i, x):
+    layer = layers[i]
+    if not use_pure:
+      x, news[i] = step(layer, x, caches[i])
+      return constrain(x)
+    gdef, st = nnx.split(layer)
+    fn = _checkpointed(_pure([gdef], step, constrain), remat_policy, train)
+    x, (news[i],), (routed,) = fn([st], x, [caches[i]])
+    _sow_routed(layer, routed)
+    return x
+
+  for i in range(start):
+    x = unrolled(i, x)
+  if repeats:
+    group = lambda g: [layers[start + g * period + j] for j in range(period)]
+    splits = [[nnx.split(m) for m in group(g)] for g in range(repeats)]
+    graphdefs = [gd for gd, _ in splits[0]]
+    for g in range(1, repeats):
+      if [gd for gd, _ in splits[g]] != graphdefs:
+        raise AssertionError(f"scan_plan grouped layers of different structure (group {g} of {plan})")
+    stacked = [jax.tree.map(lambda *a: jnp.stack(a), *[splits[g][j][1] for g in range(repeats)])
+               for j in range(period)]
+    group_caches = [caches[start + j::period][:repeats] for j in range(period)]
+    have_cache = [all(c is not None for c in cs) for cs in group_caches]
+    xs_caches = [jax.tree.map(lambda *a: jnp.stack(a), *cs) if ok else None
+                 for cs, ok in zip(group_caches, have_cache)]
+    fn = _checkpointed(_pure(graphdefs, step, constrain), remat_policy, train)
+
+    def body(carry, xs):
+      states, cs = xs
+      y, new, routed = fn(states, carry, cs)
+      return y, (new, routed)
+
+    x, (new_stacked, routed_stacked) = jax.lax.scan(body, x, (stacked, xs_caches))
+    for g in range(repeats):
+      for j in range(period):
+        i = start + g * period + j
+        news[i] = jax.tree.map(lambda a: a[g], new_stacked[j])
+        if routed_stacked[j] is not None:
+          _sow_routed(layers[i], routed_stacked[j][g])
+  for i in range(start + period * repeats, n):
+    x = unrolled(i, x)
+  return x, news
+
+
+def _sow_routed(layer, routed):
+  if routed is None:
+    return
+  for block in _routing_blocks(layer):
+    block.sow(nnx.Intermediate, "routed_experts", routed)

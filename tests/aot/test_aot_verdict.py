@@ -1,0 +1,44 @@
+"""model.aot reads libtpu's compile-time out-of-memory text into a "does not fit" report (no libtpu needed:
+the message below is the one libtpu 0.0.52 gave for a decode batch of 262144 on v5e:2x2)."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from model import aot
+
+MESSAGE = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required "
+           "for HLO temporaries (33.05G) exceeds available HBM (15.75G). HLO module: jit_decode.\n"
+           "See https://openxla.org/xla/errors/error_1000 for more details.")
+
+
+def test_refused_program_is_a_does_not_fit_report():
+  e = jax.errors.JaxRuntimeError(MESSAGE)
+  assert aot.is_compile_oom(e)
+  assert aot.oom_bytes(e) == (round(33.05 * 2**30), round(15.75 * 2**30))
+  m = aot.refused_report(e, hbm_bytes=1)  # libtpu's stated figure wins over the caller's
+  assert m["hbm_bytes"] == 15.75 * 2**30 and m["total_bytes"] == round(33.05 * 2**30)
+  assert not m["fits"] and m["refused_by_compiler"] and m["argument_bytes"] is None
+  line = aot.verdict(m, "TPU v5 lite")
+  assert line.startswith("does not fit in 15.75 GiB usable HBM per TPU v5 lite device (libtpu) by 17.30 GiB")
+  assert "needs 33.05 GiB" in line
+
+
+def test_other_errors_are_not_taken_for_memory():
+  assert not aot.is_compile_oom(jax.errors.JaxRuntimeError("INTERNAL: Mosaic failed to compile"))
+  assert not aot.is_compile_oom(ValueError("RESOURCE_EXHAUSTED: not from XLA"))
+  assert aot.oom_bytes(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")) == (None, None)
+  m = aot.refused_report(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory"), hbm_bytes=2**30)
+  assert m["total_bytes"] is None and m["margin_bytes"] is None and m["hbm_bytes"] == 2**30
+  assert aot.verdict(m, "TPU v5").startswith("does not fit in 1.00 GiB usable HBM per TPU v5 device (libtpu) (")
+
+
+@pytest.mark.parametrize("total, fits", [(15 * 2**30, True), (16 * 2**30, False)])
+def test_memory_analysis_verdict_uses_usable_hbm(total, fits):
+  hbm = round(15.75 * 2**30)
+  m = {"total_bytes": total, "hbm_bytes": hbm, "fits": total <= hbm, "margin_bytes": hbm - total,
+       "refused_by_compiler": False}
+  line = aot.verdict(m, "TPU v5 lite")
+  assert line.startswith("fits: 15.00 GiB of 15.75 GiB" if fits else
+                         "does not fit in 15.75 GiB usable HBM per TPU v5 lite device (libtpu) by 0.25 GiB")
