@@ -47,7 +47,8 @@ def parameter_bytes(state, devices=None) -> tuple[int, int, dict]:
   (or arrays).
 
   A leaf with a `sharding` counts its shard (`shard_shape`) on each device of `devices` that holds
-  one; without one it counts whole on `devices[0]`. `devices` None: every leaf whole, under key None.
+  one; without one (or with one over an abstract mesh) it counts whole on `devices[0]`. `devices`
+  None: every leaf whole, under key None.
   """
   count = total = 0
   held: dict = {}
@@ -57,6 +58,10 @@ def parameter_bytes(state, devices=None) -> tuple[int, int, dict]:
     count += n
     total += n * item
     sharding = getattr(leaf, "sharding", None)
+    if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+      # Traced inside a mesh context (e.g. `loading.create` called under `partitioning.mesh_context`):
+      # an abstract mesh names no devices, and the eager model it describes lands whole on one device.
+      sharding = None
     if devices is None or sharding is None:
       key = None if devices is None else devices[0]
       held[key] = held.get(key, 0) + n * item

@@ -58,3 +58,18 @@ def test_restore_is_refused_before_reading_the_checkpoint(monkeypatch):
   with pytest.raises(memory.ModelTooLargeError, match=r"^model demo has [\d,]+ parameters, [\d.]+ MB, but this host "
                      r"has 1\.0 MB available \(MemAvailable\)"):
     loading.load_model(DEMO)
+
+
+def test_a_leaf_sharded_over_an_abstract_mesh_counts_whole_on_the_first_device():
+  """`loading.create` inside `partitioning.mesh_context` sees shardings over an AbstractMesh (no
+  devices): the eager model lands whole on one device, so that is what is counted (the 8-device
+  train test hit `device_set is not implemented for AbstractMesh` before)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+  from model.memory import parameter_bytes
+  mesh = AbstractMesh((2,), ("x",))
+  leaf = jax.ShapeDtypeStruct((4, 6), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("x")))
+  dev = jax.devices()[0]
+  assert parameter_bytes({"w": leaf}, [dev]) == (24, 96, {dev: 96})

@@ -9,9 +9,13 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+# slow (an 8-device subprocess, about 80 s of CPU): make test's 20-minute budget; make test-slow runs it.
+@pytest.mark.slow
 def test_mesh_engine_gives_the_one_device_tokens():
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
