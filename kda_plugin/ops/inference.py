@@ -300,14 +300,15 @@ def _forward(q, k, v, g, beta, seg, h0, gate, *, implementation, num_heads, num_
     h0 = h0.astype(jnp.float32)
     if (kp, vp) != (kd, vd):
       h0 = jnp.pad(h0, ((0, 0),) * 3 + ((0, kp - kd), (0, vp - vd)))
-  a_exp = dt_row = None
+  a_log = dt_row = None
   if gate is not None:
     a_log, dt_bias = gate
-    a_exp = jnp.broadcast_to(jnp.exp(a_log)[:, None, None], (h, 1, kp))
-    dt_row = jnp.pad(dt_bias, ((0, 0), (0, kp - kd)))[:, None, :]
+    if kp != kd:
+      dt_bias = jnp.pad(dt_bias, ((0, 0), (0, kp - kd)))
+    dt_row = dt_bias.reshape(1, h * kp)
   from kda_plugin.ops.pallas_tpu import kda_pallas_tpu  # noqa: PLC0415
   o2, final = kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, num_heads=h, key_dim=kd,
-                             scale=scale, use_l2norm=use_l2norm, a_exp=a_exp, dt_bias=dt_row,
+                             scale=scale, use_l2norm=use_l2norm, a_log=a_log, dt_bias=dt_row,
                              lower_bound=lower_bound, initial_state=h0, num_segments=num_segments,
                              want_final=want_final, interpret=interpret)
   if (vp, tp) != (vd, t):

@@ -45,6 +45,10 @@ from kda_plugin.ops import _segment_schedule as ss
 C = ss.CHUNK
 LANE = 128
 PAIR = LANE // C  # chunks per lane-dense row of beta / segment ids
+# The UT inverse's 16-row diagonal blocks by forward substitution on the VPU (float32), then two
+# MXU doublings (`_chunk_math.unit_lower_inverses`). tools/tpu_cost.py, TPU7x seed shape (ESTIMATE):
+# 2-row blocks (10 MXU levels) 0.456 ms, 8-row 0.401, 16-row 0.371, 32-row 0.409 (VPU-bound).
+VPU_INVERSE_BLOCK_SHIFT = 4
 MAX_KV = 256  # K and V padded above this would overflow the VMEM plan (states are [Kp, Vp] float32)
 
 
@@ -61,7 +65,7 @@ def _chunk_rows(row, c):
 def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_step, scale, use_l2norm,
             gate, lower_bound, has_h0, want_final, key_dim, out_dtype, dots):
   it = iter(refs)
-  aexp_ref, dtb_ref = (next(it), next(it)) if gate else (None, None)
+  alog_ref, dtb_ref = (next(it), next(it)) if gate else (None, None)
   h0_ref = next(it) if has_h0 else None
   if want_final and not has_h0:
     next(it)  # the zeros aliased to the final states: never read
@@ -98,10 +102,12 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_st
     # (one MXU round trip for the step instead of one per head)
     g_all = g_ref[...].astype(jnp.float32)
     if gate:
-      row = lambda ref: jnp.concatenate([ref[i] for i in range(hg)], axis=1)  # [1, HG*Kp]
-      g_all = cm.activate_gate(g_all, row(aexp_ref), row(dtb_ref), lower_bound)
+      # exp(A_log) of the step's heads as a [1, HG*Kp] row, from their SMEM scalars
+      a_exp = jnp.exp(jnp.concatenate(
+          [jnp.full((1, kp), alog_ref[hb * hg + i], jnp.float32) for i in range(hg)], axis=1))
+      g_all = cm.activate_gate(g_all, a_exp, dtb_ref[...], lower_bound)
       g_all = jnp.where((cm.iota(g_all.shape, 1) & (kp - 1)) < key_dim, g_all, 0.0)  # padded lanes: g = 0
-    G_all = cm.cumsum_rows(jnp.where(valid_row, g_all, 0.0))
+    G_all = cm.cumsum_rows_split(jnp.where(valid_row, g_all, 0.0))
     # the heads are independent: each stage is issued for all of them before the next, so their
     # MXU latencies overlap (cm.chunk_prep_heads)
     qs, ks, betas = [], [], []
@@ -114,8 +120,10 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_st
       qs.append(q * scale)
       ks.append(k)
     Gs = [G_all[:, cols(i, kp)] for i in range(hg)]
+    # the in-kernel bounded gate bounds every row's log decay: the diagonal score blocks factor
     prepped = cm.chunk_prep_heads(qs, ks, Gs, betas, seg_col, seg_row, blocked=True, dots=dots,
-                                  inverse_dots=dots)
+                                  inverse_dots=dots, lower_bound=lower_bound if gate else None,
+                                  vpu_block_shift=VPU_INVERSE_BLOCK_SHIFT)
     for i, (tinv, aqk) in enumerate(prepped):
       g_scr[i] = Gs[i]
       q_scr[i] = qs[i]
@@ -137,38 +145,45 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_st
       slot = label - 1
       mask = seg_col == label
 
-      def finish(i, vnew, s_base):
-        vacc_scr[i] = vacc_scr[i] + vnew
-        s_end = s_base + cm.piece_state_update(g_scr[i], k_scr[i], mask, last, vnew, dots)
+      def finish(vnews, s_bases):
+        # stage by stage across the heads (each stage's matmuls issued together: their MXU
+        # latencies overlap instead of adding up head after head)
+        updates = [cm.piece_state_update(g_scr[i], k_scr[i], mask, last, vnews[i], dots)
+                   for i in range(hg)]
+        for i in range(hg):
+          vacc_scr[i] = vacc_scr[i] + vnews[i]
+          s_end = updates[i] if s_bases is None else s_bases[i] + updates[i]
 
-        @pl.when(ends == 0)
-        def _():
-          carry_ref[i] = s_end
-
-        if want_final:
-          @pl.when(ends == 1)
+          @pl.when(ends == 0)
           def _():
-            state_scr[i] = s_end
-            pltpu.sync_copy(state_scr.at[i], fs_ref.at[b, slot, hb * hg + i])
+            carry_ref[i] = s_end
+
+          if want_final:
+            @pl.when(ends == 1)
+            def _():
+              state_scr[i] = s_end
+              pltpu.sync_copy(state_scr.at[i], fs_ref.at[b, slot, hb * hg + i])
 
       @pl.when(has_state == 1)
       def _():
-        for i in range(hg):
-          if has_h0:  # a document starting here enters with its slot's initial state
-            @pl.when(cont == 0)
-            def _():
+        if has_h0:  # a document starting here enters with its slot's initial state
+          @pl.when(cont == 0)
+          def _():
+            for i in range(hg):
               pltpu.sync_copy(h0_ref.at[b, slot, hb * hg + i], carry_ref.at[i])
 
-          vnew, o_add, s_base = cm.piece_with_state(
-              g_scr[i], q_scr[i], k_scr[i], beta_scr[i], tinv_scr[i], u_scr[i], mask, first, last,
-              carry_ref[i], dots)
+        outs = cm.piece_with_state_heads(
+            [g_scr[i] for i in range(hg)], [q_scr[i] for i in range(hg)],
+            [k_scr[i] for i in range(hg)], [beta_scr[i] for i in range(hg)],
+            [tinv_scr[i] for i in range(hg)], [u_scr[i] for i in range(hg)], mask, first, last,
+            [carry_ref[i] for i in range(hg)], dots)
+        for i, (_, o_add, _) in enumerate(outs):
           oacc_scr[i] = oacc_scr[i] + o_add
-          finish(i, vnew, s_base)
+        finish([vnew for vnew, _, _ in outs], [s_base for _, _, s_base in outs])
 
       @pl.when(has_state == 0)
       def _():
-        for i in range(hg):
-          finish(i, jnp.where(mask, u_scr[i], 0.0), jnp.zeros((kp, vp), jnp.float32))
+        finish([jnp.where(mask, u_scr[i], 0.0) for i in range(hg)], None)
 
       return carry
 
@@ -183,9 +198,13 @@ def matmul_precision(dtype) -> cm.Dots:
   accumulation (one MXU pass) for bfloat16 inputs, the UT inverse included (their 5e-3 relative
   tolerance holds: tests/kernels/test_inference_numerics.py, b3_packed_bounded_bf16 rel L2 of o
   3.1e-3 with a bf16 or a float32 inverse alike); float32 at HIGHEST (six passes) for float32 inputs
-  (1e-4 absolute). The cumulative gate is float32 at HIGHEST for both: summed from bf16 operands it
-  would be off by ~0.1 nats over a chunk. tools/tpu_cost.py, TPU7x seed shape (ESTIMATE): 0.962 ms
-  with a float32 inverse, 0.472 ms with the bf16 one."""
+  (1e-4 absolute). Two exceptions for bfloat16 inputs: the state update and the state's
+  contribution to the output are bf16x3 (`Dots.tn3` / `nn3`: the nearly-parallel-keys case needs
+  them, see `_chunk_math.piece_state_update`), and the inverse's 16-row diagonal blocks are float32
+  on the VPU. The cumulative gate is exact for both (`_chunk_math.cumsum_rows_split`): summed from
+  one bf16 pass it would be off by ~0.1 nats over a chunk. tools/tpu_cost.py, TPU7x seed shape
+  (ESTIMATE): 0.962 ms with a float32 inverse, 0.472 ms with the bf16 one (before the 16-row VPU
+  blocks)."""
   return cm.Dots(bf16=jnp.dtype(dtype) == jnp.bfloat16)
 
 
@@ -199,7 +218,7 @@ def heads_per_step(num_heads: int, kp: int, vp: int) -> int:
 
 
 def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
-                   use_l2norm, a_exp=None, dt_bias=None, lower_bound=None, initial_state=None,
+                   use_l2norm, a_log=None, dt_bias=None, lower_bound=None, initial_state=None,
                    num_segments=1, want_final=False, interpret=False):
   """Runs the Mosaic kernel on prepared operands (see the module docstring for layouts).
 
@@ -208,7 +227,8 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
     beta_t: `[B, H, Tp2]` (Tp2 = Tp rounded up to 128), float32 or bfloat16.
     table: int32 `[B or 1, NC, ss.chunk_table_words(N)]` from `ss.build_chunk_table` (one row when
       every batch row shares the segment map).
-    a_exp, dt_bias: float32 `[H, 1, Kp]` (in-kernel gate) or None.
+    a_log: float32 `[H]` (read as SMEM scalars; the kernel takes exp), dt_bias: float32
+      `[1, H*Kp]` (lane-dense, zero on padded lanes): the in-kernel gate, or None.
     initial_state: float32 `[B, N, H, Kp, Vp]` or None.
     interpret: False, or a `pltpu.InterpretParams` to simulate the TPU on CPU.
 
@@ -219,7 +239,7 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
   kp = hk // num_heads
   vp = v2.shape[2] // num_heads
   nc = tp // C
-  gate = a_exp is not None
+  gate = a_log is not None
   has_h0 = initial_state is not None
   words = table.shape[2]
   shared = table.shape[0] == 1  # one segment map for every row: one table row
@@ -237,9 +257,9 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
       pl.BlockSpec((None, num_heads, LANE), lambda b, h, c: (b, 0, c // PAIR))]
   operands = [table, q2, k2, v2, g2, beta_t]
   if gate:
-    gspec = pl.BlockSpec((hg, 1, kp), lambda b, h, c: (h, 0, 0))
-    in_specs += [gspec, gspec]
-    operands += [a_exp, dt_bias]
+    in_specs += [pl.BlockSpec(memory_space=pltpu.SMEM),
+                 pl.BlockSpec((1, hg * kp), lambda b, h, c: (0, h))]
+    operands += [a_log, dt_bias]
   aliases = {}
   if has_h0:
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
