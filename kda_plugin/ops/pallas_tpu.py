@@ -9,9 +9,10 @@ all the step's heads, one matmul for all below-diagonal scores of a head, bf16 o
 accumulation for bfloat16 inputs (`matmul_precision`). Every
 block index is arithmetic in the grid position, so nothing about the packing steers a DMA: one grid
 step per 64-row chunk builds the chunk's matrices once (cumulative gate, masked Akk / Aqk, the UT
-inverse, U), then loops over the chunk's pieces (the runs of one document inside it, from the
-per-chunk table of `_segment_schedule.build_chunk_table`, delivered as a per-step SMEM block: SMEM
-use does not grow with B or T). Each piece applies its incoming state: the carried state in VMEM
+inverse, U), then loops over the chunk's pieces (the runs of one document inside it). The piece table
+(`_segment_schedule.build_chunk_table`'s entry format) is built by the step itself in SMEM scratch
+(`_build_piece_table`) from three 128-label SMEM blocks of the segment map: no XLA op builds it, and
+SMEM use does not grow with B or T. Each piece applies its incoming state: the carried state in VMEM
 scratch when it continues the previous chunk's open document, its slot's initial state (copied
 from HBM by a synchronous DMA) when one is given, none otherwise.
 
@@ -62,8 +63,79 @@ def _chunk_rows(row, c):
   return jnp.where(c % PAIR == 0, col[:C], col[C:])
 
 
-def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_step, scale, use_l2norm,
-            gate, lower_bound, has_h0, want_final, key_dim, out_dtype, dots):
+def _build_piece_table(table_ref, seg_prev, seg_cur, seg_next, c, nc, has_h0):
+  """Writes this chunk's piece table (`_segment_schedule.build_chunk_table`'s entry: the piece
+  count, then label and packed word per piece) into SMEM `table_ref`, from the chunk's labels.
+
+  seg_cur holds the labels of the chunk pair (2 x 64 rows) this chunk belongs to, seg_prev and
+  seg_next the pairs before and after (for the rows just outside the chunk). A chunk inside one
+  document is recognised from its first and last labels; any other takes one scalar pass over its
+  64 rows (`_scan_pieces`). tools/tpu_cost.py, TPU7x seed shape (ESTIMATE): the table built by 25
+  XLA ops before the call 0.368 ms, built here 0.287 ms (the scalar pass is off the step's critical
+  chain there; on a chip it runs before the vector work, at most ~1.1k cycles per boundary chunk).
+  """
+  off = (c % PAIR) * C
+
+  def label(i):  # label of chunk row i, i in [-1, C]; 0 outside the sequence
+    j = off + i
+    inside = seg_cur[jnp.clip(j, 0, LANE - 1)]
+    before = jnp.where(c > 0, seg_prev[LANE - 1], 0)
+    after = jnp.where(c + 1 < nc, seg_next[0], 0)
+    return jnp.where(j < 0, before, jnp.where(j >= LANE, after, inside))
+
+  entering, leaving = label(-1), label(C)
+  s0, s_last = label(0), label(C - 1)
+
+  def packed(first, last, cont, ends):
+    return (first << ss.PIECE_FIRST | last << ss.PIECE_LAST | cont << ss.PIECE_CONT
+            | ends << ss.PIECE_ENDS | (cont | int(has_h0)) << ss.PIECE_HAS_STATE)
+
+  # a document's label is one contiguous run: a chunk whose first and last rows hold the same
+  # label is that one piece (most chunks), with no pass over its rows
+  single = (s0 != 0) & (s0 == s_last)
+
+  @pl.when(single)
+  def _():
+    table_ref[0] = 1
+    table_ref[1] = s0
+    table_ref[2] = packed(0, C - 1, (s0 == entering).astype(jnp.int32),
+                          (s0 != leaving).astype(jnp.int32))
+
+  @pl.when(jnp.logical_not(single))
+  def _():
+    _scan_pieces(table_ref, label, entering, packed)
+
+
+def _scan_pieces(table_ref, label, entering, packed):
+  """The general case of `_build_piece_table`: one scalar pass over the chunk's rows."""
+  def row(r, carry):
+    count, prev, first, s = carry
+    nxt = label(r + 1)
+    live = s != 0
+    begin = live & ((r == 0) | (s != prev))
+    count = count + begin.astype(jnp.int32)
+    first = jnp.where(begin, r, first)
+
+    @pl.when(begin)
+    def _():
+      table_ref[1 + ss.WORDS_PER_PIECE * (count - 1)] = s
+
+    @pl.when(live & ((r == C - 1) | (s != nxt)))
+    def _():
+      cont = ((first == 0) & (s == entering)).astype(jnp.int32)
+      ends = 1 - ((r == C - 1) & (s == nxt)).astype(jnp.int32)
+      table_ref[2 + ss.WORDS_PER_PIECE * (count - 1)] = packed(first, r, cont, ends)
+
+    return count, s, first, nxt
+
+  zero = jnp.int32(0)
+  count = lax.fori_loop(0, C, row, (zero, zero, zero, label(0)))[0]
+  table_ref[0] = count
+
+
+def _kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs,
+            heads_per_step, scale, use_l2norm, gate, lower_bound, has_h0, want_final, key_dim,
+            out_dtype, dots, num_chunks):
   it = iter(refs)
   alog_ref, dtb_ref = (next(it), next(it)) if gate else (None, None)
   h0_ref = next(it) if has_h0 else None
@@ -72,12 +144,13 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_st
   o_ref = next(it)
   fs_ref = next(it) if want_final else None
   (carry_ref, g_scr, q_scr, k_scr, tinv_scr, aqk_scr, u_scr, vacc_scr, oacc_scr,
-   beta_scr, state_scr) = it  # each with a leading dim: the step's heads
+   beta_scr, state_scr, table_ref) = it  # each but the table with a leading dim: the step's heads
   hg = heads_per_step
   kp, vp = carry_ref.shape[1], carry_ref.shape[2]
   cols = lambda i, d: slice(i * d, (i + 1) * d)  # head i's lanes of a [C, hg * d] block
 
   b, hb, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  _build_piece_table(table_ref, seg_prev_ref, seg_cur_ref, seg_next_ref, c, num_chunks, has_h0)
   count = table_ref[0]
 
   def label_rows(i, seg_col):  # the chunk's segment column, rebuilt from its pieces
@@ -217,7 +290,7 @@ def heads_per_step(num_heads: int, kp: int, vp: int) -> int:
   return next(d for d in (8, 4, 2, 1) if d <= cap and num_heads % d == 0)
 
 
-def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
+def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
                    use_l2norm, a_log=None, dt_bias=None, lower_bound=None, initial_state=None,
                    num_segments=1, want_final=False, interpret=False):
   """Runs the Mosaic kernel on prepared operands (see the module docstring for layouts).
@@ -225,8 +298,8 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
   Args:
     q2, k2, g2: `[B, Tp, H*Kp]`; v2: `[B, Tp, H*Vp]` (Kp, Vp multiples of 128, Tp of 64).
     beta_t: `[B, H, Tp2]` (Tp2 = Tp rounded up to 128), float32 or bfloat16.
-    table: int32 `[B or 1, NC, ss.chunk_table_words(N)]` from `ss.build_chunk_table` (one row when
-      every batch row shares the segment map).
+    seg: int32 `[B or 1, Tp2]` segment labels (0 = padding, also past T; one row when every batch
+      row shares the map). The kernel builds each chunk's piece table from them in SMEM.
     a_log: float32 `[H]` (read as SMEM scalars; the kernel takes exp), dt_bias: float32
       `[1, H*Kp]` (lane-dense, zero on padded lanes): the in-kernel gate, or None.
     initial_state: float32 `[B, N, H, Kp, Vp]` or None.
@@ -241,21 +314,24 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
   nc = tp // C
   gate = a_log is not None
   has_h0 = initial_state is not None
-  words = table.shape[2]
-  shared = table.shape[0] == 1  # one segment map for every row: one table row
-  # one step's entry as a 1-D SMEM block: 1-D blocks need a multiple of 128 words
-  words_p = -(-words // LANE) * LANE
-  table = jnp.pad(table, ((0, 0), (0, 0), (0, words_p - words))).reshape(-1)
+  words = ss.chunk_table_words(num_segments)
+  shared = seg.shape[0] == 1  # one segment map for every row
+  npair = seg.shape[1] // LANE
+  seg = seg.reshape(-1)  # 1-D SMEM blocks of 128 labels (two chunks)
+  row0 = lambda b: (0 if shared else b) * npair
 
   hg = heads_per_step(num_heads, kp, vp)
   blk_k = pl.BlockSpec((None, C, hg * kp), lambda b, h, c: (b, c, h))
   blk_v = pl.BlockSpec((None, C, hg * vp), lambda b, h, c: (b, c, h))
   in_specs = [
-      pl.BlockSpec((words_p,), lambda b, h, c: ((0 if shared else b) * nc + c,),
+      pl.BlockSpec((LANE,), lambda b, h, c: (row0(b) + jnp.maximum(c // PAIR - 1, 0),),
+                   memory_space=pltpu.SMEM),
+      pl.BlockSpec((LANE,), lambda b, h, c: (row0(b) + c // PAIR,), memory_space=pltpu.SMEM),
+      pl.BlockSpec((LANE,), lambda b, h, c: (row0(b) + jnp.minimum(c // PAIR + 1, npair - 1),),
                    memory_space=pltpu.SMEM),
       blk_k, blk_k, blk_v, blk_k,
       pl.BlockSpec((None, num_heads, LANE), lambda b, h, c: (b, 0, c // PAIR))]
-  operands = [table, q2, k2, v2, g2, beta_t]
+  operands = [seg, seg, seg, q2, k2, v2, g2, beta_t]
   if gate:
     in_specs += [pl.BlockSpec(memory_space=pltpu.SMEM),
                  pl.BlockSpec((1, hg * kp), lambda b, h, c: (0, h))]
@@ -284,11 +360,12 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
              pltpu.VMEM((hg, C, vp), f32), pltpu.VMEM((hg, C, vp), f32),  # U, Vnew
              pltpu.VMEM((hg, C, vp), f32),  # O
              pltpu.VMEM((hg, C, 1), f32),  # beta column
-             pltpu.VMEM((hg, kp, vp), f32)]  # a final state on its way to HBM
+             pltpu.VMEM((hg, kp, vp), f32),  # a final state on its way to HBM
+             pltpu.SMEM((words,), jnp.int32)]  # this chunk's piece table
   kernel = functools.partial(
       _kernel, heads_per_step=hg, scale=float(scale), use_l2norm=use_l2norm, gate=gate, lower_bound=lower_bound,
       has_h0=has_h0, want_final=want_final, key_dim=key_dim, out_dtype=q2.dtype,
-      dots=matmul_precision(q2.dtype))
+      dots=matmul_precision(q2.dtype), num_chunks=nc)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(bsz, num_heads // hg, nc), in_specs=in_specs,
       out_specs=out_specs, scratch_shapes=scratch, input_output_aliases=aliases,
