@@ -289,7 +289,14 @@ def _forward(q, k, v, g, beta, seg, h0, gate, *, implementation, num_heads, num_
       x = jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, dp - d)))
     return x.reshape(b, tp, h * dp)
 
-  q2, k2, g2, v2 = dense(q, kd, kp), dense(k, kd, kp), dense(g, kd, kp), dense(v, vd, vp)
+  from kda_plugin.ops.pallas_tpu import kda_pallas_tpu  # noqa: PLC0415
+  # [B, T, H, D] inputs that need no padding are read in place by the kernel (no relayout copy:
+  # on TPU [B, T, H, D] -> [B, T, H*D] moves every element, the tiles cover different dims)
+  in_place = _reads_in_place(lane_dense, kd, vd, t, h, (q, k, v, g))
+  if in_place:
+    q2, k2, g2, v2 = q, k, g, v
+  else:
+    q2, k2, g2, v2 = dense(q, kd, kp), dense(k, kd, kp), dense(g, kd, kp), dense(v, vd, vp)
   # beta lane-dense along T: [B, H, Tp2] (a free transpose of XLA's T-minor layout of [B, T, H])
   beta_t = jnp.swapaxes(beta, 1, 2)
   if tp2 != t:
@@ -305,7 +312,6 @@ def _forward(q, k, v, g, beta, seg, h0, gate, *, implementation, num_heads, num_
     if kp != kd:
       dt_bias = jnp.pad(dt_bias, ((0, 0), (0, kp - kd)))
     dt_row = dt_bias.reshape(1, h * kp)
-  from kda_plugin.ops.pallas_tpu import kda_pallas_tpu  # noqa: PLC0415
   o2, final = kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg_p, num_heads=h, key_dim=kd,
                              scale=scale, use_l2norm=use_l2norm, a_log=a_log, dt_bias=dt_row,
                              lower_bound=lower_bound, initial_state=h0, num_segments=num_segments,
@@ -318,6 +324,17 @@ def _forward(q, k, v, g, beta, seg, h0, gate, *, implementation, num_heads, num_
   return o, final
 
 
+def _reads_in_place(lane_dense, kd, vd, t, h, arrays) -> bool:
+  """Whether the TPU kernel reads `[B, T, H, D]` q, k, v, g in place (`pallas_tpu.heads_layout_ok`:
+  H a multiple of 8, K and V of 128 at most 128, T a multiple of 64): no padding and no relayout
+  copy before the call (tools/tpu_cost.py, TPU7x seed shape (ESTIMATE): 0.287 ms with the four
+  copies, 0.228 ms without)."""
+  from kda_plugin.ops.pallas_tpu import heads_layout_ok  # noqa: PLC0415
+  kp, vp = lane_padding("pallas_tpu", kd, vd)
+  return (not lane_dense and (kp, vp) == (kd, vd) and t % C == 0
+          and all(heads_layout_ok(h, kp, vp, x.dtype) for x in arrays))
+
+
 def _tiled_bytes(shape, dtype) -> int:
   """HBM bytes of an array in TPU's default tiled layout: the last dim padded to 128 lanes and the
   second-to-last to the sublane tile (8 rows of 32 bits: 8 float32, 16 bfloat16, 32 int8)."""
@@ -325,7 +342,7 @@ def _tiled_bytes(shape, dtype) -> int:
   shape = tuple(shape) or (1,)
   if len(shape) == 1:
     return _round_up(shape[0], LANE) * item
-  sub = 8 * max(1, 4 // item)
+  sub = 8  # XLA's TPU tiles: (8, 128) for 32-bit, (8, 128)(2, 1) for bf16 (the compiled HLO's layouts)
   return math.prod(shape[:-2]) * _round_up(shape[-2], sub) * _round_up(shape[-1], LANE) * item
 
 
@@ -343,7 +360,8 @@ def estimate_peak_memory(q, k, v, g, beta, *, segment_ids=None, initial_state=No
                int32 [B, Tp2] arrays at most: the kernel builds its piece tables itself);
                beta `[B, H, Tp2]` when T needs padding (otherwise a free transpose);
                plus, only when K, V or T are not aligned (K, V to 128, T to 64) or q comes as
-               [B, T, H, K], padded / relaid copies of q, k, g and v and the padded state buffer.
+               [B, T, H, K] the kernel cannot read in place (`_reads_in_place`), padded / relaid
+               copies of q, k, g and v and the padded state buffer.
   The map has one row for a shared `[T]` map (or no map), B rows for a `[B, T]` map.
   Tp = T rounded up to 64, Tp2 = Tp rounded up to 128. VMEM (on-chip) is not counted. Checked
   against `compiled.memory_analysis()` (arguments + outputs + temporaries) on v5e, v6e and TPU7x by
@@ -410,9 +428,15 @@ def estimate_peak_memory(q, k, v, g, beta, *, segment_ids=None, initial_state=No
   temps = _tiled_bytes((rows, tp2), jnp.int32) + rows * tp2 * 4
   if tp2 != t:
     temps += _tiled_bytes((b, h, tp2), beta.dtype)  # beta padded along T
-  if not lane_dense or kp != kd or tp != t:
+  in_place = _reads_in_place(lane_dense, kd, vd, t, h, (q, k, v, g))
+  if in_place:
+    # q, k, v, g read as passed; the kernel's lane-dense o before its relayout to [B, T, H, V]
+    # (an upper bound: memory_analysis on TPU7x counts it at H=32 without final states, 67.3 MB,
+    # but finds 0 bytes of temporaries at the seed shape, H=8 with final states)
+    temps += b * t * h * vd * dt.itemsize
+  elif not lane_dense or kp != kd or tp != t:
     temps += b * tp * h * kp * (2 * dt.itemsize + jnp.dtype(g.dtype).itemsize)
-  if not lane_dense or vp != vd or tp != t:
+  if not in_place and (not lane_dense or vp != vd or tp != t):
     # v in the kernel layout; the kernel's padded o is not counted: XLA's buffer assignment gives it
     # no extra peak (measured with K=V=64 on TPU7x: temporaries = the four padded inputs)
     temps += b * tp * h * vp * dt.itemsize

@@ -63,6 +63,26 @@ def _chunk_rows(row, c):
   return jnp.where(c % PAIR == 0, col[:C], col[C:])
 
 
+def _head_reader(ref, hg, heads_layout):
+  """`i -> head i's [C, D] float32 rows` of one step's q / k / v / g block.
+
+  Lane-dense blocks `[C, HG*D]`: head i is its lanes. Head-major inputs `[B, T, H, D]` are read in
+  place (no relayout copy before the call; on TPU `[B, T, H, D] -> [B, T, H*D]` moves every element,
+  the (8, 128) tiles cover different dims): when a step takes all H heads, viewed as `[B, T*H, D]`
+  (a free bitcast), block `[C*H, D]`, head i every H-th row from row i (one strided load); else
+  block `[C, HG, D]`, head i its sublane i of every token (Mosaic gathers it with VPU shuffles:
+  tools/tpu_cost.py, TPU7x seed shape (ESTIMATE): 0.228 ms strided, 0.258 ms gathered). Mosaic
+  takes neither a dynamic strided start nor a strided store for bfloat16, so the head group is the
+  block's and the output stays lane-dense (`[B, T, H*V]`, one XLA relayout after the call).
+  """
+  if not heads_layout:
+    d = ref.shape[1] // hg
+    return lambda i: ref[:, i * d:(i + 1) * d].astype(jnp.float32)
+  if len(ref.shape) == 3:
+    return lambda i: ref[:, i, :].astype(jnp.float32)
+  return lambda i: ref[pl.ds(i, C, stride=hg), :].astype(jnp.float32)
+
+
 def _build_piece_table(table_ref, seg_prev, seg_cur, seg_next, c, nc, has_h0):
   """Writes this chunk's piece table (`_segment_schedule.build_chunk_table`'s entry: the piece
   count, then label and packed word per piece) into SMEM `table_ref`, from the chunk's labels.
@@ -135,7 +155,7 @@ def _scan_pieces(table_ref, label, entering, packed):
 
 def _kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs,
             heads_per_step, scale, use_l2norm, gate, lower_bound, has_h0, want_final, key_dim,
-            out_dtype, dots, num_chunks):
+            out_dtype, dots, num_chunks, heads_layout):
   it = iter(refs)
   alog_ref, dtb_ref = (next(it), next(it)) if gate else (None, None)
   h0_ref = next(it) if has_h0 else None
@@ -147,7 +167,6 @@ def _kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref,
    beta_scr, state_scr, table_ref) = it  # each but the table with a leading dim: the step's heads
   hg = heads_per_step
   kp, vp = carry_ref.shape[1], carry_ref.shape[2]
-  cols = lambda i, d: slice(i * d, (i + 1) * d)  # head i's lanes of a [C, hg * d] block
 
   b, hb, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   _build_piece_table(table_ref, seg_prev_ref, seg_cur_ref, seg_next_ref, c, num_chunks, has_h0)
@@ -173,7 +192,10 @@ def _kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref,
     beta_all = beta_ref[...].astype(jnp.float32)
     # every head's gate at once: the cumulative sum of the whole [C, HG*Kp] block is one matmul
     # (one MXU round trip for the step instead of one per head)
-    g_all = g_ref[...].astype(jnp.float32)
+    read_q, read_k, read_v, read_g = (_head_reader(r, hg, heads_layout)
+                                      for r in (q_ref, k_ref, v_ref, g_ref))
+    g_all = (jnp.concatenate([read_g(i) for i in range(hg)], axis=1) if heads_layout
+             else g_ref[...].astype(jnp.float32))
     if gate:
       # exp(A_log) of the step's heads as a [1, HG*Kp] row, from their SMEM scalars
       a_exp = jnp.exp(jnp.concatenate(
@@ -186,13 +208,12 @@ def _kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref,
     qs, ks, betas = [], [], []
     for i in range(hg):
       betas.append(jnp.where(valid_row, _chunk_rows(cm.row_at(beta_all, hb * hg + i), c), 0.0))
-      q = q_ref[:, cols(i, kp)].astype(jnp.float32)
-      k = k_ref[:, cols(i, kp)].astype(jnp.float32)
+      q, k = read_q(i), read_k(i)
       if use_l2norm:
         q, k = cm.l2norm_rows(q), cm.l2norm_rows(k)
       qs.append(q * scale)
       ks.append(k)
-    Gs = [G_all[:, cols(i, kp)] for i in range(hg)]
+    Gs = [G_all[:, i * kp:(i + 1) * kp] for i in range(hg)]
     # the in-kernel bounded gate bounds every row's log decay: the diagonal score blocks factor
     prepped = cm.chunk_prep_heads(qs, ks, Gs, betas, seg_col, seg_row, blocked=True, dots=dots,
                                   inverse_dots=dots, lower_bound=lower_bound if gate else None,
@@ -205,7 +226,7 @@ def _kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref,
       aqk_scr[i] = aqk
       beta_scr[i] = betas[i]
     for i, (tinv, _) in enumerate(prepped):
-      u_scr[i] = dots.nn(tinv, betas[i] * v_ref[:, cols(i, vp)].astype(jnp.float32))
+      u_scr[i] = dots.nn(tinv, betas[i] * read_v(i))
     vacc_scr[...] = jnp.zeros_like(vacc_scr)
     oacc_scr[...] = jnp.zeros_like(oacc_scr)
 
@@ -263,7 +284,7 @@ def _kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref,
     lax.fori_loop(0, count, piece, 0)
     for i in range(hg):
       o = oacc_scr[i] + dots.nn(aqk_scr[i], vacc_scr[i])
-      o_ref[:, cols(i, vp)] = jnp.where(valid_row, o, 0.0).astype(out_dtype)
+      o_ref[:, i * vp:(i + 1) * vp] = jnp.where(valid_row, o, 0.0).astype(out_dtype)
 
 
 def matmul_precision(dtype) -> cm.Dots:
@@ -296,7 +317,8 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
   """Runs the Mosaic kernel on prepared operands (see the module docstring for layouts).
 
   Args:
-    q2, k2, g2: `[B, Tp, H*Kp]`; v2: `[B, Tp, H*Vp]` (Kp, Vp multiples of 128, Tp of 64).
+    q2, k2, g2: `[B, Tp, H*Kp]`; v2: `[B, Tp, H*Vp]` (Kp, Vp multiples of 128, Tp of 64), or all
+      four head-major `[B, Tp, H, D]` (read in place; `heads_layout_ok` must hold).
     beta_t: `[B, H, Tp2]` (Tp2 = Tp rounded up to 128), float32 or bfloat16.
     seg: int32 `[B or 1, Tp2]` segment labels (0 = padding, also past T; one row when every batch
       row shares the map). The kernel builds each chunk's piece table from them in SMEM.
@@ -306,11 +328,13 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
     interpret: False, or a `pltpu.InterpretParams` to simulate the TPU on CPU.
 
   Returns:
-    (o `[B, Tp, H*Vp]` in q's dtype, final `[B, N, H, Kp, Vp]` float32 or None).
+    (o `[B, Tp, H*Vp]` (or `[B, Tp, H, Vp]` for head-major inputs) in q's dtype, final
+    `[B, N, H, Kp, Vp]` float32 or None).
   """
-  bsz, tp, hk = q2.shape
-  kp = hk // num_heads
-  vp = v2.shape[2] // num_heads
+  heads_layout = q2.ndim == 4
+  bsz, tp = q2.shape[:2]
+  kp = q2.shape[-1] if heads_layout else q2.shape[2] // num_heads
+  vp = v2.shape[-1] if heads_layout else v2.shape[2] // num_heads
   nc = tp // C
   gate = a_log is not None
   has_h0 = initial_state is not None
@@ -321,8 +345,21 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
   row0 = lambda b: (0 if shared else b) * npair
 
   hg = heads_per_step(num_heads, kp, vp)
-  blk_k = pl.BlockSpec((None, C, hg * kp), lambda b, h, c: (b, c, h))
-  blk_v = pl.BlockSpec((None, C, hg * vp), lambda b, h, c: (b, c, h))
+  if heads_layout:
+    if not heads_layout_ok(num_heads, kp, vp, q2.dtype):
+      raise ValueError(f"head-major operands need H % 8 == 0 and K, V <= 128, got H={num_heads}, "
+                       f"K={kp}, V={vp}")
+    if hg == num_heads:  # [B, T*H, D]: each head's rows strided (`_head_reader`)
+      q2, k2, v2, g2 = (x.reshape(bsz, tp * num_heads, x.shape[-1]) for x in (q2, k2, v2, g2))
+      blk_k = pl.BlockSpec((None, C * hg, kp), lambda b, h, c: (b, c, 0))
+      blk_v = pl.BlockSpec((None, C * hg, vp), lambda b, h, c: (b, c, 0))
+    else:
+      blk_k = pl.BlockSpec((None, C, hg, kp), lambda b, h, c: (b, c, h, 0))
+      blk_v = pl.BlockSpec((None, C, hg, vp), lambda b, h, c: (b, c, h, 0))
+  else:
+    blk_k = pl.BlockSpec((None, C, hg * kp), lambda b, h, c: (b, c, h))
+    blk_v = pl.BlockSpec((None, C, hg * vp), lambda b, h, c: (b, c, h))
+  blk_o = pl.BlockSpec((None, C, hg * vp), lambda b, h, c: (b, c, h))
   in_specs = [
       pl.BlockSpec((LANE,), lambda b, h, c: (row0(b) + jnp.maximum(c // PAIR - 1, 0),),
                    memory_space=pltpu.SMEM),
@@ -347,7 +384,7 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
     aliases = {len(operands) - 1: 1}
 
   out_shape = [jax.ShapeDtypeStruct((bsz, tp, num_heads * vp), q2.dtype)]
-  out_specs = [blk_v]
+  out_specs = [blk_o]
   if want_final:
     out_shape.append(jax.ShapeDtypeStruct((bsz, num_segments, num_heads, kp, vp), jnp.float32))
     out_specs.append(pl.BlockSpec(memory_space=pl.ANY))
@@ -365,7 +402,7 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
   kernel = functools.partial(
       _kernel, heads_per_step=hg, scale=float(scale), use_l2norm=use_l2norm, gate=gate, lower_bound=lower_bound,
       has_h0=has_h0, want_final=want_final, key_dim=key_dim, out_dtype=q2.dtype,
-      dots=matmul_precision(q2.dtype), num_chunks=nc)
+      dots=matmul_precision(q2.dtype), num_chunks=nc, heads_layout=heads_layout)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(bsz, num_heads // hg, nc), in_specs=in_specs,
       out_specs=out_specs, scratch_shapes=scratch, input_output_aliases=aliases,
@@ -374,6 +411,13 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
           vmem_limit_bytes=vmem_limit_bytes(kp, vp, num_heads, hg)),
       interpret=interpret, name="kda_inference_tpu")(*operands)
   return outs[0], (outs[1] if want_final else None)
+
+
+def heads_layout_ok(num_heads: int, kp: int, vp: int, dtype) -> bool:
+  """Whether the kernel can read `[B, T, H, D]` operands in place (`_head_reader`): a step's heads
+  are whole (8, 128) tiles of one token (a multiple of 8 heads per step), float32 or bfloat16."""
+  return (heads_per_step(num_heads, kp, vp) % 8 == 0
+          and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)))
 
 
 def vmem_limit_bytes(kp: int, vp: int, num_heads: int, hg: int = 1) -> int:

@@ -209,3 +209,36 @@ def test_bf16_nearly_parallel_keys_tpu_kernel(decay):
   for got, want in ((o, ref_o), (final, ref_s)):
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert rel <= 5e-3, f"relative L2 error {rel:.2e} > 5e-3"
+
+
+@pytest.mark.parametrize("dtype,heads", [("float32", 8), ("bfloat16", 8), ("bfloat16", 16)])
+def test_head_major_inputs_read_in_place_tpu_kernel(dtype, heads):
+  """`[B, T, H, K]` inputs with H a multiple of 8, K = V = 128 and T a multiple of 64 are read in
+  place by the TPU kernel (no relayout copy before the call): with all heads in one step (H = 8)
+  as strided rows of `[B, T*H, K]`, with a head group per step (H = 16) as sublanes of
+  `[C, 8, K]` blocks. The oracle's result, per-row maps, initial states."""
+  from kda_plugin.ops.pallas_tpu import heads_layout_ok  # noqa: PLC0415
+
+  rng = np.random.default_rng(8)
+  seg = np.stack([_random_layout(rng, 192, 4) for _ in range(2)])
+  case = Case("head_major", seg[0], batch=2, heads=heads, key_dim=128, value_dim=128, num_segments=4,
+              gate="bounded", l2norm=True, dtype=dtype)
+  x = make_inputs(case, seed=12)
+  assert heads_layout_ok(heads, 128, 128, x["q"].dtype)
+  ref_o, ref_s = oracle(x["q"], x["k"], x["v"], x["g"], x["beta"], seg, x["h0"], 128 ** -0.5,
+                        a_log=x["a_log"], dt_bias=x["dt_bias"], lower_bound=-4.0, l2norm=True)
+  o, s = kda_inference(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")),
+                       segment_ids=jnp.asarray(seg), initial_state=jnp.asarray(x["h0"]),
+                       output_final_state=True, max_num_segments=4, a_log=jnp.asarray(x["a_log"]),
+                       dt_bias=jnp.asarray(x["dt_bias"]), lower_bound=-4.0, use_qk_l2norm=True,
+                       implementation="pallas_tpu", interpret=True)
+  assert o.shape == ref_o.shape and o.dtype == jnp.dtype(dtype)
+  o, s = np.asarray(o, np.float64), np.asarray(s, np.float64)
+  assert np.all(o[seg == 0] == 0.0)
+  if dtype == "float32":
+    np.testing.assert_allclose(o, ref_o, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(s, ref_s, atol=1e-4, rtol=0)
+  else:
+    for got, want in ((o, ref_o), (s, ref_s)):
+      rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+      assert rel <= 5e-3, f"relative L2 error {rel:.2e} > 5e-3"
