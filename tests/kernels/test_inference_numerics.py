@@ -181,7 +181,7 @@ def test_per_row_segment_maps_tpu_kernel():
   assert np.all(np.asarray(o)[seg == 0] == 0.0)
 
 
-@pytest.mark.parametrize("decay", ["none", "steepest"])
+@pytest.mark.parametrize("decay", ["none", pytest.param("steepest", marks=pytest.mark.slow)])
 def test_bf16_nearly_parallel_keys_tpu_kernel(decay):
   """The bfloat16 kernel's hard case for its bf16 UT inverse: K = V = 128, nearly parallel keys
   (every key 0.97 of one direction), beta = 1, and either almost no decay (the inverse's entries
@@ -211,7 +211,9 @@ def test_bf16_nearly_parallel_keys_tpu_kernel(decay):
     assert rel <= 5e-3, f"relative L2 error {rel:.2e} > 5e-3"
 
 
-@pytest.mark.parametrize("dtype,heads", [("float32", 8), ("bfloat16", 8), ("bfloat16", 16)])
+@pytest.mark.parametrize("dtype,heads", [
+    pytest.param("float32", 8, marks=pytest.mark.slow), ("bfloat16", 8),
+    pytest.param("bfloat16", 16, marks=pytest.mark.slow)])  # ~1 min each in interpret mode
 def test_head_major_inputs_read_in_place_tpu_kernel(dtype, heads):
   """`[B, T, H, K]` inputs with H a multiple of 8, K = V = 128 and T a multiple of 64 are read in
   place by the TPU kernel (no relayout copy before the call): with all heads in one step (H = 8)
