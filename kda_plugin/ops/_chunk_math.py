@@ -467,25 +467,12 @@ def chunk_prep_heads(qs, ks, Gs, betas, seg_col, seg_row, *, blocked: bool, dots
   return list(zip(unit_lower_inverses(akks, inverse_dots, vpu_block_shift), aqks))
 
 
-def piece_with_state(G, q, k, beta, tinv, u, mask, first, last, s_in, dots=F32):
-  """One document piece (rows `mask`, first row `first`, last row `last`) with incoming state s_in.
-
-  Returns (vnew `[C, V]` restricted to the piece, o_add `[C, V]` = (q~ exp(G - G_a)) S_in,
-  s_base `[K, V]` = Diag(exp(G_e - G_a)) S_in), with a = first - 1 (G_a = 0 when first = 0).
-  """
-  ga = row_at(G, first - 1)
-  e = jnp.exp(jnp.where(mask, G - ga, NEG_INF))
-  w = dots.nn(tinv, beta * k * e)
-  vnew = jnp.where(mask, u - dots.nn(w, s_in), 0.0)
-  o_add = dots.nn(q * e, s_in)
-  s_base = row_to_col(jnp.exp(row_at(G, last) - ga)) * s_in
-  return vnew, o_add, s_base
-
-
 def piece_with_state_heads(Gs, qs, ks, betas, tinvs, us, mask, first, last, s_ins, dots=F32):
-  """`piece_with_state` of several heads of one piece (lists per head), stage by stage across the
-  heads: every head's W and o_add matmuls, then every head's W S_in, so that independent matmuls
-  are issued together. o_add = (q~ e) S_in is bf16x3 with bfloat16 inputs (`Dots.nn3`): with one
+  """Document pieces (rows `mask`, first row `first`, last row `last`) of several heads of one chunk
+  with incoming states `s_ins` (lists per head). Per head: vnew `[C, V]` restricted to the piece,
+  o_add `[C, V]` = (q~ exp(G - G_a)) S_in, s_base `[K, V]` = Diag(exp(G_e - G_a)) S_in, with
+  a = first - 1 (G_a = 0 when first = 0). Stage by stage across the heads: every head's W and
+  o_add matmuls, then every head's W S_in, so that independent matmuls are issued together. o_add = (q~ e) S_in is bf16x3 with bfloat16 inputs (`Dots.nn3`): with one
   pass the output of the nearly-parallel-keys case is at relative L2 4.9e-3 of its 5e-3 budget,
   4.3e-3 with it (tools/tpu_cost.py: no change to the TPU7x seed estimate, the piece loop is off the
   step's critical chain). Returns `[(vnew, o_add, s_base)]` per head."""
