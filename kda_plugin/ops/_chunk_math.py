@@ -63,6 +63,28 @@ class Dots(NamedTuple):
 
   bf16: bool = False
 
+  def _mm3(self, a, b, dims):
+    """bf16x3 (float32 operands split into a bf16 head and a bf16 remainder): a_hi b_hi +
+    a_hi b_lo + a_lo b_hi as ONE product, the three pairs stacked along the contraction (one MXU
+    accumulation, one result pop per tile); float32 at HIGHEST when `bf16` is off."""
+    if not self.bf16:
+      return self._mm(a, b, dims)
+    bf = jnp.bfloat16
+    split = lambda x: (x.astype(bf), (x - x.astype(bf).astype(jnp.float32)).astype(bf))
+    (ah, al), (bh, bl) = split(a), split(b)
+    ca, cb = dims[0][0], dims[1][0]
+    lhs = jnp.concatenate([ah, ah, al], axis=ca)
+    rhs = jnp.concatenate([bh, bl, bh], axis=cb)
+    return lax.dot_general(lhs, rhs, (dims, ((), ())), preferred_element_type=jnp.float32)
+
+  def nn3(self, a, b):
+    """a @ b, bf16x3 when bf16."""
+    return self._mm3(a, b, ((1,), (0,)))
+
+  def tn3(self, a, b):
+    """a.T @ b, bf16x3 when bf16."""
+    return self._mm3(a, b, ((0,), (0,)))
+
   def _mm(self, a, b, dims):
     dn = (dims, ((), ()))
     if self.bf16:
@@ -149,6 +171,26 @@ def cumsum_rows(g):
   c = g.shape[0]
   tril = (iota((c, c), 1) <= iota((c, c), 0)).astype(jnp.float32)
   return dot(tril, g)
+
+
+def cumsum_rows_split(g):
+  """`cumsum_rows` of float32 `g [C, D]` as ONE bf16 MXU product, as exact as the float32 one.
+
+  g = hi + mid + lo with three bf16 pieces (each the rounding of what the previous ones left, so
+  together they carry g's 24 mantissa bits), and the 0/1 lower triangle is exact in bf16, so
+  [tril | tril | tril] @ [hi; mid; lo] sums exact products in float32: three MXU passes in one
+  accumulation instead of HIGHEST's six, and one result pop per tile (tools/tpu_cost.py: the result
+  pops of the step's first matmuls set the start of its chain).
+  """
+  c = g.shape[0]
+  bf = jnp.bfloat16
+  hi = g.astype(bf)
+  rest = g - hi.astype(jnp.float32)
+  mid = rest.astype(bf)
+  lo = (rest - mid.astype(jnp.float32)).astype(bf)
+  tril3 = (jnp.bitwise_and(iota((c, 3 * c), 1), c - 1) <= iota((c, 3 * c), 0)).astype(bf)
+  return lax.dot_general(tril3, jnp.concatenate([hi, mid, lo], axis=0), (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
 
 
 def _diag_scores(qb, kb, gb, row0, c):
@@ -240,7 +282,47 @@ def _below_diag_scores(q, k, G, dots=F32):
   return both[:c], both[c:]
 
 
-def intra_chunk_scores(q, k, G, *, blocked: bool, dots=F32):
+# Largest exponent magnitude a factored diagonal block may meet (`factored_diagonal`): exp(60) ~ 1e26
+# keeps every matmul operand (a factor times a q or k entry) finite; the products that are kept are
+# bounded by |q_r| |k_i| whatever the factors (the GPU kernel uses the same bound).
+MAX_FACTORED_EXPONENT = 60.0
+
+
+def factored_shift(lower_bound) -> float:
+  """d = (SUB - 1) / 2 * |lower_bound|: the reference G_first - d of a 16-row block sits half way down
+  the steepest decay the bounded gate allows, so exp(G_r - ref) and exp(ref - G_i) of any rows r, i
+  of the block lie in [exp(-d), exp(d)]."""
+  return (SUB - 1) / 2 * abs(float(lower_bound))
+
+
+def factored_diagonal(lower_bound) -> bool:
+  """Whether the diagonal 16x16 score blocks come from one matmul (`_diag_scores_factored`): only for
+  the bounded gate (every per-row log decay in [lower_bound, 0], a static bound known because the
+  gate is activated in the kernel) with `factored_shift` <= MAX_FACTORED_EXPONENT. Unbounded gates
+  (softplus, a raw log decay) keep the exact elementwise blocks."""
+  return lower_bound is not None and factored_shift(lower_bound) <= MAX_FACTORED_EXPONENT
+
+
+def _diag_scores_factored(q, k, G, lower_bound, dots):
+  """All diagonal 16x16 blocks of `(akk, aqk)` `[C, C]` in one `[2C, K] x [C, K]^T` matmul.
+
+  exp(G_r - G_i) = exp(G_r - ref) exp(ref - G_i) with ref = G_first - d (`factored_shift`), G_first
+  the first row of the rows' own block: both factors lie in [exp(-d), exp(d)] (finite, no mask
+  before exp) and each kept term's rounding is relative to the term, as in `_below_diag_scores`. The
+  reference is a row at or before every row of its block, so no kept entry's rounding reads a later
+  row's gate. Products across blocks are garbage and set to 0 here (`where` never propagates them).
+  """
+  c = G.shape[0]
+  ref = block_row(G, 0) - factored_shift(lower_bound)
+  row_f = jnp.exp(G - ref)
+  k_col = k * jnp.exp(ref - G)
+  both = dots.nt(jnp.concatenate([k * row_f, q * row_f], axis=0), k_col)
+  r = iota((c, c), 0)
+  same_block = jnp.right_shift(r, _SUB_SHIFT) == jnp.right_shift(iota((c, c), 1), _SUB_SHIFT)
+  return jnp.where(same_block, both[:c], 0.0), jnp.where(same_block, both[c:], 0.0)
+
+
+def intra_chunk_scores(q, k, G, *, blocked: bool, dots=F32, lower_bound=None):
   """`Akk` and `Aqk` of the chunk before segment/causal masking (entries with r >= i are valid).
 
   Args: q, k, G float32 `[C, K]` (C a multiple of 16). Returns `(akk, aqk)` float32 `[C, C]`.
@@ -248,10 +330,15 @@ def intra_chunk_scores(q, k, G, *, blocked: bool, dots=F32):
   diagonal blocks are exact elementwise sums with one masked exponent per entry. blocked=True
   (Mosaic) builds each diagonal block from its own 16-row slice; blocked=False (Triton, no value
   slicing) builds all diagonal blocks together in 16 masked iterations (`_diag_scores_all_blocks`).
+  With `lower_bound` (the bounded gate, see `factored_diagonal`) the diagonal blocks are one factored
+  matmul instead (`_diag_scores_factored`; tools/tpu_cost.py: the elementwise blocks were most of the
+  TPU kernel's VPU work).
   Math: docs/kda.md section 'Chunked form (WY/UT)' and docs/packing.md section 'Segment-native chunk algorithm'.
   """
   c = G.shape[0]
-  if not blocked:
+  if factored_diagonal(lower_bound):
+    akk, aqk = _diag_scores_factored(q, k, G, lower_bound, dots)
+  elif not blocked:
     akk, aqk = _diag_scores_all_blocks(q, k, G)
   else:
     nb = c // SUB
@@ -278,20 +365,61 @@ def unit_lower_inverse(a):
   return unit_lower_inverses([a])[0]
 
 
-def unit_lower_inverses(mats, dots=F32):
+def _diag_block_inverses(mats, block_shift):
+  """Inverses of the diagonal `2**block_shift`-row blocks of (I + a) for strictly lower `a [C, C]`,
+  by forward substitution on the VPU, every block and matrix at once, in float32.
+
+  Row r of X = (I + A)^-1 within its block: X_r = e_r - sum_{j < r} A[r, j] X_j. Iteration j
+  subtracts A[r, b(r) + j] X_{b(r) + j} from every row r of each block b(r) (A is strictly lower,
+  so rows at or above j get 0): X_{b + j} is final when iteration j reads it. The result is
+  block diagonal (entries outside the blocks stay 0).
+  """
+  c = mats[0].shape[0]
+  n = 1 << block_shift
+  r = iota((c, c), 0)
+  col = iota((c, c), 1)
+  same = jnp.right_shift(r, block_shift) == jnp.right_shift(col, block_shift)
+  col_first = jnp.left_shift(jnp.right_shift(r, block_shift), block_shift)
+  eye = (r == col).astype(jnp.float32)
+  blocks = [jnp.where(same & (r > col), a, 0.0) for a in mats]
+
+  def body(j, xs):
+    hit = col == col_first + j
+    out = []
+    for a, x in zip(blocks, xs):
+      a_j = jnp.sum(jnp.where(hit, a, 0.0), axis=1, keepdims=True)        # A[r, b(r) + j]
+      x3 = x.reshape(c // n, n, c)
+      x_j = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, x3.shape, 1) == j, x3, 0.0),
+                    axis=1, keepdims=True)
+      out.append(x - a_j * jnp.broadcast_to(x_j, x3.shape).reshape(c, c))
+    return tuple(out)
+
+  return list(lax.fori_loop(0, n, body, tuple(eye for _ in blocks)))
+
+
+def unit_lower_inverses(mats, dots=F32, vpu_block_shift=1):
   """`unit_lower_inverse` of several independent matrices, level by level: each doubling issues its
   matmul for every matrix before the next one, so their MXU latencies overlap (a step's heads:
-  one dependent chain of 10 matmuls instead of 10 per head; tools/tpu_cost.py follows the chain)."""
+  one dependent chain of 10 matmuls instead of 10 per head; tools/tpu_cost.py follows the chain).
+
+  vpu_block_shift: the diagonal blocks of 2**vpu_block_shift rows are inverted first by forward
+  substitution on the VPU in float32 (`_diag_block_inverses`; 1: the exact 2 x 2 blocks, X = I - L),
+  and only the remaining doublings use the MXU: 2 (log2 C - vpu_block_shift) matmuls in the chain.
+  """
   c = mats[0].shape[0]
   if c & (c - 1) or any(a.shape != (c, c) for a in mats):
     raise ValueError("unit_lower_inverse: a must be [C, C] with C a power of two, got "
                      f"{[a.shape for a in mats]}")
   r = iota((c, c), 0)
   col = iota((c, c), 1)
-  eye = (r == col).astype(jnp.float32)
-  pair = (jnp.right_shift(r, 1) == jnp.right_shift(col, 1)) & (r > col)
-  xs = [eye - jnp.where(pair, a, 0.0) for a in mats]
-  shift = 1
+  if vpu_block_shift > 1:
+    xs = _diag_block_inverses(mats, vpu_block_shift)
+    shift = vpu_block_shift
+  else:
+    eye = (r == col).astype(jnp.float32)
+    pair = (jnp.right_shift(r, 1) == jnp.right_shift(col, 1)) & (r > col)
+    xs = [eye - jnp.where(pair, a, 0.0) for a in mats]
+    shift = 1
   while (1 << shift) < c:
     quad = ((jnp.right_shift(r, shift + 1) == jnp.right_shift(col, shift + 1))
             & (jnp.right_shift(r, shift) != jnp.right_shift(col, shift)))
@@ -302,7 +430,7 @@ def unit_lower_inverses(mats, dots=F32):
 
 
 def chunk_prep(q, k, g, beta, seg_col, seg_row, *, blocked: bool, cumulative: bool = False,
-               dots=F32):
+               dots=F32, lower_bound=None, vpu_block_shift=1):
   """The chunk-wide matrices that do not depend on the incoming states.
 
   Args:
@@ -317,41 +445,53 @@ def chunk_prep(q, k, g, beta, seg_col, seg_row, *, blocked: bool, cumulative: bo
     same document and r >= i).
   """
   G = g if cumulative else cumsum_rows(g)
-  tinv, aqk = chunk_prep_heads([q], [k], [G], [beta], seg_col, seg_row, blocked=blocked, dots=dots)[0]
+  tinv, aqk = chunk_prep_heads([q], [k], [G], [beta], seg_col, seg_row, blocked=blocked, dots=dots,
+                               lower_bound=lower_bound, vpu_block_shift=vpu_block_shift)[0]
   return G, tinv, aqk
 
 
 def chunk_prep_heads(qs, ks, Gs, betas, seg_col, seg_row, *, blocked: bool, dots=F32,
-                     inverse_dots=F32):
+                     inverse_dots=F32, lower_bound=None, vpu_block_shift=1):
   """`chunk_prep` of several heads of one chunk (lists of `[C, K]` q, k, cumulative G and `[C, 1]`
   beta), stage by stage across the heads so that their independent matmuls are issued together
-  and their MXU latencies overlap. Returns `[(tinv, aqk)]` per head."""
+  and their MXU latencies overlap. `lower_bound`: the bounded gate's bound when every row's log
+  decay is known to lie in [lower_bound, 0] (see `intra_chunk_scores`). Returns `[(tinv, aqk)]`."""
   c = qs[0].shape[0]
   r = iota((c, c), 0)
   col = iota((c, c), 1)
   same = (seg_col == seg_row) & (seg_col != 0)
-  scores = [intra_chunk_scores(q, k, G, blocked=blocked, dots=dots) for q, k, G in zip(qs, ks, Gs)]
+  scores = [intra_chunk_scores(q, k, G, blocked=blocked, dots=dots, lower_bound=lower_bound)
+            for q, k, G in zip(qs, ks, Gs)]
   akks = [beta * jnp.where(same & (r > col), akk, 0.0) for beta, (akk, _) in zip(betas, scores)]
   aqks = [jnp.where(same & (r >= col), aqk, 0.0) for _, aqk in scores]
-  return list(zip(unit_lower_inverses(akks, inverse_dots), aqks))
+  return list(zip(unit_lower_inverses(akks, inverse_dots, vpu_block_shift), aqks))
 
 
-def piece_with_state(G, q, k, beta, tinv, u, mask, first, last, s_in, dots=F32):
-  """One document piece (rows `mask`, first row `first`, last row `last`) with incoming state s_in.
-
-  Returns (vnew `[C, V]` restricted to the piece, o_add `[C, V]` = (q~ exp(G - G_a)) S_in,
-  s_base `[K, V]` = Diag(exp(G_e - G_a)) S_in), with a = first - 1 (G_a = 0 when first = 0).
-  """
-  ga = row_at(G, first - 1)
-  e = jnp.exp(jnp.where(mask, G - ga, NEG_INF))
-  w = dots.nn(tinv, beta * k * e)
-  vnew = jnp.where(mask, u - dots.nn(w, s_in), 0.0)
-  o_add = dots.nn(q * e, s_in)
-  s_base = row_to_col(jnp.exp(row_at(G, last) - ga)) * s_in
-  return vnew, o_add, s_base
+def piece_with_state_heads(Gs, qs, ks, betas, tinvs, us, mask, first, last, s_ins, dots=F32):
+  """Document pieces (rows `mask`, first row `first`, last row `last`) of several heads of one chunk
+  with incoming states `s_ins` (lists per head). Per head: vnew `[C, V]` restricted to the piece,
+  o_add `[C, V]` = (q~ exp(G - G_a)) S_in, s_base `[K, V]` = Diag(exp(G_e - G_a)) S_in, with
+  a = first - 1 (G_a = 0 when first = 0). Stage by stage across the heads: every head's W and
+  o_add matmuls, then every head's W S_in, so that independent matmuls are issued together. o_add = (q~ e) S_in is bf16x3 with bfloat16 inputs (`Dots.nn3`): with one
+  pass the output of the nearly-parallel-keys case is at relative L2 4.9e-3 of its 5e-3 budget,
+  4.3e-3 with it (tools/tpu_cost.py: no change to the TPU7x seed estimate, the piece loop is off the
+  step's critical chain). Returns `[(vnew, o_add, s_base)]` per head."""
+  eg = []
+  for G in Gs:
+    ga = row_at(G, first - 1)
+    eg.append((ga, jnp.exp(jnp.where(mask, G - ga, NEG_INF))))
+  ws = [dots.nn(tinv, beta * k * e) for tinv, beta, k, (_, e) in zip(tinvs, betas, ks, eg)]
+  o_adds = [dots.nn3(q * e, s_in) for q, (_, e), s_in in zip(qs, eg, s_ins)]
+  vnews = [jnp.where(mask, u - dots.nn(w, s_in), 0.0) for u, w, s_in in zip(us, ws, s_ins)]
+  s_bases = [row_to_col(jnp.exp(row_at(G, last) - ga)) * s_in for G, (ga, _), s_in in zip(Gs, eg, s_ins)]
+  return list(zip(vnews, o_adds, s_bases))
 
 
 def piece_state_update(G, k, mask, last, vnew, dots=F32):
-  """sum_{i in piece} (k_i exp(G_e - G_i)) vnew_i^T, `[K, V]`: the piece's writes seen at row e."""
+  """sum_{i in piece} (k_i exp(G_e - G_i)) vnew_i^T, `[K, V]`: the piece's writes seen at row e.
+
+  bf16x3 with bfloat16 inputs (`Dots.tn3`): the state accumulates these writes over the whole
+  document, and with one bf16 pass the nearly-parallel-keys case misses its tolerance (final state
+  relative L2 5.0e-3, 2.2e-3 with bf16x3: tests/kernels/test_inference_numerics.py)."""
   e = jnp.exp(jnp.where(mask, row_at(G, last) - G, NEG_INF))
-  return dots.tn(k * e, vnew)
+  return dots.tn3(k * e, vnew)

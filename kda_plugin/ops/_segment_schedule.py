@@ -136,11 +136,12 @@ def build_schedule(seg, num_steps_: int, *, has_initial_state: bool, chunk: int 
 # Per-chunk piece table (the Pallas TPU kernel): one grid step per chunk, its pieces looped in place.
 #
 # The TPU kernel's grid is (B, H, NC) with arithmetic block indices, so the schedule no longer steers
-# any DMA and need not be scalar-prefetched whole: each grid step reads only its own chunk's entry,
-# delivered as a per-step SMEM block. An entry is `1 + 2 * P` int32 words, P = min(C, N) (a chunk
-# holds at most one run per label and at most C runs): word 0 is the chunk's piece count, then two
-# words per piece in order, the label and a packed word (`PIECE_*` bit offsets below). SMEM holds
-# two such entries (double buffering) whatever B and T are.
+# any DMA and need not be scalar-prefetched whole: each grid step builds only its own chunk's entry
+# in SMEM scratch from the chunk's labels (`pallas_tpu._build_piece_table`; `build_chunk_table` below
+# is the same table in XLA, the definition the tests compare it with). An entry is `1 + 2 * P` int32
+# words, P = min(C, N) (a chunk holds at most one run per label and at most C runs): word 0 is the
+# chunk's piece count, then two words per piece in order, the label and a packed word (`PIECE_*` bit
+# offsets below). SMEM holds one entry and three 128-label blocks whatever B and T are.
 
 PIECE_FIRST = 0       # bits 0-7: first row of the piece inside its chunk
 PIECE_LAST = 8        # bits 8-15: last row of the piece inside its chunk

@@ -242,7 +242,7 @@ def kda_inference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, out
                else jnp.asarray(dt_bias, jnp.float32).reshape(p.num_heads, p.key_dim))
     gate = (a_log, dt_bias)
   seg = None
-  if packed:  # a shared [T] map stays one row: the TPU kernel builds its chunk table once
+  if packed:  # a shared [T] map stays one row: every batch row's grid steps read the same labels
     seg = (jnp.asarray(segment_ids, jnp.int32)[None] if np.ndim(segment_ids) == 1
            else p.segment_ids)
   o, final = _forward(q, k, v, g, beta, seg, h0, gate,
@@ -258,7 +258,7 @@ def kda_inference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, out
                                              "lower_bound", "use_l2norm", "want_final", "interpret"))
 def _forward(q, k, v, g, beta, seg, h0, gate, *, implementation, num_heads, num_segments, scale,
              lower_bound, use_l2norm, want_final, interpret):
-  """Pads and lays out the operands, builds the chunk table, runs the kernel, unpads.
+  """Pads and lays out the operands, runs the kernel (which builds its chunk tables), unpads.
 
   q, k, v, g come as `[B, T, H, D]` or lane-dense `[B, T, H*D]`; o leaves in the same layout.
   """
@@ -289,25 +289,31 @@ def _forward(q, k, v, g, beta, seg, h0, gate, *, implementation, num_heads, num_
       x = jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, dp - d)))
     return x.reshape(b, tp, h * dp)
 
-  q2, k2, g2, v2 = dense(q, kd, kp), dense(k, kd, kp), dense(g, kd, kp), dense(v, vd, vp)
+  from kda_plugin.ops.pallas_tpu import kda_pallas_tpu  # noqa: PLC0415
+  # [B, T, H, D] inputs that need no padding are read in place by the kernel (no relayout copy:
+  # on TPU [B, T, H, D] -> [B, T, H*D] moves every element, the tiles cover different dims)
+  in_place = _reads_in_place(lane_dense, kd, vd, t, h, (q, k, v, g))
+  if in_place:
+    q2, k2, g2, v2 = q, k, g, v
+  else:
+    q2, k2, g2, v2 = dense(q, kd, kp), dense(k, kd, kp), dense(g, kd, kp), dense(v, vd, vp)
   # beta lane-dense along T: [B, H, Tp2] (a free transpose of XLA's T-minor layout of [B, T, H])
   beta_t = jnp.swapaxes(beta, 1, 2)
   if tp2 != t:
     beta_t = jnp.pad(beta_t, ((0, 0), (0, 0), (0, tp2 - t)))
-  seg_p = jnp.pad(seg, ((0, 0), (0, tp - t))) if tp != t else seg
-  table = ss.build_chunk_table(seg_p, num_segments, has_initial_state=h0 is not None)
+  seg_p = jnp.pad(seg, ((0, 0), (0, tp2 - t))) if tp2 != t else seg
   if h0 is not None:
     h0 = h0.astype(jnp.float32)
     if (kp, vp) != (kd, vd):
       h0 = jnp.pad(h0, ((0, 0),) * 3 + ((0, kp - kd), (0, vp - vd)))
-  a_exp = dt_row = None
+  a_log = dt_row = None
   if gate is not None:
     a_log, dt_bias = gate
-    a_exp = jnp.broadcast_to(jnp.exp(a_log)[:, None, None], (h, 1, kp))
-    dt_row = jnp.pad(dt_bias, ((0, 0), (0, kp - kd)))[:, None, :]
-  from kda_plugin.ops.pallas_tpu import kda_pallas_tpu  # noqa: PLC0415
-  o2, final = kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, num_heads=h, key_dim=kd,
-                             scale=scale, use_l2norm=use_l2norm, a_exp=a_exp, dt_bias=dt_row,
+    if kp != kd:
+      dt_bias = jnp.pad(dt_bias, ((0, 0), (0, kp - kd)))
+    dt_row = dt_bias.reshape(1, h * kp)
+  o2, final = kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg_p, num_heads=h, key_dim=kd,
+                             scale=scale, use_l2norm=use_l2norm, a_log=a_log, dt_bias=dt_row,
                              lower_bound=lower_bound, initial_state=h0, num_segments=num_segments,
                              want_final=want_final, interpret=interpret)
   if (vp, tp) != (vd, t):
@@ -318,6 +324,17 @@ def _forward(q, k, v, g, beta, seg, h0, gate, *, implementation, num_heads, num_
   return o, final
 
 
+def _reads_in_place(lane_dense, kd, vd, t, h, arrays) -> bool:
+  """Whether the TPU kernel reads `[B, T, H, D]` q, k, v, g in place (`pallas_tpu.heads_layout_ok`:
+  H a multiple of 8, K and V of 128 at most 128, T a multiple of 64): no padding and no relayout
+  copy before the call (tools/tpu_cost.py, TPU7x seed shape (ESTIMATE): 0.287 ms with the four
+  copies, 0.228 ms without)."""
+  from kda_plugin.ops.pallas_tpu import heads_layout_ok  # noqa: PLC0415
+  kp, vp = lane_padding("pallas_tpu", kd, vd)
+  return (not lane_dense and (kp, vp) == (kd, vd) and t % C == 0
+          and all(heads_layout_ok(h, kp, vp, x.dtype) for x in arrays))
+
+
 def _tiled_bytes(shape, dtype) -> int:
   """HBM bytes of an array in TPU's default tiled layout: the last dim padded to 128 lanes and the
   second-to-last to the sublane tile (8 rows of 32 bits: 8 float32, 16 bfloat16, 32 int8)."""
@@ -325,7 +342,7 @@ def _tiled_bytes(shape, dtype) -> int:
   shape = tuple(shape) or (1,)
   if len(shape) == 1:
     return _round_up(shape[0], LANE) * item
-  sub = 8 * max(1, 4 // item)
+  sub = 8  # XLA's TPU tiles: (8, 128) for 32-bit, (8, 128)(2, 1) for bf16 (the compiled HLO's layouts)
   return math.prod(shape[:-2]) * _round_up(shape[-2], sub) * _round_up(shape[-1], LANE) * item
 
 
@@ -339,12 +356,13 @@ def estimate_peak_memory(q, k, v, g, beta, *, segment_ids=None, initial_state=No
     arguments = q, k, v, g, beta, segment_ids, initial_state, a_log, dt_bias as passed
     outputs   = o in q's layout and dtype + final states B*N*H*K*V*4 when requested (the kernel
                 writes them into a copy of the initial states, or into zeros)
-    temporaries = the chunk table (B*NC entries of 1 + 2 min(64, N) int32 words padded to a
-               multiple of 128, built then flattened) and 4 int32 [B, Tp] working arrays of its
-               construction; beta `[B, H, Tp2]` when T needs padding (otherwise a free transpose);
+    temporaries = the segment map padded to Tp2 and flattened for the kernel's SMEM blocks (two
+               int32 [B, Tp2] arrays at most: the kernel builds its piece tables itself);
+               beta `[B, H, Tp2]` when T needs padding (otherwise a free transpose);
                plus, only when K, V or T are not aligned (K, V to 128, T to 64) or q comes as
-               [B, T, H, K], padded / relaid copies of q, k, g and v and the padded state buffer.
-  The table has one row for a shared `[T]` map (or no map), B rows for a `[B, T]` map.
+               [B, T, H, K] the kernel cannot read in place (`_reads_in_place`), padded / relaid
+               copies of q, k, g and v and the padded state buffer.
+  The map has one row for a shared `[T]` map (or no map), B rows for a `[B, T]` map.
   Tp = T rounded up to 64, Tp2 = Tp rounded up to 128. VMEM (on-chip) is not counted. Checked
   against `compiled.memory_analysis()` (arguments + outputs + temporaries) on v5e, v6e and TPU7x by
   tests/aot/test_tpu_kernel_compile.py.
@@ -396,7 +414,6 @@ def estimate_peak_memory(q, k, v, g, beta, *, segment_ids=None, initial_state=No
   kp, vp = lane_padding(name, kd, vd)
   tp = _round_up(t, C)
   tp2 = _round_up(tp, LANE)
-  nc = tp // C
   dt = jnp.dtype(q.dtype)
   arrays = [x for x in (q, k, v, g, beta, segment_ids, initial_state, a_log, dt_bias) if x is not None]
   # XLA lays entry arguments out compactly (beta [B, T, H] with T minor); a 1-D array still takes
@@ -408,13 +425,18 @@ def estimate_peak_memory(q, k, v, g, beta, *, segment_ids=None, initial_state=No
   outputs = _tiled_bytes(o_shape, dt) + (
       _tiled_bytes((b, n, h, kd, vd), jnp.float32) if output_final_state else 0)
   rows = b if segment_ids is not None and len(shp(segment_ids)) == 2 else 1
-  temps = (2 * rows * nc * _round_up(ss.chunk_table_words(n), LANE) * 4
-           + 4 * _tiled_bytes((rows, tp), jnp.int32))
+  temps = _tiled_bytes((rows, tp2), jnp.int32) + rows * tp2 * 4
   if tp2 != t:
     temps += _tiled_bytes((b, h, tp2), beta.dtype)  # beta padded along T
-  if not lane_dense or kp != kd or tp != t:
+  in_place = _reads_in_place(lane_dense, kd, vd, t, h, (q, k, v, g))
+  if in_place:
+    # q, k, v, g read as passed; the kernel's lane-dense o before its relayout to [B, T, H, V]
+    # (an upper bound: memory_analysis on TPU7x counts it at H=32 without final states, 67.3 MB,
+    # but finds 0 bytes of temporaries at the seed shape, H=8 with final states)
+    temps += b * t * h * vd * dt.itemsize
+  elif not lane_dense or kp != kd or tp != t:
     temps += b * tp * h * kp * (2 * dt.itemsize + jnp.dtype(g.dtype).itemsize)
-  if not lane_dense or vp != vd or tp != t:
+  if not in_place and (not lane_dense or vp != vd or tp != t):
     # v in the kernel layout; the kernel's padded o is not counted: XLA's buffer assignment gives it
     # no extra peak (measured with K=V=64 on TPU7x: temporaries = the four padded inputs)
     temps += b * tp * h * vp * dt.itemsize

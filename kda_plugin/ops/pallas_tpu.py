@@ -9,9 +9,10 @@ all the step's heads, one matmul for all below-diagonal scores of a head, bf16 o
 accumulation for bfloat16 inputs (`matmul_precision`). Every
 block index is arithmetic in the grid position, so nothing about the packing steers a DMA: one grid
 step per 64-row chunk builds the chunk's matrices once (cumulative gate, masked Akk / Aqk, the UT
-inverse, U), then loops over the chunk's pieces (the runs of one document inside it, from the
-per-chunk table of `_segment_schedule.build_chunk_table`, delivered as a per-step SMEM block: SMEM
-use does not grow with B or T). Each piece applies its incoming state: the carried state in VMEM
+inverse, U), then loops over the chunk's pieces (the runs of one document inside it). The piece table
+(`_segment_schedule.build_chunk_table`'s entry format) is built by the step itself in SMEM scratch
+(`_build_piece_table`) from three 128-label SMEM blocks of the segment map: no XLA op builds it, and
+SMEM use does not grow with B or T. Each piece applies its incoming state: the carried state in VMEM
 scratch when it continues the previous chunk's open document, its slot's initial state (copied
 from HBM by a synchronous DMA) when one is given, none otherwise.
 
@@ -45,6 +46,10 @@ from kda_plugin.ops import _segment_schedule as ss
 C = ss.CHUNK
 LANE = 128
 PAIR = LANE // C  # chunks per lane-dense row of beta / segment ids
+# The UT inverse's 16-row diagonal blocks by forward substitution on the VPU (float32), then two
+# MXU doublings (`_chunk_math.unit_lower_inverses`). tools/tpu_cost.py, TPU7x seed shape (ESTIMATE):
+# 2-row blocks (10 MXU levels) 0.456 ms, 8-row 0.401, 16-row 0.371, 32-row 0.409 (VPU-bound).
+VPU_INVERSE_BLOCK_SHIFT = 4
 MAX_KV = 256  # K and V padded above this would overflow the VMEM plan (states are [Kp, Vp] float32)
 
 
@@ -58,22 +63,113 @@ def _chunk_rows(row, c):
   return jnp.where(c % PAIR == 0, col[:C], col[C:])
 
 
-def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_step, scale, use_l2norm,
-            gate, lower_bound, has_h0, want_final, key_dim, out_dtype, dots):
+def _head_reader(ref, hg, heads_layout):
+  """`i -> head i's [C, D] float32 rows` of one step's q / k / v / g block.
+
+  Lane-dense blocks `[C, HG*D]`: head i is its lanes. Head-major inputs `[B, T, H, D]` are read in
+  place (no relayout copy before the call; on TPU `[B, T, H, D] -> [B, T, H*D]` moves every element,
+  the (8, 128) tiles cover different dims): when a step takes all H heads, viewed as `[B, T*H, D]`
+  (a free bitcast), block `[C*H, D]`, head i every H-th row from row i (one strided load); else
+  block `[C, HG, D]`, head i its sublane i of every token (Mosaic gathers it with VPU shuffles:
+  tools/tpu_cost.py, TPU7x seed shape (ESTIMATE): 0.228 ms strided, 0.258 ms gathered). Mosaic
+  takes neither a dynamic strided start nor a strided store for bfloat16, so the head group is the
+  block's and the output stays lane-dense (`[B, T, H*V]`, one XLA relayout after the call).
+  """
+  if not heads_layout:
+    d = ref.shape[1] // hg
+    return lambda i: ref[:, i * d:(i + 1) * d].astype(jnp.float32)
+  if len(ref.shape) == 3:
+    return lambda i: ref[:, i, :].astype(jnp.float32)
+  return lambda i: ref[pl.ds(i, C, stride=hg), :].astype(jnp.float32)
+
+
+def _build_piece_table(table_ref, seg_prev, seg_cur, seg_next, c, nc, has_h0):
+  """Writes this chunk's piece table (`_segment_schedule.build_chunk_table`'s entry: the piece
+  count, then label and packed word per piece) into SMEM `table_ref`, from the chunk's labels.
+
+  seg_cur holds the labels of the chunk pair (2 x 64 rows) this chunk belongs to, seg_prev and
+  seg_next the pairs before and after (for the rows just outside the chunk). A chunk inside one
+  document is recognised from its first and last labels; any other takes one scalar pass over its
+  64 rows (`_scan_pieces`). tools/tpu_cost.py, TPU7x seed shape (ESTIMATE): the table built by 25
+  XLA ops before the call 0.368 ms, built here 0.287 ms (the scalar pass is off the step's critical
+  chain there; on a chip it runs before the vector work, at most ~1.1k cycles per boundary chunk).
+  """
+  off = (c % PAIR) * C
+
+  def label(i):  # label of chunk row i, i in [-1, C]; 0 outside the sequence
+    j = off + i
+    inside = seg_cur[jnp.clip(j, 0, LANE - 1)]
+    before = jnp.where(c > 0, seg_prev[LANE - 1], 0)
+    after = jnp.where(c + 1 < nc, seg_next[0], 0)
+    return jnp.where(j < 0, before, jnp.where(j >= LANE, after, inside))
+
+  entering, leaving = label(-1), label(C)
+  s0, s_last = label(0), label(C - 1)
+
+  def packed(first, last, cont, ends):
+    return (first << ss.PIECE_FIRST | last << ss.PIECE_LAST | cont << ss.PIECE_CONT
+            | ends << ss.PIECE_ENDS | (cont | int(has_h0)) << ss.PIECE_HAS_STATE)
+
+  # a document's label is one contiguous run: a chunk whose first and last rows hold the same
+  # label is that one piece (most chunks), with no pass over its rows
+  single = (s0 != 0) & (s0 == s_last)
+
+  @pl.when(single)
+  def _():
+    table_ref[0] = 1
+    table_ref[1] = s0
+    table_ref[2] = packed(0, C - 1, (s0 == entering).astype(jnp.int32),
+                          (s0 != leaving).astype(jnp.int32))
+
+  @pl.when(jnp.logical_not(single))
+  def _():
+    _scan_pieces(table_ref, label, entering, packed)
+
+
+def _scan_pieces(table_ref, label, entering, packed):
+  """The general case of `_build_piece_table`: one scalar pass over the chunk's rows."""
+  def row(r, carry):
+    count, prev, first, s = carry
+    nxt = label(r + 1)
+    live = s != 0
+    begin = live & ((r == 0) | (s != prev))
+    count = count + begin.astype(jnp.int32)
+    first = jnp.where(begin, r, first)
+
+    @pl.when(begin)
+    def _():
+      table_ref[1 + ss.WORDS_PER_PIECE * (count - 1)] = s
+
+    @pl.when(live & ((r == C - 1) | (s != nxt)))
+    def _():
+      cont = ((first == 0) & (s == entering)).astype(jnp.int32)
+      ends = 1 - ((r == C - 1) & (s == nxt)).astype(jnp.int32)
+      table_ref[2 + ss.WORDS_PER_PIECE * (count - 1)] = packed(first, r, cont, ends)
+
+    return count, s, first, nxt
+
+  zero = jnp.int32(0)
+  count = lax.fori_loop(0, C, row, (zero, zero, zero, label(0)))[0]
+  table_ref[0] = count
+
+
+def _kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs,
+            heads_per_step, scale, use_l2norm, gate, lower_bound, has_h0, want_final, key_dim,
+            out_dtype, dots, num_chunks, heads_layout):
   it = iter(refs)
-  aexp_ref, dtb_ref = (next(it), next(it)) if gate else (None, None)
+  alog_ref, dtb_ref = (next(it), next(it)) if gate else (None, None)
   h0_ref = next(it) if has_h0 else None
   if want_final and not has_h0:
     next(it)  # the zeros aliased to the final states: never read
   o_ref = next(it)
   fs_ref = next(it) if want_final else None
   (carry_ref, g_scr, q_scr, k_scr, tinv_scr, aqk_scr, u_scr, vacc_scr, oacc_scr,
-   beta_scr, state_scr) = it  # each with a leading dim: the step's heads
+   beta_scr, state_scr, table_ref) = it  # each but the table with a leading dim: the step's heads
   hg = heads_per_step
   kp, vp = carry_ref.shape[1], carry_ref.shape[2]
-  cols = lambda i, d: slice(i * d, (i + 1) * d)  # head i's lanes of a [C, hg * d] block
 
   b, hb, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  _build_piece_table(table_ref, seg_prev_ref, seg_cur_ref, seg_next_ref, c, num_chunks, has_h0)
   count = table_ref[0]
 
   def label_rows(i, seg_col):  # the chunk's segment column, rebuilt from its pieces
@@ -96,26 +192,32 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_st
     beta_all = beta_ref[...].astype(jnp.float32)
     # every head's gate at once: the cumulative sum of the whole [C, HG*Kp] block is one matmul
     # (one MXU round trip for the step instead of one per head)
-    g_all = g_ref[...].astype(jnp.float32)
+    read_q, read_k, read_v, read_g = (_head_reader(r, hg, heads_layout)
+                                      for r in (q_ref, k_ref, v_ref, g_ref))
+    g_all = (jnp.concatenate([read_g(i) for i in range(hg)], axis=1) if heads_layout
+             else g_ref[...].astype(jnp.float32))
     if gate:
-      row = lambda ref: jnp.concatenate([ref[i] for i in range(hg)], axis=1)  # [1, HG*Kp]
-      g_all = cm.activate_gate(g_all, row(aexp_ref), row(dtb_ref), lower_bound)
+      # exp(A_log) of the step's heads as a [1, HG*Kp] row, from their SMEM scalars
+      a_exp = jnp.exp(jnp.concatenate(
+          [jnp.full((1, kp), alog_ref[hb * hg + i], jnp.float32) for i in range(hg)], axis=1))
+      g_all = cm.activate_gate(g_all, a_exp, dtb_ref[...], lower_bound)
       g_all = jnp.where((cm.iota(g_all.shape, 1) & (kp - 1)) < key_dim, g_all, 0.0)  # padded lanes: g = 0
-    G_all = cm.cumsum_rows(jnp.where(valid_row, g_all, 0.0))
+    G_all = cm.cumsum_rows_split(jnp.where(valid_row, g_all, 0.0))
     # the heads are independent: each stage is issued for all of them before the next, so their
     # MXU latencies overlap (cm.chunk_prep_heads)
     qs, ks, betas = [], [], []
     for i in range(hg):
       betas.append(jnp.where(valid_row, _chunk_rows(cm.row_at(beta_all, hb * hg + i), c), 0.0))
-      q = q_ref[:, cols(i, kp)].astype(jnp.float32)
-      k = k_ref[:, cols(i, kp)].astype(jnp.float32)
+      q, k = read_q(i), read_k(i)
       if use_l2norm:
         q, k = cm.l2norm_rows(q), cm.l2norm_rows(k)
       qs.append(q * scale)
       ks.append(k)
-    Gs = [G_all[:, cols(i, kp)] for i in range(hg)]
+    Gs = [G_all[:, i * kp:(i + 1) * kp] for i in range(hg)]
+    # the in-kernel bounded gate bounds every row's log decay: the diagonal score blocks factor
     prepped = cm.chunk_prep_heads(qs, ks, Gs, betas, seg_col, seg_row, blocked=True, dots=dots,
-                                  inverse_dots=dots)
+                                  inverse_dots=dots, lower_bound=lower_bound if gate else None,
+                                  vpu_block_shift=VPU_INVERSE_BLOCK_SHIFT)
     for i, (tinv, aqk) in enumerate(prepped):
       g_scr[i] = Gs[i]
       q_scr[i] = qs[i]
@@ -124,7 +226,7 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_st
       aqk_scr[i] = aqk
       beta_scr[i] = betas[i]
     for i, (tinv, _) in enumerate(prepped):
-      u_scr[i] = dots.nn(tinv, betas[i] * v_ref[:, cols(i, vp)].astype(jnp.float32))
+      u_scr[i] = dots.nn(tinv, betas[i] * read_v(i))
     vacc_scr[...] = jnp.zeros_like(vacc_scr)
     oacc_scr[...] = jnp.zeros_like(oacc_scr)
 
@@ -137,45 +239,52 @@ def _kernel(table_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, heads_per_st
       slot = label - 1
       mask = seg_col == label
 
-      def finish(i, vnew, s_base):
-        vacc_scr[i] = vacc_scr[i] + vnew
-        s_end = s_base + cm.piece_state_update(g_scr[i], k_scr[i], mask, last, vnew, dots)
+      def finish(vnews, s_bases):
+        # stage by stage across the heads (each stage's matmuls issued together: their MXU
+        # latencies overlap instead of adding up head after head)
+        updates = [cm.piece_state_update(g_scr[i], k_scr[i], mask, last, vnews[i], dots)
+                   for i in range(hg)]
+        for i in range(hg):
+          vacc_scr[i] = vacc_scr[i] + vnews[i]
+          s_end = updates[i] if s_bases is None else s_bases[i] + updates[i]
 
-        @pl.when(ends == 0)
-        def _():
-          carry_ref[i] = s_end
-
-        if want_final:
-          @pl.when(ends == 1)
+          @pl.when(ends == 0)
           def _():
-            state_scr[i] = s_end
-            pltpu.sync_copy(state_scr.at[i], fs_ref.at[b, slot, hb * hg + i])
+            carry_ref[i] = s_end
+
+          if want_final:
+            @pl.when(ends == 1)
+            def _():
+              state_scr[i] = s_end
+              pltpu.sync_copy(state_scr.at[i], fs_ref.at[b, slot, hb * hg + i])
 
       @pl.when(has_state == 1)
       def _():
-        for i in range(hg):
-          if has_h0:  # a document starting here enters with its slot's initial state
-            @pl.when(cont == 0)
-            def _():
+        if has_h0:  # a document starting here enters with its slot's initial state
+          @pl.when(cont == 0)
+          def _():
+            for i in range(hg):
               pltpu.sync_copy(h0_ref.at[b, slot, hb * hg + i], carry_ref.at[i])
 
-          vnew, o_add, s_base = cm.piece_with_state(
-              g_scr[i], q_scr[i], k_scr[i], beta_scr[i], tinv_scr[i], u_scr[i], mask, first, last,
-              carry_ref[i], dots)
+        outs = cm.piece_with_state_heads(
+            [g_scr[i] for i in range(hg)], [q_scr[i] for i in range(hg)],
+            [k_scr[i] for i in range(hg)], [beta_scr[i] for i in range(hg)],
+            [tinv_scr[i] for i in range(hg)], [u_scr[i] for i in range(hg)], mask, first, last,
+            [carry_ref[i] for i in range(hg)], dots)
+        for i, (_, o_add, _) in enumerate(outs):
           oacc_scr[i] = oacc_scr[i] + o_add
-          finish(i, vnew, s_base)
+        finish([vnew for vnew, _, _ in outs], [s_base for _, _, s_base in outs])
 
       @pl.when(has_state == 0)
       def _():
-        for i in range(hg):
-          finish(i, jnp.where(mask, u_scr[i], 0.0), jnp.zeros((kp, vp), jnp.float32))
+        finish([jnp.where(mask, u_scr[i], 0.0) for i in range(hg)], None)
 
       return carry
 
     lax.fori_loop(0, count, piece, 0)
     for i in range(hg):
       o = oacc_scr[i] + dots.nn(aqk_scr[i], vacc_scr[i])
-      o_ref[:, cols(i, vp)] = jnp.where(valid_row, o, 0.0).astype(out_dtype)
+      o_ref[:, i * vp:(i + 1) * vp] = jnp.where(valid_row, o, 0.0).astype(out_dtype)
 
 
 def matmul_precision(dtype) -> cm.Dots:
@@ -183,9 +292,13 @@ def matmul_precision(dtype) -> cm.Dots:
   accumulation (one MXU pass) for bfloat16 inputs, the UT inverse included (their 5e-3 relative
   tolerance holds: tests/kernels/test_inference_numerics.py, b3_packed_bounded_bf16 rel L2 of o
   3.1e-3 with a bf16 or a float32 inverse alike); float32 at HIGHEST (six passes) for float32 inputs
-  (1e-4 absolute). The cumulative gate is float32 at HIGHEST for both: summed from bf16 operands it
-  would be off by ~0.1 nats over a chunk. tools/tpu_cost.py, TPU7x seed shape (ESTIMATE): 0.962 ms
-  with a float32 inverse, 0.472 ms with the bf16 one."""
+  (1e-4 absolute). Two exceptions for bfloat16 inputs: the state update and the state's
+  contribution to the output are bf16x3 (`Dots.tn3` / `nn3`: the nearly-parallel-keys case needs
+  them, see `_chunk_math.piece_state_update`), and the inverse's 16-row diagonal blocks are float32
+  on the VPU. The cumulative gate is exact for both (`_chunk_math.cumsum_rows_split`): summed from
+  one bf16 pass it would be off by ~0.1 nats over a chunk. tools/tpu_cost.py, TPU7x seed shape
+  (ESTIMATE): 0.962 ms with a float32 inverse, 0.472 ms with the bf16 one (before the 16-row VPU
+  blocks)."""
   return cm.Dots(bf16=jnp.dtype(dtype) == jnp.bfloat16)
 
 
@@ -198,48 +311,68 @@ def heads_per_step(num_heads: int, kp: int, vp: int) -> int:
   return next(d for d in (8, 4, 2, 1) if d <= cap and num_heads % d == 0)
 
 
-def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
-                   use_l2norm, a_exp=None, dt_bias=None, lower_bound=None, initial_state=None,
+def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
+                   use_l2norm, a_log=None, dt_bias=None, lower_bound=None, initial_state=None,
                    num_segments=1, want_final=False, interpret=False):
   """Runs the Mosaic kernel on prepared operands (see the module docstring for layouts).
 
   Args:
-    q2, k2, g2: `[B, Tp, H*Kp]`; v2: `[B, Tp, H*Vp]` (Kp, Vp multiples of 128, Tp of 64).
+    q2, k2, g2: `[B, Tp, H*Kp]`; v2: `[B, Tp, H*Vp]` (Kp, Vp multiples of 128, Tp of 64), or all
+      four head-major `[B, Tp, H, D]` (read in place; `heads_layout_ok` must hold).
     beta_t: `[B, H, Tp2]` (Tp2 = Tp rounded up to 128), float32 or bfloat16.
-    table: int32 `[B or 1, NC, ss.chunk_table_words(N)]` from `ss.build_chunk_table` (one row when
-      every batch row shares the segment map).
-    a_exp, dt_bias: float32 `[H, 1, Kp]` (in-kernel gate) or None.
+    seg: int32 `[B or 1, Tp2]` segment labels (0 = padding, also past T; one row when every batch
+      row shares the map). The kernel builds each chunk's piece table from them in SMEM.
+    a_log: float32 `[H]` (read as SMEM scalars; the kernel takes exp), dt_bias: float32
+      `[1, H*Kp]` (lane-dense, zero on padded lanes): the in-kernel gate, or None.
     initial_state: float32 `[B, N, H, Kp, Vp]` or None.
     interpret: False, or a `pltpu.InterpretParams` to simulate the TPU on CPU.
 
   Returns:
-    (o `[B, Tp, H*Vp]` in q's dtype, final `[B, N, H, Kp, Vp]` float32 or None).
+    (o `[B, Tp, H*Vp]` (or `[B, Tp, H, Vp]` for head-major inputs) in q's dtype, final
+    `[B, N, H, Kp, Vp]` float32 or None).
   """
-  bsz, tp, hk = q2.shape
-  kp = hk // num_heads
-  vp = v2.shape[2] // num_heads
+  heads_layout = q2.ndim == 4
+  bsz, tp = q2.shape[:2]
+  kp = q2.shape[-1] if heads_layout else q2.shape[2] // num_heads
+  vp = v2.shape[-1] if heads_layout else v2.shape[2] // num_heads
   nc = tp // C
-  gate = a_exp is not None
+  gate = a_log is not None
   has_h0 = initial_state is not None
-  words = table.shape[2]
-  shared = table.shape[0] == 1  # one segment map for every row: one table row
-  # one step's entry as a 1-D SMEM block: 1-D blocks need a multiple of 128 words
-  words_p = -(-words // LANE) * LANE
-  table = jnp.pad(table, ((0, 0), (0, 0), (0, words_p - words))).reshape(-1)
+  words = ss.chunk_table_words(num_segments)
+  shared = seg.shape[0] == 1  # one segment map for every row
+  npair = seg.shape[1] // LANE
+  seg = seg.reshape(-1)  # 1-D SMEM blocks of 128 labels (two chunks)
+  row0 = lambda b: (0 if shared else b) * npair
 
   hg = heads_per_step(num_heads, kp, vp)
-  blk_k = pl.BlockSpec((None, C, hg * kp), lambda b, h, c: (b, c, h))
-  blk_v = pl.BlockSpec((None, C, hg * vp), lambda b, h, c: (b, c, h))
+  if heads_layout:
+    if not heads_layout_ok(num_heads, kp, vp, q2.dtype):
+      raise ValueError(f"head-major operands need H % 8 == 0 and K, V <= 128, got H={num_heads}, "
+                       f"K={kp}, V={vp}")
+    if hg == num_heads:  # [B, T*H, D]: each head's rows strided (`_head_reader`)
+      q2, k2, v2, g2 = (x.reshape(bsz, tp * num_heads, x.shape[-1]) for x in (q2, k2, v2, g2))
+      blk_k = pl.BlockSpec((None, C * hg, kp), lambda b, h, c: (b, c, 0))
+      blk_v = pl.BlockSpec((None, C * hg, vp), lambda b, h, c: (b, c, 0))
+    else:
+      blk_k = pl.BlockSpec((None, C, hg, kp), lambda b, h, c: (b, c, h, 0))
+      blk_v = pl.BlockSpec((None, C, hg, vp), lambda b, h, c: (b, c, h, 0))
+  else:
+    blk_k = pl.BlockSpec((None, C, hg * kp), lambda b, h, c: (b, c, h))
+    blk_v = pl.BlockSpec((None, C, hg * vp), lambda b, h, c: (b, c, h))
+  blk_o = pl.BlockSpec((None, C, hg * vp), lambda b, h, c: (b, c, h))
   in_specs = [
-      pl.BlockSpec((words_p,), lambda b, h, c: ((0 if shared else b) * nc + c,),
+      pl.BlockSpec((LANE,), lambda b, h, c: (row0(b) + jnp.maximum(c // PAIR - 1, 0),),
+                   memory_space=pltpu.SMEM),
+      pl.BlockSpec((LANE,), lambda b, h, c: (row0(b) + c // PAIR,), memory_space=pltpu.SMEM),
+      pl.BlockSpec((LANE,), lambda b, h, c: (row0(b) + jnp.minimum(c // PAIR + 1, npair - 1),),
                    memory_space=pltpu.SMEM),
       blk_k, blk_k, blk_v, blk_k,
       pl.BlockSpec((None, num_heads, LANE), lambda b, h, c: (b, 0, c // PAIR))]
-  operands = [table, q2, k2, v2, g2, beta_t]
+  operands = [seg, seg, seg, q2, k2, v2, g2, beta_t]
   if gate:
-    gspec = pl.BlockSpec((hg, 1, kp), lambda b, h, c: (h, 0, 0))
-    in_specs += [gspec, gspec]
-    operands += [a_exp, dt_bias]
+    in_specs += [pl.BlockSpec(memory_space=pltpu.SMEM),
+                 pl.BlockSpec((1, hg * kp), lambda b, h, c: (0, h))]
+    operands += [a_log, dt_bias]
   aliases = {}
   if has_h0:
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
@@ -251,7 +384,7 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
     aliases = {len(operands) - 1: 1}
 
   out_shape = [jax.ShapeDtypeStruct((bsz, tp, num_heads * vp), q2.dtype)]
-  out_specs = [blk_v]
+  out_specs = [blk_o]
   if want_final:
     out_shape.append(jax.ShapeDtypeStruct((bsz, num_segments, num_heads, kp, vp), jnp.float32))
     out_specs.append(pl.BlockSpec(memory_space=pl.ANY))
@@ -264,11 +397,12 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
              pltpu.VMEM((hg, C, vp), f32), pltpu.VMEM((hg, C, vp), f32),  # U, Vnew
              pltpu.VMEM((hg, C, vp), f32),  # O
              pltpu.VMEM((hg, C, 1), f32),  # beta column
-             pltpu.VMEM((hg, kp, vp), f32)]  # a final state on its way to HBM
+             pltpu.VMEM((hg, kp, vp), f32),  # a final state on its way to HBM
+             pltpu.SMEM((words,), jnp.int32)]  # this chunk's piece table
   kernel = functools.partial(
       _kernel, heads_per_step=hg, scale=float(scale), use_l2norm=use_l2norm, gate=gate, lower_bound=lower_bound,
       has_h0=has_h0, want_final=want_final, key_dim=key_dim, out_dtype=q2.dtype,
-      dots=matmul_precision(q2.dtype))
+      dots=matmul_precision(q2.dtype), num_chunks=nc, heads_layout=heads_layout)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(bsz, num_heads // hg, nc), in_specs=in_specs,
       out_specs=out_specs, scratch_shapes=scratch, input_output_aliases=aliases,
@@ -277,6 +411,13 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, table, *, num_heads, key_dim, scale,
           vmem_limit_bytes=vmem_limit_bytes(kp, vp, num_heads, hg)),
       interpret=interpret, name="kda_inference_tpu")(*operands)
   return outs[0], (outs[1] if want_final else None)
+
+
+def heads_layout_ok(num_heads: int, kp: int, vp: int, dtype) -> bool:
+  """Whether the kernel can read `[B, T, H, D]` operands in place (`_head_reader`): a step's heads
+  are whole (8, 128) tiles of one token (a multiple of 8 heads per step), float32 or bfloat16."""
+  return (heads_per_step(num_heads, kp, vp) % 8 == 0
+          and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)))
 
 
 def vmem_limit_bytes(kp: int, vp: int, num_heads: int, hg: int = 1) -> int:

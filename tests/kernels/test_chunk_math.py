@@ -40,10 +40,14 @@ def _kda_akk(rng, *, corr, decay, beta_one):
   return beta[:, None] * akk
 
 
+@pytest.mark.parametrize("vpu_block_shift", [1, 4], ids=["mxu_doubling", "vpu_16_blocks"])
 @pytest.mark.parametrize("kind", ["uniform", "parallel_keys", "steep", "kda_random"])
-def test_unit_lower_inverse_matches_float64(kind):
+def test_unit_lower_inverse_matches_float64(kind, vpu_block_shift):
   """Strictly-lower [64, 64] with |a| <= 1. `parallel_keys` (beta = 1, almost no decay, nearly
-  equal keys) is the cancellation case: a power-series form loses ~3 digits there (errors ~5e-4)."""
+  equal keys) is the cancellation case: a power-series form loses ~3 digits there (errors ~5e-4).
+  vpu_16_blocks: the 16-row diagonal blocks by forward substitution first (the TPU kernel's form)."""
+  inverse = _inverse if vpu_block_shift == 1 else jax.jit(
+      lambda a: cm.unit_lower_inverses([a], vpu_block_shift=vpu_block_shift)[0])
   rng = np.random.default_rng({"uniform": 1, "parallel_keys": 2, "steep": 3, "kda_random": 4}[kind])
   r, c = np.indices((C, C))
   for _ in range(5):
@@ -58,7 +62,7 @@ def test_unit_lower_inverse_matches_float64(kind):
     a = a.astype(np.float32)
     assert np.abs(a).max() <= 1.0
     want = _inv64(a)
-    got = np.asarray(_inverse(jnp.asarray(a)), np.float64)
+    got = np.asarray(inverse(jnp.asarray(a)), np.float64)
     assert np.all(got[r < c] == 0.0), "the inverse must stay exactly lower-triangular"
     # float32 forward substitution reaches ~1e-6 of the largest entry here (|inv| up to ~7e3 for
     # "uniform", 1 for the others)
@@ -119,6 +123,51 @@ def test_chunk_prep_matches_float64(blocked, steep):
   np.testing.assert_allclose(np.asarray(G), want_G, rtol=2e-6, atol=1e-5)
   np.testing.assert_allclose(np.asarray(tinv), want_tinv, rtol=0, atol=2e-6)
   np.testing.assert_allclose(np.asarray(aqk), want_aqk, rtol=0, atol=2e-6)
+
+
+def test_factored_diagonal_chunk_prep_matches_float64():
+  """The bounded gate's factored diagonal blocks and the VPU 16-block inverse (the TPU kernel's
+  bfloat16 / float32 form with `lower_bound`) against the float64 definition, at the steepest decay
+  the bound allows (every per-row log decay in [-5, 0], so |G| reaches ~320 over the chunk: only the
+  factors within one 16-row block are ever formed), seven documents in the chunk."""
+  rng = np.random.default_rng(9)
+  kd = 32
+  seg = np.zeros(C, np.int32)
+  for label, a, b in [(3, 0, 5), (1, 5, 6), (4, 6, 7), (2, 7, 30), (6, 33, 50), (5, 50, 51),
+                      (7, 51, 64)]:
+    seg[a:b] = label
+  q = rng.standard_normal((C, kd)) * 0.3
+  k = rng.standard_normal((C, kd))
+  k /= np.linalg.norm(k, axis=1, keepdims=True)
+  g = -rng.uniform(0.0, 5.0, (C, kd))
+  g[::5] = -5.0
+  g[1::5] = 0.0
+  g[seg == 0] = 0.0
+  beta = rng.uniform(0.0, 1.0, C)
+  beta[seg == 0] = 0.0
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  assert cm.factored_diagonal(-5.0) and not cm.factored_diagonal(None)
+  prep = jax.jit(lambda *a: cm.chunk_prep(*a, blocked=True, lower_bound=-5.0, vpu_block_shift=4))
+  G, tinv, aqk = prep(f32(q), f32(k), f32(g), f32(beta[:, None]), jnp.asarray(seg[:, None]),
+                      jnp.asarray(seg[None, :]))
+  want_G, want_tinv, want_aqk = _chunk_oracle(q.astype(np.float32), k.astype(np.float32),
+                                              g.astype(np.float32), beta.astype(np.float32), seg)
+  for name, got in (("G", G), ("tinv", tinv), ("aqk", aqk)):
+    assert np.all(np.isfinite(np.asarray(got))), name
+  np.testing.assert_allclose(np.asarray(tinv), want_tinv, rtol=0, atol=2e-6)
+  np.testing.assert_allclose(np.asarray(aqk), want_aqk, rtol=0, atol=2e-6)
+
+
+def test_cumsum_rows_split_is_float32_exact():
+  """One bf16 product of three bf16 pieces of g gives the float32 cumulative sum (the TPU kernel's
+  cumulative gate): within float32 rounding of the float64 sum, over gates of both families."""
+  rng = np.random.default_rng(10)
+  for g in (-rng.uniform(0.0, 5.0, (C, 256)), -rng.uniform(18.0, 22.0, (C, 128)),
+            -np.exp(rng.uniform(-12.0, 2.0, (C, 128)))):
+    g = g.astype(np.float32)
+    got = np.asarray(jax.jit(cm.cumsum_rows_split)(jnp.asarray(g)), np.float64)
+    want = np.cumsum(g.astype(np.float64), axis=0)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-5)
 
 
 def test_block_row_picks_row_j_of_each_block():

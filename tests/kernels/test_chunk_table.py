@@ -3,6 +3,7 @@ Python walk of the segment map."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -72,3 +73,64 @@ def test_table_holds_a_full_chunk_of_single_row_documents():
   table = np.asarray(ss.build_chunk_table(jnp.asarray(seg), 2 * C, has_initial_state=False))
   assert table.shape[2] == 1 + 2 * C and list(table[0, :, 0]) == [C, C]
   assert _decode(table[0], C) == _walk(seg[0], 2 * C, False)
+
+
+def _kernel_tables(seg, n, has_h0):
+  """The TPU kernel's in-kernel builder (`pallas_tpu._build_piece_table`, interpret mode), one
+  entry per chunk, from the same three 128-label SMEM blocks the kernel reads."""
+  from jax.experimental import pallas as pl  # noqa: PLC0415
+  from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+
+  from kda_plugin.ops import pallas_tpu  # noqa: PLC0415
+
+  rows, tp = seg.shape
+  nc, lane = tp // C, pallas_tpu.LANE
+  tp2 = -(-tp // lane) * lane
+  npair, words = tp2 // lane, -(-ss.chunk_table_words(n) // lane) * lane
+  flat = jnp.asarray(np.pad(seg, ((0, 0), (0, tp2 - tp))).reshape(-1))
+  smem = lambda f: pl.BlockSpec((lane,), f, memory_space=pltpu.SMEM)
+
+  def kernel(prev_ref, cur_ref, next_ref, out_ref):
+    pallas_tpu._build_piece_table(out_ref, prev_ref, cur_ref, next_ref, pl.program_id(1), nc, has_h0)
+
+  out = pl.pallas_call(
+      kernel, grid=(rows, nc),
+      in_specs=[smem(lambda b, c: (b * npair + jnp.maximum(c // 2 - 1, 0),)),
+                smem(lambda b, c: (b * npair + c // 2,)),
+                smem(lambda b, c: (b * npair + jnp.minimum(c // 2 + 1, npair - 1),))],
+      out_specs=pl.BlockSpec((words,), lambda b, c: (b * nc + c,), memory_space=pltpu.SMEM),
+      out_shape=jax.ShapeDtypeStruct((rows * nc * words,), jnp.int32),
+      interpret=pltpu.InterpretParams())(flat, flat, flat)
+  return np.asarray(out).reshape(rows, nc, words)
+
+
+def _decode_used(table_row):
+  """Like `_decode`, reading only the words the piece count covers (the kernel leaves the rest)."""
+  return [[[int(e[1 + 2 * i]), int(e[2 + 2 * i]) & 255, (int(e[2 + 2 * i]) >> 8) & 255,
+            (int(e[2 + 2 * i]) >> 16) & 1, (int(e[2 + 2 * i]) >> 17) & 1, (int(e[2 + 2 * i]) >> 18) & 1]
+           for i in range(int(e[0]))] for e in table_row]
+
+
+@pytest.mark.parametrize("has_h0", [False, True])
+def test_in_kernel_table_matches_a_row_walk(has_h0):
+  """The TPU kernel builds its piece tables itself (no XLA op): same pieces as the row walk, on
+  random packings, a document through every chunk, one-row documents and an odd chunk count (the
+  last chunk pair half past the sequence)."""
+  rng = np.random.default_rng(1)
+  n = 12
+  rows = []
+  for _ in range(3):
+    seg = np.zeros(5 * C, np.int32)
+    pos, labels = int(rng.integers(0, 3)), list(rng.permutation(np.arange(1, n + 1)))
+    while pos < seg.size and labels:
+      length = int(rng.choice([1, 1, 2, 5, 17, 40, 64, 90, 130]))
+      seg[pos:pos + length] = labels.pop()
+      pos += length + int(rng.choice([0, 0, 1, 64]))
+    rows.append(seg)
+  rows.append(np.ones(5 * C, np.int32))
+  rows.append(np.where(np.arange(5 * C) < 2 * C - 1, 0, np.minimum(np.arange(5 * C) - 2 * C + 2, n)
+                       ).astype(np.int32))
+  seg = np.stack(rows)  # last row: padding, eleven one-row documents, then one long one
+  tables = _kernel_tables(seg, n, has_h0)
+  for b in range(seg.shape[0]):
+    assert _decode_used(tables[b]) == _walk(seg[b], n, has_h0), seg[b]

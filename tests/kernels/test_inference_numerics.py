@@ -179,3 +179,68 @@ def test_per_row_segment_maps_tpu_kernel():
   np.testing.assert_allclose(np.asarray(o), ref_o, atol=1e-4, rtol=0)
   np.testing.assert_allclose(np.asarray(s), ref_s, atol=1e-4, rtol=0)
   assert np.all(np.asarray(o)[seg == 0] == 0.0)
+
+
+@pytest.mark.parametrize("decay", ["none", pytest.param("steepest", marks=pytest.mark.slow)])
+def test_bf16_nearly_parallel_keys_tpu_kernel(decay):
+  """The bfloat16 kernel's hard case for its bf16 UT inverse: K = V = 128, nearly parallel keys
+  (every key 0.97 of one direction), beta = 1, and either almost no decay (the inverse's entries
+  reach their largest, the cancellation case) or the steepest the bound allows (every g at the
+  bounded gate's lower bound -4: the factored diagonal blocks' factors at their extremes), two
+  documents split off the 64 grid with initial states. bfloat16 tolerance: relative L2 <= 5e-3."""
+  rng = np.random.default_rng(5)
+  t, h, d = 192, 2, 128
+  seg = np.where(np.arange(t) < 77, 1, 2).astype(np.int32)
+  case = Case("parallel_bf16", seg, heads=h, key_dim=d, value_dim=d, num_segments=2,
+              gate="bounded", l2norm=True, dtype="bfloat16")
+  x = make_inputs(case, seed=6)
+  base = rng.standard_normal((1, 1, h, d))
+  import ml_dtypes  # noqa: PLC0415
+  k = 0.97 * base + 0.09 * rng.standard_normal((1, t, h, d))
+  x["k"] = k.astype(ml_dtypes.bfloat16)
+  x["beta"] = np.ones_like(x["beta"])
+  # bounded gate lb * sigmoid(a (g + dt)): g -> -inf gives no decay, g -> +inf gives lb per token
+  x["g"] = np.full_like(x["g"], -40.0 if decay == "none" else 40.0)
+  ref_o, ref_s = oracle(x["q"], x["k"], x["v"], x["g"], x["beta"], seg, x["h0"], d ** -0.5,
+                        a_log=x["a_log"], dt_bias=x["dt_bias"], lower_bound=-4.0, l2norm=True)
+  o, final = _run(case, "pallas_tpu", True, x)
+  o, final = np.asarray(o, np.float64), np.asarray(final, np.float64)
+  assert np.all(np.isfinite(o)) and np.all(np.isfinite(final))
+  for got, want in ((o, ref_o), (final, ref_s)):
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel <= 5e-3, f"relative L2 error {rel:.2e} > 5e-3"
+
+
+@pytest.mark.parametrize("dtype,heads", [
+    pytest.param("float32", 8, marks=pytest.mark.slow), ("bfloat16", 8),
+    pytest.param("bfloat16", 16, marks=pytest.mark.slow)])  # ~1 min each in interpret mode
+def test_head_major_inputs_read_in_place_tpu_kernel(dtype, heads):
+  """`[B, T, H, K]` inputs with H a multiple of 8, K = V = 128 and T a multiple of 64 are read in
+  place by the TPU kernel (no relayout copy before the call): with all heads in one step (H = 8)
+  as strided rows of `[B, T*H, K]`, with a head group per step (H = 16) as sublanes of
+  `[C, 8, K]` blocks. The oracle's result, per-row maps, initial states."""
+  from kda_plugin.ops.pallas_tpu import heads_layout_ok  # noqa: PLC0415
+
+  rng = np.random.default_rng(8)
+  seg = np.stack([_random_layout(rng, 192, 4) for _ in range(2)])
+  case = Case("head_major", seg[0], batch=2, heads=heads, key_dim=128, value_dim=128, num_segments=4,
+              gate="bounded", l2norm=True, dtype=dtype)
+  x = make_inputs(case, seed=12)
+  assert heads_layout_ok(heads, 128, 128, x["q"].dtype)
+  ref_o, ref_s = oracle(x["q"], x["k"], x["v"], x["g"], x["beta"], seg, x["h0"], 128 ** -0.5,
+                        a_log=x["a_log"], dt_bias=x["dt_bias"], lower_bound=-4.0, l2norm=True)
+  o, s = kda_inference(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")),
+                       segment_ids=jnp.asarray(seg), initial_state=jnp.asarray(x["h0"]),
+                       output_final_state=True, max_num_segments=4, a_log=jnp.asarray(x["a_log"]),
+                       dt_bias=jnp.asarray(x["dt_bias"]), lower_bound=-4.0, use_qk_l2norm=True,
+                       implementation="pallas_tpu", interpret=True)
+  assert o.shape == ref_o.shape and o.dtype == jnp.dtype(dtype)
+  o, s = np.asarray(o, np.float64), np.asarray(s, np.float64)
+  assert np.all(o[seg == 0] == 0.0)
+  if dtype == "float32":
+    np.testing.assert_allclose(o, ref_o, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(s, ref_s, atol=1e-4, rtol=0)
+  else:
+    for got, want in ((o, ref_o), (s, ref_s)):
+      rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+      assert rel <= 5e-3, f"relative L2 error {rel:.2e} > 5e-3"
