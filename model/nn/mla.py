@@ -150,15 +150,29 @@ class MultiHeadLatentAttention(nnx.Module):
     o = self._attend_prefix_then_window(q, scores, mask, v, prefix, prefix_lengths, seg)
     return self._out(o), lat
 
+  def _absorbed_weights(self):
+    """`kv_b_proj` split per head: `(W_uk [r, nH, dn], W_uv [r, nH, dv])` in float32, rounded through
+    the compute dtype as `expand` sees it (DeepSeek-V2 section 2.1.2's absorption)."""
+    w = self.kv_b_proj.kernel[...].astype(self.dtype).astype(jnp.float32)
+    w = w.reshape(self.rank, self.num_heads, self.dn + self.dv)
+    return w[..., :self.dn], w[..., self.dn:]
+
   def _attend_prefix_then_window(self, q, scores, mask, v, prefix, prefix_lengths, seg):
     """Softmax over [own slot's prefix | the window's own keys], streamed over the prefix.
 
-    One online softmax (running max `m`, denominator `l`, weighted values `acc`; the same rescaling
-    as flash attention) starts from the window's own scores, then visits the prefix in blocks of
-    `PREFIX_BLOCK` cached tokens, only as many blocks as the longest valid prefix in the batch
-    (`lax.fori_loop` with a data-dependent trip count): memory is O(B * H * T * N * block) whatever
-    the cache length L, and the work grows with the tokens actually cached, not with L. A block's
-    keys and values are re-expanded from its latents (`expand`), as the one-shot softmax did.
+    The window's own keys are expanded (`expand`); the prefix is attended in the absorbed form
+    (as `decode_latent`): each token's query is mapped into latent space once (`W_uk`), scored
+    against the latents of ITS OWN slot only (gathered per token, block by block), and the weighted
+    latents go through `W_uv` once at the end. The work is O(T * own prefix * (r + dr)) per head, not
+    O(T * N * L) as attending every slot's prefix and masking would be.
+
+    One online softmax per token (running max `m`, denominator `l`, weighted latents `acc`; the same
+    rescaling as flash attention) visits the prefix in blocks of `PREFIX_BLOCK` cached tokens, only as
+    many blocks as the longest own prefix among the tokens of a region (`lax.fori_loop` with a
+    data-dependent trip count). With more tokens than slots the row is cut into two regions, its
+    first N tokens and the rest: the engine packs decode tokens (one per slot, long prefixes) first
+    and prompt chunks (short or no prefix) after, so a chunk's tokens do not pay for the longest
+    decoding request's prefix. The window part and the prefix part are merged at the end.
 
     Args:
       q: float32 `[B, T, nH, dn + dr]`. scores: float32 `[B, nH, T, T]` (scaled). mask: bool
@@ -169,41 +183,51 @@ class MultiHeadLatentAttention(nnx.Module):
       float32 `[B, T, nH, dv]`, zeros for padding tokens.
     """
     b, n, length, _ = prefix.shape
+    t = q.shape[1]
     block = min(PREFIX_BLOCK, length)
     if length % block:  # the last block must not run past L (dynamic_slice would shift it back)
       prefix = jnp.pad(prefix, ((0, 0), (0, 0), (0, block - length % block), (0, 0)))
-    slot = jnp.clip(seg - 1, 0, n - 1)
-    onehot = (slot[:, :, None] == jnp.arange(n)[None, None]) & (seg > 0)[:, :, None]     # [B, T, N]
-    own_length = jnp.sum(jnp.where(onehot, prefix_lengths[:, None, :], 0), axis=-1)       # [B, T]
+    slot = jnp.clip(seg - 1, 0, n - 1)                                                    # [B, T]
+    own_length = jnp.where(seg > 0, jnp.take_along_axis(prefix_lengths, slot, axis=1), 0)  # [B, T]
+    w_uk, w_uv = self._absorbed_weights()
+    q_abs = jnp.concatenate([jnp.einsum("bthd,rhd->bthr", q[..., :self.dn], w_uk), q[..., self.dn:]], axis=-1)
+    rows = jnp.arange(b)[:, None]
+
+    def region(lo, hi):
+      """Online softmax of tokens [lo, hi) over their own prefixes: (m, l [B, H, t], acc [B, H, t, r])."""
+      qa, sl, own = q_abs[:, lo:hi], slot[:, lo:hi], own_length[:, lo:hi]
+      tr = hi - lo
+
+      def visit(j, carry):
+        m, l, acc = carry
+        lat = jax.lax.dynamic_slice_in_dim(prefix, j * block, block, axis=2)              # [B, N, blk, C]
+        c = lat[rows, sl].astype(self.dtype).astype(jnp.float32)                         # [B, t, blk, C]
+        sp = jnp.einsum("bthc,btlc->bhtl", qa, c) * self.scale
+        valid = (j * block + jnp.arange(block))[None, None, :] < own[:, :, None]          # [B, t, blk]
+        sp = jnp.where(valid[:, None], sp, _NEG)
+        m_new = jnp.maximum(m, jnp.max(sp, axis=-1))
+        rescale = jnp.exp(m - m_new)
+        pp = jnp.where(valid[:, None], jnp.exp(sp - m_new[..., None]), 0.0)               # [B, H, t, blk]
+        o = jnp.einsum("bhtl,btlr->bhtr", pp, c[..., :self.rank])
+        return m_new, l * rescale + jnp.sum(pp, axis=-1), acc * rescale[..., None] + o
+
+      h = self.num_heads
+      init = (jnp.full((b, h, tr), _NEG, jnp.float32), jnp.zeros((b, h, tr), jnp.float32),
+              jnp.zeros((b, h, tr, self.rank), jnp.float32))
+      num_blocks = (jnp.max(own) + block - 1) // block
+      return jax.lax.fori_loop(0, num_blocks, visit, init)
+
+    parts = [region(0, t)] if t <= n else [region(0, n), region(n, t)]
+    m_p, l_p, acc_p = (jnp.concatenate(x, axis=2) for x in zip(*parts))
+    # The window's own keys, then the merge of both softmax parts.
     s = jnp.where(mask[:, None], scores, _NEG)
-    m = jnp.max(s, axis=-1)                                                               # [B, H, T]
-    p = jnp.where(mask[:, None], jnp.exp(s - m[..., None]), 0.0)
-    l = jnp.sum(p, axis=-1)
-    acc = jnp.einsum("bhts,bshd->bhtd", p, v.astype(jnp.float32))                         # [B, H, T, dv]
-
-    def visit(j, carry):
-      m, l, acc = carry
-      lat = jax.lax.dynamic_slice_in_dim(prefix, j * block, block, axis=2)                # [B, N, blk, C]
-      kp, vp = self.expand(lat.astype(self.dtype))                                        # [B, N, blk, H, *]
-      if n == 1:
-        sp = jnp.einsum("bthd,blhd->bhtl", q, kp[:, 0].astype(jnp.float32)) * self.scale
-      else:
-        sp = jnp.einsum("bthd,bnlhd->bhtnl", q, kp.astype(jnp.float32)) * self.scale
-        sp = jnp.sum(jnp.where(onehot[:, None, :, :, None], sp, 0.0), axis=3)              # own slot
-      valid = (j * block + jnp.arange(block))[None, None, :] < own_length[:, :, None]      # [B, T, blk]
-      sp = jnp.where(valid[:, None], sp, _NEG)
-      m_new = jnp.maximum(m, jnp.max(sp, axis=-1))
-      rescale = jnp.exp(m - m_new)
-      pp = jnp.where(valid[:, None], jnp.exp(sp - m_new[..., None]), 0.0)                 # [B, H, T, blk]
-      if n == 1:
-        o = jnp.einsum("bhtl,blhd->bhtd", pp, vp[:, 0].astype(jnp.float32))
-      else:
-        pn = jnp.where(onehot[:, None, :, :, None], pp[:, :, :, None, :], 0.0)            # [B, H, T, N, blk]
-        o = jnp.einsum("bhtnl,bnlhd->bhtd", pn, vp.astype(jnp.float32))
-      return m_new, l * rescale + jnp.sum(pp, axis=-1), acc * rescale[..., None] + o
-
-    num_blocks = (jnp.max(prefix_lengths) + block - 1) // block
-    m, l, acc = jax.lax.fori_loop(0, num_blocks, visit, (m, l, acc))
+    m_w = jnp.max(s, axis=-1)                                                             # [B, H, T]
+    p = jnp.where(mask[:, None], jnp.exp(s - m_w[..., None]), 0.0)
+    m = jnp.maximum(m_w, m_p)
+    a_w, a_p = jnp.exp(m_w - m), jnp.exp(m_p - m)
+    l = jnp.sum(p, axis=-1) * a_w + l_p * a_p
+    acc = (jnp.einsum("bhts,bshd->bhtd", p, v.astype(jnp.float32)) * a_w[..., None]
+           + jnp.einsum("bhtr,rhd->bhtd", acc_p, w_uv) * a_p[..., None])
     o = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return jnp.transpose(o, (0, 2, 1, 3))
 
@@ -229,9 +253,7 @@ class MultiHeadLatentAttention(nnx.Module):
     lat = self.latent(x).astype(latent_cache.dtype)
     cache = latent_cache.at[jnp.arange(s), lengths].set(lat, mode="drop")
     c = cache.astype(self.dtype).astype(jnp.float32)                       # as expand() sees it
-    w = self.kv_b_proj.kernel[...].astype(self.dtype).astype(jnp.float32)
-    w = w.reshape(self.rank, self.num_heads, self.dn + self.dv)
-    w_uk, w_uv = w[..., :self.dn], w[..., self.dn:]
+    w_uk, w_uv = self._absorbed_weights()
     q_lat = jnp.einsum("shd,rhd->shr", q[..., :self.dn], w_uk)             # [S, nH, r]
     scores = (jnp.einsum("shr,slr->shl", q_lat, c[..., :self.rank])
               + jnp.einsum("shd,sld->shl", q[..., self.dn:], c[..., self.rank:])) * self.scale
