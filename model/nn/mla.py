@@ -27,6 +27,12 @@ _NEG = -1e30  # finite "minus infinity": a fully masked row gives zeros, not NaN
 # Cached tokens per step of the prefix loop (`_attend_prefix_then_window`): bounds the prefix scores to
 # [B, H, T, N, PREFIX_BLOCK] and the loop's wasted work (the last block's invalid tail) to this many.
 PREFIX_BLOCK = 128
+# Tokens per tile of the window attention of a cached prefill (`_window_parts`): rows of more than one
+# whole tile skip the tile pairs that share no document.
+WINDOW_TILE = 256
+# Tokens per region of the prefix attention (after the first N; `_attend_prefix_then_window`): each
+# region loops over as many prefix blocks as its own tokens need.
+PREFIX_REGION = 256
 
 
 def _masked_softmax(scores, mask):
@@ -140,15 +146,66 @@ class MultiHeadLatentAttention(nnx.Module):
     k, v = self.expand(lat)
     t = x.shape[1]
     seg = segment_ids
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-    mask = (seg[:, :, None] == seg[:, None, :]) & causal[None] & (seg > 0)[:, :, None]   # [B, T, T]
-    scores = jnp.einsum("bthd,bshd->bhts", q, k.astype(jnp.float32)) * self.scale
     if prefix is None:
+      causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+      mask = (seg[:, :, None] == seg[:, None, :]) & causal[None] & (seg > 0)[:, :, None]   # [B, T, T]
+      scores = jnp.einsum("bthd,bshd->bhts", q, k.astype(jnp.float32)) * self.scale
       p = _masked_softmax(scores, mask[:, None])
       o = jnp.einsum("bhts,bshd->bthd", p, v.astype(jnp.float32))
       return self._out(o), lat
-    o = self._attend_prefix_then_window(q, scores, mask, v, prefix, prefix_lengths, seg)
+    window = self._window_parts(q, k.astype(jnp.float32), v.astype(jnp.float32), seg)
+    o = self._attend_prefix_then_window(q, window, prefix, prefix_lengths, seg)
     return self._out(o), lat
+
+  def _window_parts(self, q, k, v, seg):
+    """Unnormalised softmax parts of causal attention within the row's documents:
+    `(m [B, H, T], l [B, H, T], acc [B, H, T, dv])` with `o = acc / l` (running max `m`).
+
+    A row of whole `WINDOW_TILE` tiles (more than one) is visited tile pair by tile pair (flash
+    attention's online softmax): query tile i visits only key tiles from the one holding the start
+    of its earliest document up to itself, so the work follows the documents' own lengths (a row
+    packed with decode tokens and a few prompt chunks), not the row length squared. Other rows take
+    the dense `[B, H, T, T]` form.
+    """
+    b, t, h, _ = q.shape
+    pos = jnp.arange(t)
+    tile = WINDOW_TILE
+    if t <= tile or t % tile:
+      mask = (seg[:, :, None] == seg[:, None, :]) & (pos[:, None] >= pos[None, :])[None] & (seg > 0)[:, :, None]
+      s = jnp.where(mask[:, None], jnp.einsum("bthd,bshd->bhts", q, k) * self.scale, _NEG)
+      m = jnp.max(s, axis=-1)
+      p = jnp.where(mask[:, None], jnp.exp(s - m[..., None]), 0.0)
+      return m, jnp.sum(p, axis=-1), jnp.einsum("bhts,bshd->bhtd", p, v)
+    start = jnp.where(seg > 0, pos[None] - _positions_in_run(seg), pos[None])            # [B, T] document start
+    first_tile = jnp.min(start.reshape(b, t // tile, tile), axis=(0, 2)) // tile          # [T / tile]
+
+    def query_tile(i, out):
+      qi = jax.lax.dynamic_slice_in_dim(q, i * tile, tile, axis=1)
+      si = jax.lax.dynamic_slice_in_dim(seg, i * tile, tile, axis=1)
+      pi = i * tile + jnp.arange(tile)
+
+      def key_tile(j, carry):
+        m, l, acc = carry
+        kj = jax.lax.dynamic_slice_in_dim(k, j * tile, tile, axis=1)
+        vj = jax.lax.dynamic_slice_in_dim(v, j * tile, tile, axis=1)
+        sj = jax.lax.dynamic_slice_in_dim(seg, j * tile, tile, axis=1)
+        pj = j * tile + jnp.arange(tile)
+        mask = (si[:, :, None] == sj[:, None, :]) & (pi[:, None] >= pj[None, :])[None] & (si > 0)[:, :, None]
+        s = jnp.where(mask[:, None], jnp.einsum("bthd,bshd->bhts", qi, kj) * self.scale, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        rescale = jnp.exp(m - m_new)
+        p = jnp.where(mask[:, None], jnp.exp(s - m_new[..., None]), 0.0)
+        return (m_new, l * rescale + jnp.sum(p, axis=-1),
+                acc * rescale[..., None] + jnp.einsum("bhts,bshd->bhtd", p, vj))
+
+      init = (jnp.full((b, h, tile), _NEG, jnp.float32), jnp.zeros((b, h, tile), jnp.float32),
+              jnp.zeros((b, h, tile, v.shape[-1]), jnp.float32))
+      parts = jax.lax.fori_loop(first_tile[i], i + 1, key_tile, init)
+      return tuple(jax.lax.dynamic_update_slice_in_dim(o, x, i * tile, axis=2) for o, x in zip(out, parts))
+
+    out = (jnp.zeros((b, h, t), jnp.float32), jnp.zeros((b, h, t), jnp.float32),
+           jnp.zeros((b, h, t, v.shape[-1]), jnp.float32))
+    return jax.lax.fori_loop(0, t // tile, query_tile, out)
 
   def _absorbed_weights(self):
     """`kv_b_proj` split per head: `(W_uk [r, nH, dn], W_uv [r, nH, dv])` in float32, rounded through
@@ -157,7 +214,7 @@ class MultiHeadLatentAttention(nnx.Module):
     w = w.reshape(self.rank, self.num_heads, self.dn + self.dv)
     return w[..., :self.dn], w[..., self.dn:]
 
-  def _attend_prefix_then_window(self, q, scores, mask, v, prefix, prefix_lengths, seg):
+  def _attend_prefix_then_window(self, q, window, prefix, prefix_lengths, seg):
     """Softmax over [own slot's prefix | the window's own keys], streamed over the prefix.
 
     The window's own keys are expanded (`expand`); the prefix is attended in the absorbed form
@@ -169,15 +226,16 @@ class MultiHeadLatentAttention(nnx.Module):
     One online softmax per token (running max `m`, denominator `l`, weighted latents `acc`; the same
     rescaling as flash attention) visits the prefix in blocks of `PREFIX_BLOCK` cached tokens, only as
     many blocks as the longest own prefix among the tokens of a region (`lax.fori_loop` with a
-    data-dependent trip count). With more tokens than slots the row is cut into two regions, its
-    first N tokens and the rest: the engine packs decode tokens (one per slot, long prefixes) first
-    and prompt chunks (short or no prefix) after, so a chunk's tokens do not pay for the longest
-    decoding request's prefix. The window part and the prefix part are merged at the end.
+    data-dependent trip count). The row is cut into regions, its first N tokens, then runs of
+    `PREFIX_REGION` tokens: the engine packs decode tokens (one per slot, long prefixes) first and
+    prompt chunks after, so a new prompt's tokens (no prefix) do not loop over the longest
+    decoding request's prefix, nor over a continued chunk's. The window part and the prefix part
+    are merged at the end.
 
     Args:
-      q: float32 `[B, T, nH, dn + dr]`. scores: float32 `[B, nH, T, T]` (scaled). mask: bool
-      `[B, T, T]`. v: `[B, T, nH, dv]`. prefix: latent `[B, N, L, r + dr]`. prefix_lengths: int32
-      `[B, N]`. seg: int32 `[B, T]` (label n reads slot n-1's prefix; 0 = padding).
+      q: float32 `[B, T, nH, dn + dr]`. window: the window's own softmax parts (`_window_parts`).
+      prefix: latent `[B, N, L, r + dr]`. prefix_lengths: int32 `[B, N]`. seg: int32 `[B, T]` (label
+      n reads slot n-1's prefix; 0 = padding).
 
     Returns:
       float32 `[B, T, nH, dv]`, zeros for padding tokens.
@@ -217,17 +275,15 @@ class MultiHeadLatentAttention(nnx.Module):
       num_blocks = (jnp.max(own) + block - 1) // block
       return jax.lax.fori_loop(0, num_blocks, visit, init)
 
-    parts = [region(0, t)] if t <= n else [region(0, n), region(n, t)]
+    bounds = [0] + list(range(min(n, t), t, PREFIX_REGION)) + [t]
+    parts = [region(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
     m_p, l_p, acc_p = (jnp.concatenate(x, axis=2) for x in zip(*parts))
-    # The window's own keys, then the merge of both softmax parts.
-    s = jnp.where(mask[:, None], scores, _NEG)
-    m_w = jnp.max(s, axis=-1)                                                             # [B, H, T]
-    p = jnp.where(mask[:, None], jnp.exp(s - m_w[..., None]), 0.0)
+    # The merge of the window's and the prefix's softmax parts.
+    m_w, l_w, acc_w = window
     m = jnp.maximum(m_w, m_p)
     a_w, a_p = jnp.exp(m_w - m), jnp.exp(m_p - m)
-    l = jnp.sum(p, axis=-1) * a_w + l_p * a_p
-    acc = (jnp.einsum("bhts,bshd->bhtd", p, v.astype(jnp.float32)) * a_w[..., None]
-           + jnp.einsum("bhtr,rhd->bhtd", acc_p, w_uv) * a_p[..., None])
+    l = l_w * a_w + l_p * a_p
+    acc = acc_w * a_w[..., None] + jnp.einsum("bhtr,rhd->bhtd", acc_p, w_uv) * a_p[..., None]
     o = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return jnp.transpose(o, (0, 2, 1, 3))
 
