@@ -7,9 +7,11 @@ Online (`--online`; everything after it is the online mode's flags, see `--onlin
         [--workloads mixed,shared_prefix] [--num-requests 64] [--concurrency 32] [--json FILE]
         [--url http://HOST:PORT  (an already running server: measures that one only)]
 
-For each configuration it starts `python -m tools.serve` on the demo checkpoint (port=0), waits for
-/health, sends `--warmup` requests (compilations, not measured; drawn with another seed, so the
-measured prompts never meet themselves in the prefix cache), then the workload from
+For each configuration it starts `python -m tools.serve` on the demo checkpoint (port=0; the server
+compiles every shape bucket before it listens), waits for /health, sends `--warmup` requests (not
+measured; drawn with another seed, so the measured prompts never meet themselves in the prefix
+cache; in shared_prefix they share the measured 512-token prefix, as a system prompt the server has
+already seen, each with its own suffix), then the workload from
 `--concurrency` concurrent clients through the official `openai` client, streaming with
 `ignore_eos` (every request produces exactly its output length). Workloads: "mixed" (prompt lengths
 uniform in 16-1024, outputs uniform in 16-256 tokens) for every engine; "shared_prefix" (one

@@ -164,8 +164,8 @@ def measure(args, url, label, requests, warmup) -> dict:
     model = json.loads(r.read())["data"][0]["id"]
   warm = args.concurrency if args.warmup is None else args.warmup
   if warm:  # other prompts (another seed): the measured ones must not find themselves in the prefix cache
-    # One request alone first, so the rest (sharing its prefix in shared_prefix) also compile the
-    # prefix-cache hit path: concurrent first requests all miss.
+    # One request alone first, so that in shared_prefix the rest (sharing its prefix) find it cached:
+    # concurrent first requests all miss.
     asyncio.run(_run(url, model, warmup[:1], 1))
     asyncio.run(_run(url, model, warmup[1:warm], args.concurrency))
   results, wall = asyncio.run(_run(url, model, requests, args.concurrency))
@@ -192,6 +192,9 @@ def main(argv) -> int:
   kinds = [w for w in args.workloads.split(",") if w]
   loads = {k: workload(k, args, vocab, args.seed) for k in kinds}
   warmups = {k: workload(k, args, vocab, args.seed + 1) for k in kinds}
+  if "shared_prefix" in kinds:  # the warm-up shares the measured prefix (a system prompt the server has seen)
+    prefix = loads["shared_prefix"][0][0][:args.prefix_len]
+    warmups["shared_prefix"] = [(prefix + ids[args.prefix_len:], n) for ids, n in warmups["shared_prefix"]]
   longest = max(len(ids) + n for reqs in (*loads.values(), *warmups.values()) for ids, n in reqs)
   max_len = args.max_model_len or longest
   rows = []

@@ -242,6 +242,17 @@ class ContinuousEngine:
     key = seq.keys[num_tokens // 64 - 1]
     self.prefix_cache.insert(key, self.pool.take(seq.slot, num_tokens))
 
+  def compile_all(self) -> float:
+    """Compiles every step executable now (each row bucket, the decode-only step and, with the
+    prefix cache on, the slot snapshot transfers), so that no request ever waits for a compilation
+    (a server calls it before it listens). Returns the seconds it took; the pool is not changed."""
+    t0 = time.perf_counter()
+    for bucket in self.buckets + ((None,) if self.decode_path == "decode" else ()):
+      self.compiled_step(bucket)
+    if self.prefix_cache.enabled:
+      self.pool.compile_transfers()
+    return time.perf_counter() - t0
+
   @property
   def max_compilations(self) -> int:
     """Step executables this engine can ever need: one per row bucket, plus the decode-only step."""

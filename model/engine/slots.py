@@ -80,6 +80,17 @@ class SlotPool:
   def _context(self):
     return partitioning.mesh_context(self.mesh, self._rules) if self.mesh is not None else contextlib.nullcontext()
 
+  def compile_transfers(self) -> None:
+    """Compiles `take` and `put` now (each is one executable, whatever the snapshot's length) by
+    copying free slot 0's state out and back; call it only while every slot is free.
+
+    Raises:
+      ValueError: a slot is in use.
+    """
+    if self.num_free != self.num_slots:
+      raise ValueError(f"compile_transfers needs every slot free ({self.num_free} of {self.num_slots} are)")
+    self.put(0, self.take(0, 0))
+
   def take(self, slot: int, num_tokens: int) -> Snapshot:
     """A host copy of slot `slot`'s state, which must have seen exactly `num_tokens` tokens."""
     if self._take is None:

@@ -27,6 +27,12 @@ _NEG = -1e30  # finite "minus infinity": a fully masked row gives zeros, not NaN
 # Cached tokens per step of the prefix loop (`_attend_prefix_then_window`): bounds the prefix scores to
 # [B, H, T, N, PREFIX_BLOCK] and the loop's wasted work (the last block's invalid tail) to this many.
 PREFIX_BLOCK = 128
+# Tokens per tile of the window attention of a cached prefill (`_window_parts`): rows of more than one
+# whole tile skip the tile pairs that share no document.
+WINDOW_TILE = 256
+# Tokens per region of the prefix attention (after the first N; `_attend_prefix_then_window`): each
+# region loops over as many prefix blocks as its own tokens need.
+PREFIX_REGION = 256
 
 
 def _masked_softmax(scores, mask):
@@ -140,70 +146,144 @@ class MultiHeadLatentAttention(nnx.Module):
     k, v = self.expand(lat)
     t = x.shape[1]
     seg = segment_ids
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-    mask = (seg[:, :, None] == seg[:, None, :]) & causal[None] & (seg > 0)[:, :, None]   # [B, T, T]
-    scores = jnp.einsum("bthd,bshd->bhts", q, k.astype(jnp.float32)) * self.scale
     if prefix is None:
+      causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+      mask = (seg[:, :, None] == seg[:, None, :]) & causal[None] & (seg > 0)[:, :, None]   # [B, T, T]
+      scores = jnp.einsum("bthd,bshd->bhts", q, k.astype(jnp.float32)) * self.scale
       p = _masked_softmax(scores, mask[:, None])
       o = jnp.einsum("bhts,bshd->bthd", p, v.astype(jnp.float32))
       return self._out(o), lat
-    o = self._attend_prefix_then_window(q, scores, mask, v, prefix, prefix_lengths, seg)
+    window = self._window_parts(q, k.astype(jnp.float32), v.astype(jnp.float32), seg)
+    o = self._attend_prefix_then_window(q, window, prefix, prefix_lengths, seg)
     return self._out(o), lat
 
-  def _attend_prefix_then_window(self, q, scores, mask, v, prefix, prefix_lengths, seg):
+  def _window_parts(self, q, k, v, seg):
+    """Unnormalised softmax parts of causal attention within the row's documents:
+    `(m [B, H, T], l [B, H, T], acc [B, H, T, dv])` with `o = acc / l` (running max `m`).
+
+    A row of whole `WINDOW_TILE` tiles (more than one) is visited tile pair by tile pair (flash
+    attention's online softmax): query tile i visits only key tiles from the one holding the start
+    of its earliest document up to itself, so the work follows the documents' own lengths (a row
+    packed with decode tokens and a few prompt chunks), not the row length squared. Other rows take
+    the dense `[B, H, T, T]` form.
+    """
+    b, t, h, _ = q.shape
+    pos = jnp.arange(t)
+    tile = WINDOW_TILE
+    if t <= tile or t % tile:
+      mask = (seg[:, :, None] == seg[:, None, :]) & (pos[:, None] >= pos[None, :])[None] & (seg > 0)[:, :, None]
+      s = jnp.where(mask[:, None], jnp.einsum("bthd,bshd->bhts", q, k) * self.scale, _NEG)
+      m = jnp.max(s, axis=-1)
+      p = jnp.where(mask[:, None], jnp.exp(s - m[..., None]), 0.0)
+      return m, jnp.sum(p, axis=-1), jnp.einsum("bhts,bshd->bhtd", p, v)
+    start = jnp.where(seg > 0, pos[None] - _positions_in_run(seg), pos[None])            # [B, T] document start
+    first_tile = jnp.min(start.reshape(b, t // tile, tile), axis=(0, 2)) // tile          # [T / tile]
+
+    def query_tile(i, out):
+      qi = jax.lax.dynamic_slice_in_dim(q, i * tile, tile, axis=1)
+      si = jax.lax.dynamic_slice_in_dim(seg, i * tile, tile, axis=1)
+      pi = i * tile + jnp.arange(tile)
+
+      def key_tile(j, carry):
+        m, l, acc = carry
+        kj = jax.lax.dynamic_slice_in_dim(k, j * tile, tile, axis=1)
+        vj = jax.lax.dynamic_slice_in_dim(v, j * tile, tile, axis=1)
+        sj = jax.lax.dynamic_slice_in_dim(seg, j * tile, tile, axis=1)
+        pj = j * tile + jnp.arange(tile)
+        mask = (si[:, :, None] == sj[:, None, :]) & (pi[:, None] >= pj[None, :])[None] & (si > 0)[:, :, None]
+        s = jnp.where(mask[:, None], jnp.einsum("bthd,bshd->bhts", qi, kj) * self.scale, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        rescale = jnp.exp(m - m_new)
+        p = jnp.where(mask[:, None], jnp.exp(s - m_new[..., None]), 0.0)
+        return (m_new, l * rescale + jnp.sum(p, axis=-1),
+                acc * rescale[..., None] + jnp.einsum("bhts,bshd->bhtd", p, vj))
+
+      init = (jnp.full((b, h, tile), _NEG, jnp.float32), jnp.zeros((b, h, tile), jnp.float32),
+              jnp.zeros((b, h, tile, v.shape[-1]), jnp.float32))
+      parts = jax.lax.fori_loop(first_tile[i], i + 1, key_tile, init)
+      return tuple(jax.lax.dynamic_update_slice_in_dim(o, x, i * tile, axis=2) for o, x in zip(out, parts))
+
+    out = (jnp.zeros((b, h, t), jnp.float32), jnp.zeros((b, h, t), jnp.float32),
+           jnp.zeros((b, h, t, v.shape[-1]), jnp.float32))
+    return jax.lax.fori_loop(0, t // tile, query_tile, out)
+
+  def _absorbed_weights(self):
+    """`kv_b_proj` split per head: `(W_uk [r, nH, dn], W_uv [r, nH, dv])` in float32, rounded through
+    the compute dtype as `expand` sees it (DeepSeek-V2 section 2.1.2's absorption)."""
+    w = self.kv_b_proj.kernel[...].astype(self.dtype).astype(jnp.float32)
+    w = w.reshape(self.rank, self.num_heads, self.dn + self.dv)
+    return w[..., :self.dn], w[..., self.dn:]
+
+  def _attend_prefix_then_window(self, q, window, prefix, prefix_lengths, seg):
     """Softmax over [own slot's prefix | the window's own keys], streamed over the prefix.
 
-    One online softmax (running max `m`, denominator `l`, weighted values `acc`; the same rescaling
-    as flash attention) starts from the window's own scores, then visits the prefix in blocks of
-    `PREFIX_BLOCK` cached tokens, only as many blocks as the longest valid prefix in the batch
-    (`lax.fori_loop` with a data-dependent trip count): memory is O(B * H * T * N * block) whatever
-    the cache length L, and the work grows with the tokens actually cached, not with L. A block's
-    keys and values are re-expanded from its latents (`expand`), as the one-shot softmax did.
+    The window's own keys are expanded (`expand`); the prefix is attended in the absorbed form
+    (as `decode_latent`): each token's query is mapped into latent space once (`W_uk`), scored
+    against the latents of ITS OWN slot only (gathered per token, block by block), and the weighted
+    latents go through `W_uv` once at the end. The work is O(T * own prefix * (r + dr)) per head, not
+    O(T * N * L) as attending every slot's prefix and masking would be.
+
+    One online softmax per token (running max `m`, denominator `l`, weighted latents `acc`; the same
+    rescaling as flash attention) visits the prefix in blocks of `PREFIX_BLOCK` cached tokens, only as
+    many blocks as the longest own prefix among the tokens of a region (`lax.fori_loop` with a
+    data-dependent trip count). The row is cut into regions, its first N tokens, then runs of
+    `PREFIX_REGION` tokens: the engine packs decode tokens (one per slot, long prefixes) first and
+    prompt chunks after, so a new prompt's tokens (no prefix) do not loop over the longest
+    decoding request's prefix, nor over a continued chunk's. The window part and the prefix part
+    are merged at the end.
 
     Args:
-      q: float32 `[B, T, nH, dn + dr]`. scores: float32 `[B, nH, T, T]` (scaled). mask: bool
-      `[B, T, T]`. v: `[B, T, nH, dv]`. prefix: latent `[B, N, L, r + dr]`. prefix_lengths: int32
-      `[B, N]`. seg: int32 `[B, T]` (label n reads slot n-1's prefix; 0 = padding).
+      q: float32 `[B, T, nH, dn + dr]`. window: the window's own softmax parts (`_window_parts`).
+      prefix: latent `[B, N, L, r + dr]`. prefix_lengths: int32 `[B, N]`. seg: int32 `[B, T]` (label
+      n reads slot n-1's prefix; 0 = padding).
 
     Returns:
       float32 `[B, T, nH, dv]`, zeros for padding tokens.
     """
     b, n, length, _ = prefix.shape
+    t = q.shape[1]
     block = min(PREFIX_BLOCK, length)
     if length % block:  # the last block must not run past L (dynamic_slice would shift it back)
       prefix = jnp.pad(prefix, ((0, 0), (0, 0), (0, block - length % block), (0, 0)))
-    slot = jnp.clip(seg - 1, 0, n - 1)
-    onehot = (slot[:, :, None] == jnp.arange(n)[None, None]) & (seg > 0)[:, :, None]     # [B, T, N]
-    own_length = jnp.sum(jnp.where(onehot, prefix_lengths[:, None, :], 0), axis=-1)       # [B, T]
-    s = jnp.where(mask[:, None], scores, _NEG)
-    m = jnp.max(s, axis=-1)                                                               # [B, H, T]
-    p = jnp.where(mask[:, None], jnp.exp(s - m[..., None]), 0.0)
-    l = jnp.sum(p, axis=-1)
-    acc = jnp.einsum("bhts,bshd->bhtd", p, v.astype(jnp.float32))                         # [B, H, T, dv]
+    slot = jnp.clip(seg - 1, 0, n - 1)                                                    # [B, T]
+    own_length = jnp.where(seg > 0, jnp.take_along_axis(prefix_lengths, slot, axis=1), 0)  # [B, T]
+    w_uk, w_uv = self._absorbed_weights()
+    q_abs = jnp.concatenate([jnp.einsum("bthd,rhd->bthr", q[..., :self.dn], w_uk), q[..., self.dn:]], axis=-1)
+    rows = jnp.arange(b)[:, None]
 
-    def visit(j, carry):
-      m, l, acc = carry
-      lat = jax.lax.dynamic_slice_in_dim(prefix, j * block, block, axis=2)                # [B, N, blk, C]
-      kp, vp = self.expand(lat.astype(self.dtype))                                        # [B, N, blk, H, *]
-      if n == 1:
-        sp = jnp.einsum("bthd,blhd->bhtl", q, kp[:, 0].astype(jnp.float32)) * self.scale
-      else:
-        sp = jnp.einsum("bthd,bnlhd->bhtnl", q, kp.astype(jnp.float32)) * self.scale
-        sp = jnp.sum(jnp.where(onehot[:, None, :, :, None], sp, 0.0), axis=3)              # own slot
-      valid = (j * block + jnp.arange(block))[None, None, :] < own_length[:, :, None]      # [B, T, blk]
-      sp = jnp.where(valid[:, None], sp, _NEG)
-      m_new = jnp.maximum(m, jnp.max(sp, axis=-1))
-      rescale = jnp.exp(m - m_new)
-      pp = jnp.where(valid[:, None], jnp.exp(sp - m_new[..., None]), 0.0)                 # [B, H, T, blk]
-      if n == 1:
-        o = jnp.einsum("bhtl,blhd->bhtd", pp, vp[:, 0].astype(jnp.float32))
-      else:
-        pn = jnp.where(onehot[:, None, :, :, None], pp[:, :, :, None, :], 0.0)            # [B, H, T, N, blk]
-        o = jnp.einsum("bhtnl,bnlhd->bhtd", pn, vp.astype(jnp.float32))
-      return m_new, l * rescale + jnp.sum(pp, axis=-1), acc * rescale[..., None] + o
+    def region(lo, hi):
+      """Online softmax of tokens [lo, hi) over their own prefixes: (m, l [B, H, t], acc [B, H, t, r])."""
+      qa, sl, own = q_abs[:, lo:hi], slot[:, lo:hi], own_length[:, lo:hi]
+      tr = hi - lo
 
-    num_blocks = (jnp.max(prefix_lengths) + block - 1) // block
-    m, l, acc = jax.lax.fori_loop(0, num_blocks, visit, (m, l, acc))
+      def visit(j, carry):
+        m, l, acc = carry
+        lat = jax.lax.dynamic_slice_in_dim(prefix, j * block, block, axis=2)              # [B, N, blk, C]
+        c = lat[rows, sl].astype(self.dtype).astype(jnp.float32)                         # [B, t, blk, C]
+        sp = jnp.einsum("bthc,btlc->bhtl", qa, c) * self.scale
+        valid = (j * block + jnp.arange(block))[None, None, :] < own[:, :, None]          # [B, t, blk]
+        sp = jnp.where(valid[:, None], sp, _NEG)
+        m_new = jnp.maximum(m, jnp.max(sp, axis=-1))
+        rescale = jnp.exp(m - m_new)
+        pp = jnp.where(valid[:, None], jnp.exp(sp - m_new[..., None]), 0.0)               # [B, H, t, blk]
+        o = jnp.einsum("bhtl,btlr->bhtr", pp, c[..., :self.rank])
+        return m_new, l * rescale + jnp.sum(pp, axis=-1), acc * rescale[..., None] + o
+
+      h = self.num_heads
+      init = (jnp.full((b, h, tr), _NEG, jnp.float32), jnp.zeros((b, h, tr), jnp.float32),
+              jnp.zeros((b, h, tr, self.rank), jnp.float32))
+      num_blocks = (jnp.max(own) + block - 1) // block
+      return jax.lax.fori_loop(0, num_blocks, visit, init)
+
+    bounds = [0] + list(range(min(n, t), t, PREFIX_REGION)) + [t]
+    parts = [region(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    m_p, l_p, acc_p = (jnp.concatenate(x, axis=2) for x in zip(*parts))
+    # The merge of the window's and the prefix's softmax parts.
+    m_w, l_w, acc_w = window
+    m = jnp.maximum(m_w, m_p)
+    a_w, a_p = jnp.exp(m_w - m), jnp.exp(m_p - m)
+    l = l_w * a_w + l_p * a_p
+    acc = acc_w * a_w[..., None] + jnp.einsum("bhtr,rhd->bhtd", acc_p, w_uv) * a_p[..., None]
     o = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return jnp.transpose(o, (0, 2, 1, 3))
 
@@ -229,9 +309,7 @@ class MultiHeadLatentAttention(nnx.Module):
     lat = self.latent(x).astype(latent_cache.dtype)
     cache = latent_cache.at[jnp.arange(s), lengths].set(lat, mode="drop")
     c = cache.astype(self.dtype).astype(jnp.float32)                       # as expand() sees it
-    w = self.kv_b_proj.kernel[...].astype(self.dtype).astype(jnp.float32)
-    w = w.reshape(self.rank, self.num_heads, self.dn + self.dv)
-    w_uk, w_uv = w[..., :self.dn], w[..., self.dn:]
+    w_uk, w_uv = self._absorbed_weights()
     q_lat = jnp.einsum("shd,rhd->shr", q[..., :self.dn], w_uk)             # [S, nH, r]
     scores = (jnp.einsum("shr,slr->shl", q_lat, c[..., :self.rank])
               + jnp.einsum("shd,sld->shl", q[..., self.dn:], c[..., self.rank:])) * self.scale

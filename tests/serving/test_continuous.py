@@ -300,3 +300,17 @@ def test_compilations_over_200_requests(model):
   stats = _random_run(fresh, 200, 9)
   assert stats.num_compilations <= fresh.max_compilations == len(fresh.buckets) + 1
   assert stats.generated_tokens > 200 and stats.num_free_slots == SLOTS
+
+
+def test_compile_all_compiles_every_executable_and_changes_no_slot(model):
+  """`compile_all` (the server runs it before it listens) leaves nothing to compile later: every
+  bucket, the decode-only step and the prefix-cache transfers, with the pool bit-unchanged. The
+  module's executables exist by now (shared per process), so this costs the transfers only."""
+  fresh = ContinuousEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, max_num_batched_tokens=BUDGET,
+                           prefix_cache_bytes=1 << 24)
+  before = [np.asarray(a).copy() for a in jax.tree.leaves(fresh.pool.cache)]
+  fresh.compile_all()
+  assert fresh.stats().num_compilations == fresh.max_compilations
+  assert fresh.pool._take is not None and fresh.pool._put is not None
+  for a, b in zip(before, jax.tree.leaves(fresh.pool.cache)):
+    np.testing.assert_array_equal(np.asarray(b), a)
