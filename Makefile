@@ -9,6 +9,8 @@ AOT_GPU_VENV ?= .venv-gpu-aot
 # pyenv shims pick 3.12 from .python-version; fall back to any python3.12 on PATH.
 PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || echo python3.12)
 PYTEST_WORKERS ?= 2
+# Extra pytest arguments, e.g. `make test PYTEST_ARGS='-k scoring -x'`. The slowest tests are listed at the end.
+PYTEST_ARGS ?= --durations=15
 # Tests find the compile venvs through these (tests/aot/conftest.py); under `make test` a missing or
 # broken compile venv fails the tests instead of skipping them.
 AOT_ENV := KDA_AOT_REQUIRED=1 KDA_AOT_TPU_PYTHON=$(CURDIR)/$(AOT_TPU_VENV)/bin/python \
@@ -48,7 +50,7 @@ define test_recipe
 	@rm -f $(AOT_INSTALL_LOG).rc
 	@( $(MAKE) --no-print-directory install-aot > $(AOT_INSTALL_LOG) 2>&1; echo $$? > $(AOT_INSTALL_LOG).rc ) & \
 	rc=0; $(AOT_ENV) KDA_AOT_INSTALL_RC=$(CURDIR)/$(AOT_INSTALL_LOG).rc \
-	  $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m $(1) tests || rc=$$?; wait; exit $$rc
+	  $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m $(1) $(PYTEST_ARGS) tests || rc=$$?; wait; exit $$rc
 endef
 
 test: install

@@ -41,6 +41,10 @@ class AotRunner:
     """
     child_env = {k: v for k, v in os.environ.items() if not k.startswith(("KDA_AOT_", "PYTEST_"))}
     child_env["PYTHONPATH"] = str(self.root)
+    # tests/conftest.py's XLA:CPU -O0 must not reach the TPU/GPU compilers.
+    flags = child_env.pop("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
+    if flags:
+      child_env["XLA_FLAGS"] = flags
     child_env.pop("JAX_PLATFORMS", None)  # tests/conftest.py sets cpu; each script chooses its own
     if self.kind == "tpu":
       child_env.update(TPU_ENV)
