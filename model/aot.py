@@ -101,7 +101,6 @@ _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 # temporaries (33.05G) exceeds available HBM (15.75G) ..."; units are binary (2.00T for 2**41 bytes).
 _AVAILABLE_RE = re.compile(r"exceeds available HBM \(([0-9.]+)\s*([KMGT]?)i?B?\)")
 _REQUIRED_RE = re.compile(r"memory required for [^(]*\(([0-9.]+)\s*([KMGT]?)i?B?\)")
-_TEMPS_RE = re.compile(r"memory required for HLO temporaries")
 PROBE_BYTES = 2**40  # more than any TPU device holds: the probe program always exceeds HBM
 
 
@@ -297,14 +296,12 @@ def refused_report(e: BaseException, hbm_bytes: int) -> dict:
   required, available = oom_bytes(e)
   hbm = int(available if available is not None else hbm_bytes)
   text = str(e).strip()
-  # libtpu 0.0.52 states "the total memory required for HLO temporaries (X)": X is the temporaries
-  # alone (the arguments come on top), so the program needs at least X.
-  temps_only = _TEMPS_RE.search(text) is not None
-  return {"argument_bytes": None, "output_bytes": None, "alias_bytes": None,
-          "temp_bytes": required if temps_only else None,
+  # libtpu 0.0.52 words it "the total memory required for HLO temporaries (X)", but X is the whole
+  # program: arguments + outputs + temporaries (probed on v5e:1x1: a 12 GiB argument and a 6 GiB
+  # output with no temporaries is refused with "(18.00G)").
+  return {"argument_bytes": None, "output_bytes": None, "alias_bytes": None, "temp_bytes": None,
           "generated_code_bytes": None, "total_bytes": required, "hbm_bytes": hbm, "fits": False,
           "margin_bytes": None if required is None else hbm - required, "refused_by_compiler": True,
-          "total_is_lower_bound": temps_only,
           "compiler_message": text.splitlines()[0], "compiler_detail": text[:20000]}
 
 
@@ -323,9 +320,6 @@ def verdict(memory: dict, device_kind: str) -> str:
   how = "libtpu refused the program at compile" if memory["refused_by_compiler"] else "memory_analysis total"
   if memory["total_bytes"] is None:
     return f"does not fit in {hbm} ({how}; it states no byte count: {memory.get('compiler_message')})"
-  if memory.get("total_is_lower_bound"):
-    return (f"does not fit in {hbm} by at least {_gib(-memory['margin_bytes'])}: needs more than "
-            f"{_gib(memory['total_bytes'])} (its temporaries alone, as {how}; the arguments come on top)")
   return (f"does not fit in {hbm} by {_gib(-memory['margin_bytes'])}: needs {_gib(memory['total_bytes'])} "
           f"({how})")
 

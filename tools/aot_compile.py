@@ -117,9 +117,7 @@ def run(argv: list[str]) -> int:
     print(f"  arguments    {_gib(m['argument_bytes'])}")
     print(f"  outputs      {_gib(m['output_bytes'])} (of which {_gib(m['alias_bytes'])} reuse donated arguments)")
     print(f"  temporaries  {_gib(m['temp_bytes'])}")
-  if m.get("total_is_lower_bound"):
-    print(f"  temporaries  {_gib(m['temp_bytes'])} (libtpu's figure; the arguments come on top)")
-  print(f"  total        {'more than ' if m.get('total_is_lower_bound') else ''}{_gib(m['total_bytes'])}")
+  print(f"  total        {_gib(m['total_bytes'])}")
   print(f"  usable HBM   {_gib(m['hbm_bytes'])} (libtpu's figure; nominal {_gib(report['hbm_spec_bytes'])})")
   report["verdict"] = aot.verdict(m, target.device_kind)
   print(f"verdict: {report['verdict']}")
