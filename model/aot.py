@@ -32,6 +32,7 @@ Import only in a process whose jax has libtpu (`.venv-tpu-aot`): jax starts its 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -46,6 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from model import loading, partitioning
 from model.errors import ConfigError
 from model.nn import cache as cache_lib
+from model.nn import scan as scan_lib
 from model.nn.kimi_linear import last_token_logits
 from model.training import steps
 
@@ -193,12 +195,26 @@ def abstract_train_state(cfg, mesh):
   return graphdef, state
 
 
+def _stacked_sds(mesh, leaves):
+  """The abstract stack of one scan-group position's per-layer leaves: `[repeats, *shape]`, each row
+  sharded as the layers are (the new leading axis unsplit)."""
+  a = leaves[0]
+  spec = a.sharding.spec
+  return _sds((len(leaves), *a.shape), a.dtype, NamedSharding(mesh, P(None, *spec)))
+
+
 def _batch(mesh, cfg, shape, dtype):
   return _sds(shape, dtype, partitioning.batch_sharding(mesh, shape, rules_or_cfg=cfg))
 
 
-def lower(cfg, mode: str, mesh):
+def lower(cfg, mode: str, mesh, *, stacked_params: bool = True):
   """`jax.jit(program).lower(*abstract args)` for `mode` on `mesh` (see the module docstring).
+
+  With `stacked_params` and `scan_layers` on, prefill and decode take the scanned layers' parameters
+  already stacked (`scan.split_stacked`: the arguments are `(rest, stacked)`, the same bytes) and run
+  under `scan.prestacked_groups`, so the program holds no second, stacked copy of them (the in-trace
+  `jnp.stack` is 20.25 GiB per device for the 48B model on 4 v5p chips, expert=4). Training keeps
+  the per-layer train state (checkpoints and optimizer state are per layer) and stacks in the trace.
 
   Returns:
     `(lowered, info)`: info names the program's shapes (batch, seq_len, slots, cache_length).
@@ -220,23 +236,39 @@ def lower(cfg, mode: str, mesh):
       return jax.jit(step, donate_argnums=0).lower(*args), info
     graphdef, state = loading.abstract_state(cfg, mesh, cfg)
     model = nnx.merge(graphdef, state)
+    plan = model.scan_plan() if stacked_params else None
+    info["stacked_params"] = plan is not None
+    params = state if plan is None else scan_lib.split_stacked(
+        state, plan, stack=lambda leaves: _stacked_sds(mesh, leaves))
+
+    @contextlib.contextmanager
+    def as_model(st):
+      if plan is None:
+        yield nnx.merge(graphdef, st)
+        return
+      rest, stacked = st  # the scanned layers' parameters arrive stacked, as a server stacks them at load
+      with scan_lib.prestacked_groups(stacked):
+        yield nnx.merge(graphdef, scan_lib.merge_stacked(rest, stacked, plan))
+
     if mode == "prefill":
       ids = _batch(mesh, cfg, (b, t), jnp.int32)
 
       def prefill(st, input_ids, segment_ids):
-        logits, cache = nnx.merge(graphdef, st).prefill(input_ids, segment_ids, num_slots=n, cache_length=length)
+        with as_model(st) as m:
+          logits, cache = m.prefill(input_ids, segment_ids, num_slots=n, cache_length=length)
         return last_token_logits(logits, segment_ids, n), cache
 
-      return jax.jit(prefill).lower(state, ids, ids), info
+      return jax.jit(prefill).lower(params, ids, ids), info
     info.update(num_slots=1, seq_len=1)
     abs_cache = jax.eval_shape(lambda: model.init_cache(b, num_slots=1, cache_length=length))
     cache = jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), abs_cache,
                          cache_lib.shardings(abs_cache, mesh, cfg))
 
     def decode(st, next_ids, c):
-      return nnx.merge(graphdef, st).decode(next_ids, c)
+      with as_model(st) as m:
+        return m.decode(next_ids, c)
 
-    return jax.jit(decode, donate_argnums=2).lower(state, _batch(mesh, cfg, (b,), jnp.int32), cache), info
+    return jax.jit(decode, donate_argnums=2).lower(params, _batch(mesh, cfg, (b,), jnp.int32), cache), info
 
 
 def memory_report(compiled, hbm_bytes: int) -> dict:
@@ -263,10 +295,14 @@ def refused_report(e: BaseException, hbm_bytes: int) -> dict:
   """
   required, available = oom_bytes(e)
   hbm = int(available if available is not None else hbm_bytes)
+  text = str(e).strip()
+  # libtpu 0.0.52 words it "the total memory required for HLO temporaries (X)", but X is the whole
+  # program: arguments + outputs + temporaries (probed on v5e:1x1: a 12 GiB argument and a 6 GiB
+  # output with no temporaries is refused with "(18.00G)").
   return {"argument_bytes": None, "output_bytes": None, "alias_bytes": None, "temp_bytes": None,
           "generated_code_bytes": None, "total_bytes": required, "hbm_bytes": hbm, "fits": False,
           "margin_bytes": None if required is None else hbm - required, "refused_by_compiler": True,
-          "compiler_message": str(e).strip().splitlines()[0]}
+          "compiler_message": text.splitlines()[0], "compiler_detail": text[:20000]}
 
 
 def _gib(n: int) -> str:
@@ -297,7 +333,7 @@ def flops(compiled) -> float | None:
   return None if value is None else float(value)
 
 
-def compile_for(cfg, mode: str, target: Target) -> dict:
+def compile_for(cfg, mode: str, target: Target, *, stacked_params: bool = True) -> dict:
   """Lowers and compiles `mode` for `target` with the config's mesh; the report of one compile.
 
   Returns:
@@ -313,7 +349,7 @@ def compile_for(cfg, mode: str, target: Target) -> dict:
   _check_num_slices(cfg, target)
   mesh = partitioning.create_mesh(cfg, target.devices)
   t0 = time.perf_counter()
-  lowered, info = lower(cfg, mode, mesh)
+  lowered, info = lower(cfg, mode, mesh, stacked_params=stacked_params)
   t1 = time.perf_counter()
   try:
     compiled = lowered.compile()

@@ -16,6 +16,9 @@ config key (configs/base.py: mesh `ici_*` / `dcn_*_parallelism`, `logical_axis_r
   compile_topology=NAME             a jax TPU topology, e.g. v5e:2x2, v5p:4x4x4, v6e:4x4, tpu7x:2x2x1 (required)
   compile_topology_num_slices=N     slices over DCN (default 1); the dcn_*_parallelism sizes must multiply to N
   mode=train|prefill|decode         the program (default train); shapes: model/aot.py
+  stacked_params=true|false         prefill/decode with scan_layers: the scanned layers' parameters are
+                                    arguments already stacked (default true, as a server stacks them
+                                    once at load); false stacks them inside the program (a second copy)
   output_json=PATH                  also write the report (with the compiled HLO text) there
   overwrite=true                    replace an existing output_json
 
@@ -42,7 +45,7 @@ from model.config import load_config
 from model.errors import UsageError
 from tools import cli
 
-TOOL_KEYS = ("compile_topology", "compile_topology_num_slices", "mode")
+TOOL_KEYS = ("compile_topology", "compile_topology_num_slices", "mode", "stacked_params")
 MODES = ("train", "prefill", "decode")
 MEMORY_KEYS = "batch_size, seq_len, max_cache_length or the mesh sizes"
 GIB = 2**30
@@ -82,9 +85,12 @@ def _parse(argv):
     slices = 0
   if slices < 1:
     raise UsageError(f"compile_topology_num_slices must be an integer >= 1, got {slices_text!r}")
+  stacked_text = own.get("stacked_params", "true").strip().lower()
+  if stacked_text not in ("true", "false"):
+    raise UsageError(f"stacked_params must be true or false, got {own['stacked_params']!r}")
   if cfg.output_json:
     cli.check_output_path(cfg.output_json, overwrite=cfg.overwrite)
-  return cfg, own["compile_topology"], slices, mode
+  return cfg, own["compile_topology"], slices, mode, stacked_text == "true"
 
 
 def _gib(n: int | None) -> str:
@@ -92,13 +98,13 @@ def _gib(n: int | None) -> str:
 
 
 def run(argv: list[str]) -> int:
-  cfg, topology_name, slices, mode = _parse(argv)
+  cfg, topology_name, slices, mode, stacked = _parse(argv)
   if importlib.util.find_spec("libtpu") is None:
     raise UsageError(f"{sys.executable} has no libtpu: run this tool with .venv-tpu-aot/bin/python "
                      "(`make install-aot` creates it)")
   from model import aot  # imports jax: with libtpu present it starts the TPU compiler
   target = aot.topology(topology_name, slices)
-  report = aot.compile_for(cfg, mode, target)
+  report = aot.compile_for(cfg, mode, target, stacked_params=stacked)
   hlo = report.pop("hlo")
   m = report["memory"]
   mesh = " ".join(f"{a}={s}" for a, s in report["mesh"].items())

@@ -148,7 +148,7 @@ class KimiLinearForCausalLM(nnx.Module):
         raise ValueError(f"segment_ids holds label {top} but only {num_slots} document slots per row are "
                          f"configured (max_num_segments / num_slots); raise it")
 
-  def _scan_plan(self):
+  def scan_plan(self):
     """`scan_lib.scan_plan` of this model's layers when `scan_layers` is on, else None (unrolled)."""
     a = self.args
     if not a.scan_layers:
@@ -167,7 +167,7 @@ class KimiLinearForCausalLM(nnx.Module):
 
     x, new_layers = scan_lib.run_layers(list(self.model.layers), x, caches, step,
                                         lambda h: partitioning.constrain(h, partitioning.HIDDEN),
-                                        plan=self._scan_plan(), remat_policy=self.args.remat_policy,
+                                        plan=self.scan_plan(), remat_policy=self.args.remat_policy,
                                         train=mode == "train")
     logits = partitioning.constrain(self.lm_head(self.model.norm(x)), partitioning.LOGITS)
     return logits, new_layers
@@ -288,7 +288,7 @@ class KimiLinearForCausalLM(nnx.Module):
     x, layers = scan_lib.run_layers(list(self.model.layers), x, list(cache.layers),
                                     lambda layer, h, c: layer.decode(h, c, cache.lengths),
                                     lambda h: partitioning.constrain(h, partitioning.DECODE_HIDDEN),
-                                    plan=self._scan_plan(), remat_policy="none", train=False)
+                                    plan=self.scan_plan(), remat_policy="none", train=False)
     logits = partitioning.constrain(self.lm_head(self.model.norm(x)), partitioning.DECODE_LOGITS)
     return (logits[:, None] if with_time else logits), cache_lib.ModelCache(tuple(layers), cache.lengths + 1)
 

@@ -15,6 +15,14 @@ of the scanned layers' parameters per device, which the AOT report's temporaries
 checkpoints, conversion, training resume and the optimizer state are unchanged. The result equals
 the unrolled model's (the same operations in the same order; tests/model/test_scan_layers.py).
 
+That in-trace stack is a real copy: XLA materialises the `[repeats, ...]` arrays (dynamic-update-slice
+fusions in the compiled HLO), so a program holds the scanned layers' parameters twice (Kimi-Linear-48B
+on 4 v5p chips with expert=4: 20.25 GiB of the prefill's temporaries). A caller that holds the
+parameters already stacked ("stack at load time": `split_stacked` outside the program, the stacked
+arrays passed in as arguments) runs the program inside `prestacked_groups(stacked)`: `run_layers`
+then scans over those arrays and stacks nothing (`merge_stacked` rebuilds the per-layer state from
+slices of them, which the program never reads and XLA removes). Same operations, same values.
+
 `remat_policy` (training only, i.e. mode "train"; jax.checkpoint around each scanned group and each
 unrolled layer): "none" (default: no rematerialisation, the forward's activations are kept),
 "full" (`jax.checkpoint_policies.nothing_saveable`: only layer inputs are kept, everything is
@@ -25,6 +33,8 @@ result is kept).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Callable, Sequence
 
 import jax
@@ -135,8 +145,13 @@ def run_layers(layers, x, caches, step: Callable, constrain: Callable, *, plan, 
     for g in range(1, repeats):
       if [gd for gd, _ in splits[g]] != graphdefs:
         raise AssertionError(f"scan_plan grouped layers of different structure (group {g} of {plan})")
-    stacked = [jax.tree.map(lambda *a: jnp.stack(a), *[splits[g][j][1] for g in range(repeats)])
-               for j in range(period)]
+    pre = _PRESTACKED.get()
+    if pre is not None:
+      _check_prestacked(pre, [st for _, st in splits[0]], repeats)
+      stacked = list(pre)
+    else:
+      stacked = [jax.tree.map(lambda *a: jnp.stack(a), *[splits[g][j][1] for g in range(repeats)])
+                 for j in range(period)]
     group_caches = [caches[start + j::period][:repeats] for j in range(period)]
     have_cache = [all(c is not None for c in cs) for cs in group_caches]
     xs_caches = [jax.tree.map(lambda *a: jnp.stack(a), *cs) if ok else None
@@ -165,3 +180,85 @@ def _sow_routed(layer, routed):
     return
   for block in _routing_blocks(layer):
     block.sow(nnx.Intermediate, "routed_experts", routed)
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameters stacked outside the program ("stack at load time")
+# ------------------------------------------------------------------------------------------------
+
+_PRESTACKED: contextvars.ContextVar = contextvars.ContextVar("prestacked_layer_groups", default=None)
+LAYERS_PATH = ("model", "layers")  # where KimiLinearForCausalLM's state keeps its decoder layers
+
+
+@contextlib.contextmanager
+def prestacked_groups(stacked: Sequence):
+  """Within the block (at trace time), `run_layers` scans over `stacked` instead of stacking.
+
+  Args:
+    stacked: one `nnx.State` per position j of the scanned group (`split_stacked`), each leaf
+      `[repeats, *leaf shape]` (layer `start + g * period + j` at index g). Checked against the layers
+      `run_layers` is given: a ValueError names the first mismatch.
+  """
+  token = _PRESTACKED.set(tuple(stacked))
+  try:
+    yield
+  finally:
+    _PRESTACKED.reset(token)
+
+
+def _check_prestacked(pre, first_group_states, repeats: int) -> None:
+  if len(pre) != len(first_group_states):
+    raise ValueError(f"prestacked_groups got {len(pre)} stacked layer states for a scan group of "
+                     f"{len(first_group_states)} layers")
+  for j, (p, st) in enumerate(zip(pre, first_group_states)):
+    if jax.tree.structure(p) != jax.tree.structure(st):
+      raise ValueError(f"prestacked_groups: the stacked state of group position {j} is not shaped like its layers' "
+                       f"state (different parameter tree)")
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(st)):
+      if tuple(a.shape) != (repeats, *b.shape):
+        raise ValueError(f"prestacked_groups: group position {j} has a stacked leaf of shape {tuple(a.shape)}, "
+                         f"expected {(repeats, *b.shape)}")
+
+
+def _scanned(plan) -> dict[int, tuple[int, int]]:
+  start, period, repeats = plan
+  return {start + g * period + j: (g, j) for g in range(repeats) for j in range(period)}
+
+
+def split_stacked(state, plan, *, stack: Callable = lambda leaves: jnp.stack(leaves), prefix=LAYERS_PATH):
+  """`(rest, stacked)`: the model `state` without the scanned layers, and their parameters stacked.
+
+  Args:
+    state: the model's `nnx.State` (`nnx.split(model)[1]`; arrays or `ShapeDtypeStruct`s).
+    plan: the model's `scan_plan()` `(start, period, repeats)` (not None).
+    stack: leaves of one group position (a list of `repeats` arrays) -> the stacked leaf; the
+      default `jnp.stack` copies (do it once, at load time); `model.aot` passes one that builds a
+      sharded `ShapeDtypeStruct`.
+    prefix: the state path of the decoder layer list.
+
+  Returns:
+    rest: `nnx.State` of every other variable. stacked: one `nnx.State` per group position, as
+    `prestacked_groups` takes it.
+  """
+  start, period, repeats = plan
+  layers = state
+  for key in prefix:
+    layers = layers[key]
+  stacked = [jax.tree.map(lambda *a: stack(list(a)), *[layers[start + g * period + j] for g in range(repeats)])
+             for j in range(period)]
+  scanned = _scanned(plan)
+  n = len(prefix)
+  rest = nnx.from_flat_state([(p, v) for p, v in nnx.to_flat_state(state)
+                              if not (tuple(p[:n]) == tuple(prefix) and p[n] in scanned)])
+  return rest, stacked
+
+
+def merge_stacked(rest, stacked, plan, *, prefix=LAYERS_PATH):
+  """The full model state of `split_stacked`'s `(rest, stacked)`: layer i of the scan is row g of
+  its position's stacked leaves (a slice: when the program runs under `prestacked_groups(stacked)`
+  nothing reads it, so XLA drops it)."""
+  items = list(nnx.to_flat_state(rest))
+  for i, (g, j) in _scanned(plan).items():
+    layer = jax.tree.map(lambda a, g=g: a[g], stacked[j])
+    items += [((*prefix, i, *p), v) for p, v in nnx.to_flat_state(layer)]
+  return nnx.from_flat_state(items)

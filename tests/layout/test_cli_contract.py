@@ -52,6 +52,8 @@ TOOLS = {
     # The compile itself needs libtpu (.venv-tpu-aot): here only the arguments checked before it.
     "aot_compile": ("kda-aot-compile", [(["tiny", "compile_topology=v5e:2x2", "batch_sze=2"], "batch_sze"),
                                         (["tiny", "compile_topology=v5e:2x2", "mode=serve"], "mode"),
+                                        (["tiny", "compile_topology=v5e:2x2", "stacked_params=maybe"],
+                                         "stacked_params"),
                                         (["tiny", "compile_topology=v5e:2x2", "attention=no_such_backend"],
                                          "attention")]),
     "unigram_baseline": ("kda-unigram-baseline", [([f"dat={MISSING}"], "dat"),

@@ -81,7 +81,7 @@ NINE_LAYERS = ("num_hidden_layers=9", "full_attn_layers=[4,8]", "kda_layers=[1,2
 @pytest.mark.parametrize("policy", ["full", pytest.param("minimal", marks=pytest.mark.slow)])
 def test_remat_policy_keeps_loss_and_gradients(policy):
   cfg, unrolled, scanned = _pair(f"remat_policy={policy}", *NINE_LAYERS)
-  assert scanned._scan_plan() == (1, 4, 2)
+  assert scanned.scan_plan() == (1, 4, 2)
   ids, seg = _batch(cfg, seed=2)
 
   def loss(model):
@@ -98,3 +98,67 @@ def test_remat_policy_keeps_loss_and_gradients(policy):
 def test_unknown_remat_policy_names_the_key():
   with pytest.raises(ConfigError, match="remat_policy must be one of none, full"):
     load_config([CONFIG, "remat_policy=everything"])
+
+
+def _stack_free_programs(scanned, ids, seg):
+  """prefill + decode of `scanned` with its scanned layers' parameters stacked outside the program
+  (`split_stacked`), run under `prestacked_groups`: the jitted functions take `(rest, stacked)`."""
+  graphdef, state = nnx.split(scanned)
+  plan = scanned.scan_plan()
+  rest, stacked = scan_lib.split_stacked(state, plan)
+
+  def prefill(rest, stacked, i, s):
+    with scan_lib.prestacked_groups(stacked):
+      return nnx.merge(graphdef, scan_lib.merge_stacked(rest, stacked, plan)).prefill(
+          i, s, num_slots=2, cache_length=32)
+
+  def decode(rest, stacked, i, c):
+    with scan_lib.prestacked_groups(stacked):
+      return nnx.merge(graphdef, scan_lib.merge_stacked(rest, stacked, plan)).decode(i, c)
+
+  return rest, stacked, jax.jit(prefill), jax.jit(decode)
+
+
+@pytest.mark.slow  # four jitted 27-layer programs: minutes on the shared 2-core host
+def test_prestacked_parameters_give_the_same_prefill_and_decode_without_stacking_in_the_program():
+  cfg, unrolled, scanned = _pair()
+  ids, seg = _batch(cfg, seed=3)
+  rest, stacked, prefill, decode = _stack_free_programs(scanned, ids, seg)
+  start, period, repeats = scanned.scan_plan()
+  # Layer start + g * period + j is row g of position j's stacked leaves.
+  want_row = nnx.state(scanned.model.layers[start + 2 * period + 1])
+  for a, b in zip(jax.tree.leaves(stacked[1]), jax.tree.leaves(want_row)):
+    np.testing.assert_array_equal(np.asarray(a[2]), np.asarray(b))
+  (lw, cw) = nnx.jit(lambda m, i, s: m.prefill(i, s, num_slots=2, cache_length=32))(unrolled, ids, seg)
+  lg, cg = prefill(rest, stacked, ids, seg)
+  np.testing.assert_allclose(np.asarray(lg), np.asarray(lw), rtol=0, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(cw), jax.tree.leaves(cg)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
+  nxt = jnp.arange(4, dtype=jnp.int32) + 5
+  dw, _ = nnx.jit(lambda m, i, c: m.decode(i, c))(unrolled, nxt, cw)
+  dg, _ = decode(rest, stacked, nxt, cg)
+  np.testing.assert_allclose(np.asarray(dg), np.asarray(dw), rtol=0, atol=1e-6)
+  # The point of it: the program no longer concatenates the parameters into [repeats, ...] arrays
+  # (the in-trace stack shows up as concatenates of exactly those shapes).
+  stacked_shapes = {tuple(a.shape) for a in jax.tree.leaves(stacked)}
+
+  def stacking_ops(jitted, *args):
+    text = jitted.lower(*args).as_text()
+    return [ln for ln in text.splitlines() if "concatenate" in ln
+            and any(f"tensor<{'x'.join(map(str, s))}x" in ln.split("->")[-1] for s in stacked_shapes)]
+
+  plain = jax.jit(lambda m, i, s: m.prefill(i, s, num_slots=2, cache_length=32))
+  assert stacking_ops(plain, scanned, ids, seg)  # the oracle: the in-trace stack is visible
+  assert not stacking_ops(prefill, rest, stacked, ids, seg)
+
+
+@pytest.mark.slow  # runs layer 1 eagerly before the check: ~2 minutes on the shared host
+def test_prestacked_groups_checks_the_shapes():
+  cfg, _, scanned = _pair()
+  _, state = nnx.split(scanned)
+  plan = scanned.scan_plan()
+  _, stacked = scan_lib.split_stacked(state, plan)
+  short = [jax.tree.map(lambda a: a[:-1], st) for st in stacked]
+  ids, seg = _batch(cfg)
+  with scan_lib.prestacked_groups(short), pytest.raises(ValueError, match="expected \\(6,"):
+    scanned.prefill(ids, seg, num_slots=2, cache_length=32)
