@@ -50,7 +50,7 @@ define test_recipe
 	@rm -f $(AOT_INSTALL_LOG).rc
 	@( $(MAKE) --no-print-directory install-aot > $(AOT_INSTALL_LOG) 2>&1; echo $$? > $(AOT_INSTALL_LOG).rc ) & \
 	rc=0; $(AOT_ENV) KDA_AOT_INSTALL_RC=$(CURDIR)/$(AOT_INSTALL_LOG).rc \
-	  $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m $(1) $(PYTEST_ARGS) tests || rc=$$?; wait; exit $$rc
+	  $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m $(1) $(PYTEST_ARGS) tests || rc=$$?; wait; exit $$rc
 endef
 
 test: install

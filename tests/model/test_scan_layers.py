@@ -59,8 +59,16 @@ def test_scanned_forward_equals_unrolled(mode):
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
+# 9 layers of the same pattern (dense KDA, then KDA, KDA, MLA, KDA twice): the scan still runs twice,
+# and the jitted backward of both models stays small enough for the CPU test host.
+NINE_LAYERS = ("num_hidden_layers=9", "full_attn_layers=[4,8]", "kda_layers=[1,2,3,5,6,7,9]")
+
+
 def test_scanned_prefill_and_decode_equal_unrolled():
-  cfg, unrolled, scanned = _pair()
+  # The 9-layer pattern (the scan runs twice) keeps the two compiles of prefill and decode to a third
+  # of the 27-layer ones; the 27-layer forward above already checks the full plan.
+  cfg, unrolled, scanned = _pair(*NINE_LAYERS)
+  assert scanned.scan_plan() == (1, 4, 2)
   ids, seg = _batch(cfg, seed=1)
   prefill = nnx.jit(lambda m, i, s: m.prefill(i, s, num_slots=2, cache_length=32))
   (lw, cw), (lg, cg) = prefill(unrolled, ids, seg), prefill(scanned, ids, seg)
@@ -71,11 +79,6 @@ def test_scanned_prefill_and_decode_equal_unrolled():
   decode = nnx.jit(lambda m, i, c: m.decode(i, c))
   (dw, _), (dg, _) = decode(unrolled, nxt, cw), decode(scanned, nxt, cg)
   np.testing.assert_allclose(np.asarray(dg), np.asarray(dw), rtol=0, atol=1e-6)
-
-
-# 9 layers of the same pattern (dense KDA, then KDA, KDA, MLA, KDA twice): the scan still runs twice,
-# and the jitted backward of both models stays small enough for the CPU test host.
-NINE_LAYERS = ("num_hidden_layers=9", "full_attn_layers=[4,8]", "kda_layers=[1,2,3,5,6,7,9]")
 
 
 @pytest.mark.parametrize("policy", ["full", pytest.param("minimal", marks=pytest.mark.slow)])

@@ -23,6 +23,10 @@ from model.engine.continuous import ContinuousEngine
 from model.engine.serving import GenerationError, Generator, SamplingParams
 from model.loading import load_model
 
+# One xdist worker runs this whole module (Makefile: --dist loadgroup): its module-scoped fixture
+# compiles once instead of once per worker.
+pytestmark = pytest.mark.xdist_group("continuous_engine")
+
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "kda_plugin" / "assets" / "demo"
 SLOTS, MAX_LEN, BUDGET = 4, 640, 128
 
@@ -128,6 +132,9 @@ def test_decode_only_step_keeps_inactive_slots(engine):
   assert not engine.has_unfinished()
 
 
+# slow (about a minute): the same acceptance point runs in make test end to end, through the server and
+# the openai client (tests/serving/test_server.py::test_concurrent_greedy_equals_offline).
+@pytest.mark.slow
 def test_sixteen_requests_equal_generator_alone(model, engine):
   """16 requests of 16 different lengths, greedy, 4 slots: each returns the tokens `Generator`
   returns for that prompt alone; where they first differ it must be a near-tie (top-2 log-probs

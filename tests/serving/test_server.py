@@ -27,6 +27,10 @@ import urllib.request
 import numpy as np
 import pytest
 
+# One xdist worker runs this whole module (Makefile: --dist loadgroup): its module-scoped fixture
+# compiles once instead of once per worker.
+pytestmark = pytest.mark.xdist_group("server")
+
 openai = pytest.importorskip("openai")
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
