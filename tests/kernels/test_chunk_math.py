@@ -93,6 +93,19 @@ def _chunk_oracle(q, k, g, beta, seg):
   return G, tinv, aqk
 
 
+def _seven_document_chunk(rng, kd):
+  """One chunk holding seven documents (runs of length 1, padding, a boundary inside every 16-row
+  block), with queries and unit-norm keys of width `kd`: `(seg [C] int32, q [C, kd], k [C, kd])`."""
+  seg = np.zeros(C, np.int32)
+  for label, a, b in [(3, 0, 5), (1, 5, 6), (4, 6, 7), (2, 7, 30), (6, 33, 50), (5, 50, 51),
+                      (7, 51, 64)]:
+    seg[a:b] = label
+  q = rng.standard_normal((C, kd)) * 0.3
+  k = rng.standard_normal((C, kd))
+  k /= np.linalg.norm(k, axis=1, keepdims=True)
+  return seg, q, k
+
+
 @pytest.mark.parametrize("steep", [False, True], ids=["moderate", "steep"])
 @pytest.mark.parametrize("blocked", [True, False], ids=["mosaic_blocked", "triton_unblocked"])
 def test_chunk_prep_matches_float64(blocked, steep):
@@ -101,13 +114,7 @@ def test_chunk_prep_matches_float64(blocked, steep):
   `steep`, ~-20 nats per token (|G| ~ 1300 at row 63: any unbounded factor would overflow)."""
   rng = np.random.default_rng(7 if steep else 8)
   kd = 32
-  seg = np.zeros(C, np.int32)
-  for label, a, b in [(3, 0, 5), (1, 5, 6), (4, 6, 7), (2, 7, 30), (6, 33, 50), (5, 50, 51),
-                      (7, 51, 64)]:
-    seg[a:b] = label
-  q = rng.standard_normal((C, kd)) * 0.3
-  k = rng.standard_normal((C, kd))
-  k /= np.linalg.norm(k, axis=1, keepdims=True)
+  seg, q, k = _seven_document_chunk(rng, kd)
   g = -rng.uniform(18.0, 22.0, (C, kd)) if steep else -rng.uniform(0.0, 0.6, (C, kd))
   g[seg == 0] = 0.0
   beta = rng.uniform(0.0, 1.0, C)
@@ -132,13 +139,7 @@ def test_factored_diagonal_chunk_prep_matches_float64():
   factors within one 16-row block are ever formed), seven documents in the chunk."""
   rng = np.random.default_rng(9)
   kd = 32
-  seg = np.zeros(C, np.int32)
-  for label, a, b in [(3, 0, 5), (1, 5, 6), (4, 6, 7), (2, 7, 30), (6, 33, 50), (5, 50, 51),
-                      (7, 51, 64)]:
-    seg[a:b] = label
-  q = rng.standard_normal((C, kd)) * 0.3
-  k = rng.standard_normal((C, kd))
-  k /= np.linalg.norm(k, axis=1, keepdims=True)
+  seg, q, k = _seven_document_chunk(rng, kd)
   g = -rng.uniform(0.0, 5.0, (C, kd))
   g[::5] = -5.0
   g[1::5] = 0.0

@@ -47,12 +47,11 @@ def _decode(table_row, p):
   return out
 
 
-@pytest.mark.parametrize("has_h0", [False, True])
-def test_table_matches_a_row_walk(has_h0):
-  rng = np.random.default_rng(0)
-  n = 12
+def _random_packings(rng, count, n):
+  """`count` rows of 5 chunks, each with up to `n` documents of random lengths (runs of 1 included)
+  and random gaps (none, one token, a whole chunk)."""
   rows = []
-  for _ in range(4):
+  for _ in range(count):
     seg = np.zeros(5 * C, np.int32)
     pos, labels = int(rng.integers(0, 3)), list(rng.permutation(np.arange(1, n + 1)))
     while pos < seg.size and labels:
@@ -60,6 +59,14 @@ def test_table_matches_a_row_walk(has_h0):
       seg[pos:pos + length] = labels.pop()
       pos += length + int(rng.choice([0, 0, 1, 64]))
     rows.append(seg)
+  return rows
+
+
+@pytest.mark.parametrize("has_h0", [False, True])
+def test_table_matches_a_row_walk(has_h0):
+  rng = np.random.default_rng(0)
+  n = 12
+  rows = _random_packings(rng, 4, n)
   rows.append(np.ones(5 * C, np.int32))  # one document through every chunk
   seg = np.stack(rows)
   table = np.asarray(ss.build_chunk_table(jnp.asarray(seg), n, has_initial_state=has_h0))
@@ -118,15 +125,7 @@ def test_in_kernel_table_matches_a_row_walk(has_h0):
   last chunk pair half past the sequence)."""
   rng = np.random.default_rng(1)
   n = 12
-  rows = []
-  for _ in range(3):
-    seg = np.zeros(5 * C, np.int32)
-    pos, labels = int(rng.integers(0, 3)), list(rng.permutation(np.arange(1, n + 1)))
-    while pos < seg.size and labels:
-      length = int(rng.choice([1, 1, 2, 5, 17, 40, 64, 90, 130]))
-      seg[pos:pos + length] = labels.pop()
-      pos += length + int(rng.choice([0, 0, 1, 64]))
-    rows.append(seg)
+  rows = _random_packings(rng, 3, n)
   rows.append(np.ones(5 * C, np.int32))
   rows.append(np.where(np.arange(5 * C) < 2 * C - 1, 0, np.minimum(np.arange(5 * C) - 2 * C + 2, n)
                        ).astype(np.int32))
