@@ -89,11 +89,14 @@ def registered_backends() -> list[str]:
     return sorted(_factories)
 
 
-def get_backend(name: str):
+def get_backend(name: str, key: str = "attention"):
   """Returns the backend object registered as `name`, checked against `model.backend.AttentionBackend`.
 
+  Args:
+    name: the registry entry. key: the config key that named it (for the error message).
+
   Raises:
-    UnknownBackendError: no backend has that name; the message lists the registered ones.
+    UnknownBackendError: no backend has that name; the message names `key` and lists the registered ones.
     TypeError: the registered object (or what its factory returned) is not an `AttentionBackend`.
   """
   _load_entry_points()
@@ -102,7 +105,7 @@ def get_backend(name: str):
       return _instances[name]
     if name not in _factories:
       raise UnknownBackendError(
-          f"unknown attention backend {name!r} (attention={name}); registered: {sorted(_factories)} (entry-point group "
+          f"unknown attention backend {name!r} ({key}={name}); registered: {sorted(_factories)} (entry-point group "
           f"{ENTRY_POINT_GROUP!r}; is the plugin installed?)")
     obj = _factories[name]
     # A class or a plain function is a factory; an object that already has the protocol's

@@ -24,6 +24,7 @@ import math
 import os
 import pathlib
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 
 from configs import base
@@ -166,8 +167,9 @@ def check_output_path(path: str | os.PathLike, key: str = "output_json", *, over
       existing file at `path` (it is replaced when the tool writes); the `overwrite=true` key.
 
   Raises:
-    UsageError naming `key`: the parent directory does not exist, `path` is a directory, or `path`
-      exists and `overwrite` is false (tools.convert_checkpoint's rule for its output, too).
+    UsageError naming `key`: the parent directory does not exist or cannot be written (a temporary
+      file is tried there), `path` is a directory, or `path` exists and `overwrite` is false
+      (tools.convert_checkpoint's rule for its output, too).
   """
   path = pathlib.Path(path)
   parent = path.parent if str(path.parent) else pathlib.Path(".")
@@ -177,6 +179,12 @@ def check_output_path(path: str | os.PathLike, key: str = "output_json", *, over
     raise UsageError(f"{key}={str(path)!r} is a directory; expected a file path")
   if not overwrite and (path.exists() or path.is_symlink()):
     raise UsageError(f"{key}={str(path)!r} already exists; pass overwrite=true to replace it")
+  try:  # the write goes through a temporary file in `parent`: try one now, not after the work
+    with tempfile.TemporaryFile(dir=parent):
+      pass
+  except OSError as e:
+    raise UsageError(f"{key}={str(path)!r}: cannot write in directory {str(parent)!r} "
+                     f"({e.strerror or e})") from None
   return parent
 
 
@@ -208,8 +216,8 @@ def _finite(data):
   return data
 
 
-# Besides `UserError`: the OS errors of a path the user named (a missing or directory input file).
-USER_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+# Besides `UserError`: the OS errors of a path the user named (a missing, unreadable or directory file).
+USER_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
 
 
 def run_tool(main: Callable[[list[str]], int], doc: str, argv: Sequence[str] | None = None, *,

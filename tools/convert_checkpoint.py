@@ -140,13 +140,15 @@ def convert(argv: Sequence[str]) -> dict:
 
 def _summary_line(s: dict) -> str:
   gb = s["bytes_read"] / 1e9
-  rate = gb / s["seconds"] if s["seconds"] > 0 else float("inf")
+  rate = s["bytes_read"] / s["seconds"] if s["seconds"] > 0 else float("inf")
+  # A small checkpoint moves at MB/s; "0.00 GB/s" would say nothing.
+  speed = f"{rate / 1e9:.2f} GB/s" if rate >= 1e8 else f"{rate / 1e6:.1f} MB/s"
   extra = f", {s['shards']} shard(s)" if "shards" in s else ""
   casts = s.get("casts") or {}
   dtypes = ("cast " + ", ".join(f"{n} tensor(s) {k.replace('->', ' -> ')}" for k, n in casts.items())
             if casts else "every tensor in its stored dtype")
   return (f"{s['direction']}: {s['tensors']} HF tensors <-> {s['parameters']} parameters, {gb:.3f} GB "
-          f"({s['weight_dtype']}{extra}; {dtypes}) in {s['seconds']:.1f} s ({rate:.2f} GB/s) -> {s['output']}")
+          f"({s['weight_dtype']}{extra}; {dtypes}) in {s['seconds']:.1f} s ({speed}) -> {s['output']}")
 
 
 def out_of_memory_advice() -> str:

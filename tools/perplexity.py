@@ -162,7 +162,7 @@ def run(argv: list[str]) -> int:
   if cfg.output_json:
     common.check_output_path(cfg.output_json, overwrite=cfg.overwrite)  # before any work, not after it
   if cfg.compare_attention:
-    registry.get_backend(cfg.compare_attention)  # an unknown name fails now, not after the first pass
+    registry.get_backend(cfg.compare_attention, key="compare_attention")  # an unknown name fails now, not after the first pass
   if cfg.dump_logprobs and not cfg.output_json:  # the dump goes into output_json only: never drop it silently
     raise UsageError("dump_logprobs=true needs output_json=FILE (the per-token log-probs are written there)")
   if cfg.compare_tolerance < 0:

@@ -39,6 +39,8 @@ from __future__ import annotations
 import sys
 import time
 
+from tqdm import tqdm
+
 from model import partitioning
 from model.engine.api import Request
 from model.errors import UsageError
@@ -65,13 +67,15 @@ def check_keys(cfg) -> None:
     raise UsageError("host is empty: give an address to listen on, e.g. host=127.0.0.1")
 
 
-def warm_up(engine) -> float:
+def warm_up(engine, progress: bool = True) -> float:
   """Compiles what the engine will run (`compile_all` where the engine has it: every shape bucket
-  of the continuous engine, so no request waits behind a compilation), then runs one 1-token
-  request to its end; returns the seconds it took."""
+  of the continuous engine, so no request waits behind a compilation; a tqdm bar on stderr when
+  `progress`), then runs one 1-token request to its end; returns the seconds it took."""
   t0 = time.perf_counter()
   if hasattr(engine, "compile_all"):
-    engine.compile_all()
+    bar = lambda it, total: tqdm(it, total=total, desc="compiling step shapes", unit="shape", file=sys.stderr,
+                                 leave=False)
+    engine.compile_all(progress=bar if progress else None)
   engine.add_request(Request("warm-up", (0,), 1))
   while engine.has_unfinished():
     engine.step(lambda event: None)
@@ -89,6 +93,7 @@ def run(argv: list[str]) -> int:
   tokenizer = common.tokenizer_for(stored)
   vocab = int(stored.vocab_size)
   sock = bind(cfg.host, cfg.port)   # an address in use fails now, before the model loads
+  print(f"loading {stored.load_parameters_path} ...", file=sys.stderr, flush=True)
   model, mcfg, mesh = common.load(stored)
   if mesh is not None:
     print(f"serving on {partitioning.describe_mesh(mesh)}", file=sys.stderr)

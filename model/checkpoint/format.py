@@ -40,6 +40,7 @@ import os
 import pathlib
 import shutil
 import sys
+import tempfile
 import uuid
 import zlib
 from collections.abc import Mapping, Sequence
@@ -278,11 +279,27 @@ def remove_tree(path: pathlib.Path | None) -> None:
       path.unlink()
 
 
+def _check_creatable(path: pathlib.Path) -> None:
+  """CheckpointError unless a directory can be made where `path` will be (its nearest existing
+  ancestor is a directory in which a temporary directory can be created), before any work."""
+  ancestor = path.absolute().parent
+  while not ancestor.exists():
+    ancestor = ancestor.parent
+  if not ancestor.is_dir():
+    raise CheckpointError(f"output_path {os.fspath(path)!r}: {os.fspath(ancestor)!r} is a file, not a directory")
+  try:
+    os.rmdir(tempfile.mkdtemp(dir=ancestor, prefix=".kda-write-check-"))
+  except OSError as e:
+    raise CheckpointError(f"output_path {os.fspath(path)!r}: cannot create a directory in "
+                          f"{os.fspath(ancestor)!r} ({e.strerror or e})") from None
+
+
 def check_writable(path: str | os.PathLike, overwrite: bool, replaceable=is_checkpoint, what="a checkpoint") -> None:
   """Raises CheckpointError unless `path` is absent, or overwrite is set and `path` is an empty
   directory or one that `replaceable(path)` accepts (never a file or someone else's directory)."""
   path = pathlib.Path(path)
   if not path.exists() and not path.is_symlink():
+    _check_creatable(path)
     return
   if not overwrite:
     raise CheckpointError(f"output path {os.fspath(path)!r} already exists; pass overwrite=true to replace it")

@@ -242,12 +242,15 @@ class ContinuousEngine:
     key = seq.keys[num_tokens // 64 - 1]
     self.prefix_cache.insert(key, self.pool.take(seq.slot, num_tokens))
 
-  def compile_all(self) -> float:
+  def compile_all(self, progress=None) -> float:
     """Compiles every step executable now (each row bucket, the decode-only step and, with the
     prefix cache on, the slot snapshot transfers), so that no request ever waits for a compilation
-    (a server calls it before it listens). Returns the seconds it took; the pool is not changed."""
+    (a server calls it before it listens). `progress`: optional `fn(iterable, total) -> iterable`
+    wrapping the loop over the step executables (e.g. tqdm). Returns the seconds it took; the pool
+    is not changed."""
     t0 = time.perf_counter()
-    for bucket in self.buckets + ((None,) if self.decode_path == "decode" else ()):
+    steps = self.buckets + ((None,) if self.decode_path == "decode" else ())
+    for bucket in (progress(steps, len(steps)) if progress is not None else steps):
       self.compiled_step(bucket)
     if self.prefix_cache.enabled:
       self.pool.compile_transfers()

@@ -33,6 +33,7 @@ import prometheus_client
 import pydantic
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from model.engine.api import TokenEvent
@@ -78,11 +79,15 @@ async def _read_body(request: fastapi.Request, limit: int) -> bytes:
     raise ApiError(413, f"the request body has {length} bytes; at most {limit} are accepted", None,
                    "request_too_large")
   chunks, size = [], 0
-  async for chunk in request.stream():
-    size += len(chunk)
-    if size > limit:
-      raise ApiError(413, f"the request body exceeds {limit} bytes", None, "request_too_large")
-    chunks.append(chunk)
+  try:
+    async for chunk in request.stream():
+      size += len(chunk)
+      if size > limit:
+        raise ApiError(413, f"the request body exceeds {limit} bytes", None, "request_too_large")
+      chunks.append(chunk)
+  except ClientDisconnect:  # the client left while sending: nothing was admitted, nobody reads the answer
+    raise ApiError(499, "the client closed the connection before the request body arrived", None,
+                   "client_closed") from None
   return b"".join(chunks)
 
 
@@ -193,6 +198,12 @@ class _Generation:
                                        tokens=len(self.token_ids), reason=self.finish or "cancelled")
 
 
+def _check_model(state: ServerState, name: str | None) -> None:
+  if name is not None and name != state.model_name:
+    raise ApiError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+                   "model", "model_not_found")
+
+
 def _prepare(state: ServerState, raw: bytes) -> tuple[protocol.CompletionRequest, protocol.Prepared]:
   try:
     data = json.loads(raw)
@@ -204,9 +215,7 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[protocol.CompletionRequest
     body = protocol.CompletionRequest.model_validate(data)
   except pydantic.ValidationError as e:
     raise protocol.from_validation_error(e) from None
-  if body.model is not None and body.model != state.model_name:
-    raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
-                   "model", "model_not_found")
+  _check_model(state, body.model)
   prepared = protocol.to_engine_request(body, request_id=f"cmpl-{uuid.uuid4().hex}", tokenizer=state.tokenizer,
                                         vocab_size=state.vocab_size, max_model_len=state.max_model_len,
                                         add_bos=state.add_bos)
@@ -291,9 +300,10 @@ def build_app(state: ServerState) -> fastapi.FastAPI:
   async def chat(request: fastapi.Request):
     raw = await _read_body(request, state.max_body_bytes)
     try:
-      protocol.ChatCompletionRequest.model_validate_json(raw)
+      body = protocol.ChatCompletionRequest.model_validate_json(raw)
     except pydantic.ValidationError as e:
       raise protocol.from_validation_error(e) from None
+    _check_model(state, body.model)
     if getattr(state.tokenizer, "chat_template", None) is None:
       raise ApiError(400, f"the tokenizer of {state.model_name!r} has no chat template, so chat messages cannot "
                           f"be turned into a prompt: use POST /v1/completions with a prompt", "messages",

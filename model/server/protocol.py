@@ -50,7 +50,15 @@ def from_validation_error(e: pydantic.ValidationError | list) -> ApiError:
   errors = e.errors() if isinstance(e, pydantic.ValidationError) else list(e)
   first = errors[0]
   loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-  param = ".".join(loc) or None
+  # pydantic names the union member that failed ("prompt.str", "prompt.list[int].0"): the param is the
+  # field path up to the first part that is not a field name.
+  fields = _field_names()
+  param_parts = []
+  for part in loc:
+    if part not in fields:
+      break
+    param_parts.append(part)
+  param = ".".join(param_parts or loc[:1]) or None
   if first.get("type") == "json_invalid":
     return bad_request(f"the request body is not valid JSON: {first.get('msg')}", None, "invalid_json")
   if first.get("type") == "missing":
@@ -60,15 +68,21 @@ def from_validation_error(e: pydantic.ValidationError | list) -> ApiError:
   return bad_request(f"{param}: {first.get('msg')} (got {first.get('input')!r})", param, "invalid_value")
 
 
+# strict: a JSON value of the wrong type is refused (400 naming the field), never coerced ("16" is not 16,
+# "true" is not true); an integer is still accepted where a number is expected, as JSON has one number type.
+_STRICT = pydantic.ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="forbid")
+  model_config = _STRICT
   include_usage: bool = False
 
 
 class CompletionRequest(pydantic.BaseModel):
-  """The body of POST /v1/completions (unknown fields are refused by name, not ignored)."""
+  """The body of POST /v1/completions (unknown fields are refused by name, not ignored; values of the
+  wrong JSON type are refused, not coerced)."""
 
-  model_config = pydantic.ConfigDict(extra="forbid")
+  model_config = _STRICT
 
   model: str | None = None
   prompt: str | list[int] | list[str] | list[list[int]]
@@ -95,6 +109,11 @@ class ChatCompletionRequest(pydantic.BaseModel):
 
   model: str | None = None
   messages: list[dict]
+
+
+def _field_names() -> frozenset[str]:
+  return frozenset(CompletionRequest.model_fields) | frozenset(StreamOptions.model_fields) | frozenset(
+      ChatCompletionRequest.model_fields)
 
 
 def _stop_strings(stop) -> tuple[str, ...]:

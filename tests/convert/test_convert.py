@@ -448,6 +448,13 @@ def test_existing_output(converted, tmp_path, capsys):
   assert cc.main([f"hf_model_path={DENSE}", f"output_path={tmp_path / 'mine'}", "overwrite=true"]) == 2
   assert "not a checkpoint directory" in capsys.readouterr().err
   assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+  # An output that cannot be created is refused before anything is read (/sys takes no new entries,
+  # root included), and so is one under a file.
+  for target, msg in (("/sys/kda_out", "error: output_path '/sys/kda_out': cannot create a directory in '/sys'"),
+                      (tmp_path / "mine" / "notes.txt" / "out", "is a file, not a directory")):
+    assert cc.main([f"hf_model_path={DENSE}", f"output_path={target}"]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1, err
 
 
 def test_cli_help_and_clean_error():

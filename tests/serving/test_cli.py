@@ -235,8 +235,10 @@ def test_errors_before_model_load(checkpoints, tokenizer_file, tmp_path, capsys,
     assert not out.exists()
   # Output paths that cannot be written are refused before any work, naming output_json.
   for tool, argv in ((_gen, [ck, "prompt_ids=3"]), (_ppl, [ck, f"eval_data={tmp_path / 'ok.txt'}", "eval_format=ids"])):
+    # /sys refuses new files to every user, root included: a directory that exists but cannot be written.
     for target, msg in ((tmp_path / "nodir" / "x.json", "directory .*nodir' does not exist"),
-                        (tmp_path, "is a directory; expected a file path")):
+                        (tmp_path, "is a directory; expected a file path"),
+                        ("/sys/x.json", "cannot write in directory '/sys'")):
       assert tool(argv + [f"output_json={target}"]) == 2
       err = capsys.readouterr().err
       assert err.startswith("error: output_json=") and __import__("re").search(msg, err) and ".tmp" not in err, err

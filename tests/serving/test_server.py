@@ -268,6 +268,8 @@ def _bad_cases():
       ("missing prompt", json.dumps(missing).encode(), 400, "prompt"),
       ("malformed JSON", b'{"model": "demo", "prompt": [2, 3', 400, None),
       ("wrong type", j(max_tokens="many"), 400, "max_tokens"),
+      ("number as a string", j(max_tokens="4"), 400, "max_tokens"),
+      ("prompt of the wrong type", j(prompt=7), 400, "prompt"),
       ("unknown field", j(max_tokenz=3), 400, "max_tokenz"),
       ("unknown model", j(model="gpt-5"), 404, "model"),
       ("oversized body", j(prompt="x" * (2 << 20)), 413, None),
@@ -293,6 +295,9 @@ def test_bad_input_is_refused_while_a_good_request_completes(server):
   with pytest.raises(openai.BadRequestError) as e:   # chat needs a chat template; the demo tokenizer has none
     server.client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
   assert e.value.body["code"] == "chat_template_missing"
+  with pytest.raises(openai.NotFoundError) as e:   # an unknown model is 404 before the template is looked at
+    server.client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}])
+  assert e.value.body["code"] == "model_not_found"
   t.join(300)
   ids, reason, usage = result["r"]
   assert usage.completion_tokens == len(ids) and len(ids) >= 1 and reason in ("stop", "length")

@@ -113,6 +113,28 @@ def test_validation_errors_become_openai_bodies():
   assert protocol.from_validation_error(e.value).param == "temprature"
 
 
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": "a", "max_tokens": "16"}, "max_tokens"),      # a string is not coerced to a number
+    ({"prompt": "a", "stream": "true"}, "stream"),            # nor to a boolean
+    ({"prompt": "a", "max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": "a", "n": True}, "n"),                        # a boolean is not an integer
+    ({"prompt": 5}, "prompt"),                                # the union member ("prompt.str") is not named
+    ({"prompt": [1, "x"]}, "prompt"),
+    ({"prompt": "a", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+])
+def test_wrong_json_types_are_refused_naming_the_field(fields, param):
+  import pydantic
+  with pytest.raises(pydantic.ValidationError) as e:
+    protocol.CompletionRequest.model_validate(fields)
+  err = protocol.from_validation_error(e.value)
+  assert (err.status, err.param, err.code) == (400, param, "invalid_value"), err.body()
+
+
+def test_an_integer_is_a_number():
+  req = protocol.CompletionRequest.model_validate({"prompt": "a", "temperature": 1, "top_p": 1})
+  assert req.temperature == 1.0 and req.top_p == 1.0
+
+
 def _stream(ids, stop=()):
   s = TextStream(_CharTokenizer(), [0], stop, frozenset({30}))
   parts = [s.add(i) for i in ids]
