@@ -186,7 +186,7 @@ def test_clear_errors(checkpoints, tokenizer_file, bad_files, tmp_path, capsys):
       (_ppl, [ck, f"eval_data={_write(tmp_path / 'ids.txt', '3 4 900')}", "eval_format=ids"],
        r"token id 900 \(field 3\) is outside \[0, 512\)"),
       (_ppl, [ck, f"eval_data={_write(tmp_path / 'ok.txt', '3 4 5')}", "eval_format=ids",
-              "compare_attention=nope"], "nope"),
+              "compare_attention=nope"], r"compare_attention=nope"),
   ]
   for tool, argv, msg in cases:
     status = tool(argv + [f"output_json={out}"])
