@@ -23,10 +23,6 @@ from model.engine.continuous import ContinuousEngine
 from model.engine.serving import GenerationError, Generator, SamplingParams
 from model.loading import load_model
 
-# One xdist worker runs this whole module (Makefile: --dist loadgroup): its module-scoped fixture
-# compiles once instead of once per worker.
-pytestmark = pytest.mark.xdist_group("continuous_engine")
-
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "kda_plugin" / "assets" / "demo"
 SLOTS, MAX_LEN, BUDGET = 4, 640, 128
 
