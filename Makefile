@@ -26,10 +26,12 @@ AOT_ENV := KDA_AOT_REQUIRED=1 KDA_AOT_TPU_PYTHON=$(CURDIR)/$(AOT_TPU_VENV)/bin/p
 .PHONY: demo test test-slow install install-aot bench clean
 
 # $(call venv_recipe,DIR,EXTRAS): create DIR with Python 3.12 and install the project with EXTRAS.
+# --no-compile: Python byte-compiles a module when it is first imported; compiling every file of
+# about 2 GB of wheels up front cost more CPU than the install itself (the TPU venv: 33.5 -> 14.8 s).
 define venv_recipe
 	@test -x $(1)/bin/python || $(PYTHON312) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet --upgrade pip
-	$(1)/bin/python -m pip install --quiet -e '.[$(2)]'
+	$(1)/bin/python -m pip install --quiet --no-compile -e '.[$(2)]'
 	@touch $(1)/.installed
 endef
 
