@@ -126,6 +126,10 @@ def _check_dir(path: str | os.PathLike) -> pathlib.Path:
     raise CheckpointError(f"checkpoint {str(path)!r} has no {CONFIG_FILE} (not a parameter checkpoint of this "
                           f"project; convert a Hugging Face directory with `python -m tools.convert_checkpoint`)")
   if not (p / PARAMS_DIR).is_dir():
+    if any(p.glob("*.safetensors")):
+      raise CheckpointError(f"checkpoint {str(path)!r} is a Hugging Face directory (config.json + *.safetensors), not "
+                            f"a checkpoint of this project: convert it first with `kda-convert hf_model_path="
+                            f"{str(path)} output_path=DIR` and pass load_parameters_path=DIR")
     raise CheckpointError(f"checkpoint {str(path)!r} has no {PARAMS_DIR}/ directory (incomplete checkpoint)")
   return p.absolute()  # Orbax resolves relative paths against nothing useful: always hand it absolute ones
 

@@ -65,7 +65,16 @@ def from_validation_error(e: pydantic.ValidationError | list) -> ApiError:
     return bad_request(f"{param} is required", param, "missing_field")
   if first.get("type") == "extra_forbidden":
     return bad_request(f"{param} is not a field this server accepts", param, "unknown_field")
+  if param == "prompt":   # a union: pydantic's message names only one of its members
+    whole = min(errors, key=lambda err: len(err.get("loc", ()))).get("input")   # the value, not a member's part
+    return bad_request(f"prompt must be a string, a list of integer token ids, or a list holding one of them "
+                       f"(got {_short(whole)})", "prompt", "invalid_value")
   return bad_request(f"{param}: {first.get('msg')} (got {first.get('input')!r})", param, "invalid_value")
+
+
+def _short(value, limit: int = 80) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 # strict: a JSON value of the wrong type is refused (400 naming the field), never coerced ("16" is not 16,

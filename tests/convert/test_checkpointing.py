@@ -252,3 +252,12 @@ def test_orphaned_read_noise_filter(tmp_path):
     ck._filter_state.clear()
     ck._filter_state.update(state)
     logging.getLogger("asyncio").removeFilter(ck._asyncio_filter)
+
+
+def test_a_hugging_face_directory_is_named_as_one():
+  """Passing the HF folder itself as load_parameters_path points to the converter, not to a missing params/."""
+  import pathlib
+  hf = pathlib.Path(__file__).parents[1] / "fixtures" / "hf_tiny_dense_moe"
+  with pytest.raises(ck.CheckpointError, match=r"is a Hugging Face directory .* convert it first with `kda-convert "
+                                               r"hf_model_path=.*hf_tiny_dense_moe output_path=DIR`"):
+    loading.read_config(hf)

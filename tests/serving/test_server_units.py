@@ -120,6 +120,7 @@ def test_validation_errors_become_openai_bodies():
     ({"prompt": "a", "n": True}, "n"),                        # a boolean is not an integer
     ({"prompt": 5}, "prompt"),                                # the union member ("prompt.str") is not named
     ({"prompt": [1, "x"]}, "prompt"),
+    ({"prompt": [1.5]}, "prompt"),
     ({"prompt": "a", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
 ])
 def test_wrong_json_types_are_refused_naming_the_field(fields, param):
@@ -128,6 +129,8 @@ def test_wrong_json_types_are_refused_naming_the_field(fields, param):
     protocol.CompletionRequest.model_validate(fields)
   err = protocol.from_validation_error(e.value)
   assert (err.status, err.param, err.code) == (400, param, "invalid_value"), err.body()
+  if param == "prompt":
+    assert "a list of integer token ids" in err.message and repr(fields["prompt"]) in err.message, err.message
 
 
 def test_an_integer_is_a_number():
