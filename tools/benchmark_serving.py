@@ -20,6 +20,11 @@ the prefix cache on and off. Figures: output tokens/s = generated tokens / workl
 TTFT (request sent -> first token received) and TPOT ((last - first token time) / (tokens - 1))
 p50 / p99 over the requests. Prints a markdown table and writes --json.
 
+`--online --in-process` replays the same configurations, warm-ups and workloads on the engine in this
+process (no server, no HTTP, no client library; `--concurrency` closed-loop clients, times taken at
+the engine step that emitted each token): what the engine alone gives, to tell its cost from the
+HTTP path's and the clients', which share the same cores in the online mode.
+
 Offline (default):
 
     .venv/bin/python tools/benchmark_serving.py [--hf-dir runs/reference/demo_hf] \

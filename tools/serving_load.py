@@ -1,4 +1,5 @@
-"""The online mode of tools/benchmark_serving.py: concurrent OpenAI clients against tools/serve.py.
+"""The online mode of tools/benchmark_serving.py: concurrent OpenAI clients against tools/serve.py
+(or, with `--in-process`, the same workloads replayed on the engine itself, without HTTP).
 
 `python tools/benchmark_serving.py --online --help` lists the flags; the method is in that file's
 docstring. Each configuration runs in a fresh server process, so compilations and caches of one do
@@ -49,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--serve-arg", action="append", default=[], help="more key=value for tools.serve (repeatable)")
   p.add_argument("--start-timeout", type=float, default=1200.0)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--in-process", action="store_true",
+                 help="no server and no HTTP: the same workloads replayed on the engine in this process, "
+                      "`--concurrency` closed-loop clients in engine steps (separates the engine's cost from "
+                      "the HTTP path's and the clients')")
   p.add_argument("--json", type=pathlib.Path, default=REPO / "runs/serving/benchmark_serving_online.json")
   return p
 
@@ -175,6 +180,78 @@ def measure(args, url, label, requests, warmup) -> dict:
   return row
 
 
+class _Replay:
+  """The engine of one configuration, built in this process (`--in-process`)."""
+
+  def __init__(self, args, keys: list[str], max_len: int):
+    from model.loading import load_model
+    from model.server.engines import build_engine
+    kv = dict(k.split("=", 1) for k in keys)
+    self.model, cfg = load_model(args.checkpoint, [f"max_cache_length={max_len}"])
+    self.engine = build_engine(kv["engine"], self.model, max_num_seqs=int(kv["max_num_seqs"]),
+                               max_model_len=int(kv["max_model_len"]),
+                               max_num_batched_tokens=int(kv["max_num_batched_tokens"]),
+                               prefix_cache_bytes=int(kv.get("prefix_cache_bytes", 0)), vocab_limit=None, rules=cfg)
+    if hasattr(self.engine, "compile_all"):   # as tools.serve does before it listens
+      self.engine.compile_all()
+    self._n = 0
+
+  def run(self, requests, concurrency) -> tuple[list[dict], float]:
+    """Closed loop: `concurrency` requests in flight, the next added when one finishes; times on the host
+    clock at the step that emitted each token (request sent = added)."""
+    import collections
+    from model.engine.api import Request
+    pending = collections.deque(requests)
+    live: dict[str, dict] = {}
+    done: list[dict] = []
+
+    def add():
+      ids, n = pending.popleft()
+      rid = f"r{self._n}"
+      self._n += 1
+      live[rid] = {"prompt_tokens": len(ids), "output_tokens": 0, "cached_tokens": 0, "sent": time.perf_counter(),
+                   "first": None, "last": None}
+      self.engine.add_request(Request(rid, tuple(ids), int(n)))
+
+    t0 = time.perf_counter()
+    for _ in range(min(concurrency, len(pending))):
+      add()
+    while self.engine.has_unfinished():
+      events = []
+      self.engine.step(events.append)
+      now = time.perf_counter()
+      for e in events:
+        r = live[e.request_id]
+        if e.token_id is not None:
+          r["first"] = now if r["first"] is None else r["first"]
+          r["last"] = now
+          r["output_tokens"] += 1
+        r["cached_tokens"] = e.cached_tokens
+        if e.finish_reason is not None:
+          del live[e.request_id]
+          k = r["output_tokens"]
+          done.append({**r, "ttft_s": r["first"] - r["sent"], "end": r["last"],
+                       "tpot_s": (r["last"] - r["first"]) / (k - 1) if k > 1 else None})
+          if pending:
+            add()
+    return done, time.perf_counter() - t0
+
+
+def replay(args, label, keys, requests, warmup, max_len) -> dict:
+  """`measure` without the server: the same warm-up and workload on the engine in this process."""
+  rep = _Replay(args, keys, max_len)
+  warm = args.concurrency if args.warmup is None else args.warmup
+  if warm:
+    rep.run(warmup[:1], 1)
+    rep.run(warmup[1:warm], args.concurrency)
+  results, wall = rep.run(requests, args.concurrency)
+  row = {"config": label + " (in-process replay, no HTTP)", **summarize(results, wall),
+         "load_after": os.getloadavg()}
+  print(f"[{row['config']}] {row['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {row['ttft_p50_s']:.3f} s, "
+        f"TPOT p50 {row['tpot_p50_s'] * 1e3:.1f} ms; load {row['load_after'][0]:.1f}", flush=True)
+  return row
+
+
 def table(rows: list[dict]) -> str:
   lines = ["| workload | configuration | requests | output tok/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | "
            "TPOT p99 (ms) | cached prompt tokens |", "|---|---|---|---|---|---|---|---|---|"]
@@ -214,6 +291,9 @@ def main(argv) -> int:
         configs.append(("shared_prefix", f"engine=continuous, prefix cache {'on' if on else 'off'}",
                         ["engine=continuous", f"prefix_cache_bytes={args.prefix_cache_bytes if on else 0}"]))
     for kind, label, keys in configs:
+      if args.in_process:
+        rows.append({"workload": kind, **replay(args, label, base + keys, loads[kind], warmups[kind], max_len)})
+        continue
       server = _Server(args, base + keys, f"{kind}_{label}")
       try:
         rows.append({"workload": kind, **measure(args, server.url, label, loads[kind], warmups[kind])})

@@ -3,11 +3,14 @@
 `--help` works (also through its installed console command); a typo'd key, a value of the wrong type
 and `attention=no_such_backend` each print exactly one `error:` line naming the key, exit with
 status 2 and print no traceback. Each bad argument is caught before any checkpoint, corpus or
-output path is touched, so the arguments around it need not exist.
+output path is touched, so the arguments around it need not exist. The bad-argument invocations of
+one tool share one subprocess (tests/layout/tool_cases.py: each runs as `python -m tools.<tool>`
+would, with its own stdout and stderr), so jax starts once per tool, not once per invocation.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -74,14 +77,19 @@ def _run(argv, cwd=REPO):
   return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
 
 
-@pytest.mark.parametrize("tool, argv, key", CASES, ids=[f"{t}-{k}-{i % 3}" for i, (t, _, k) in enumerate(CASES)])
-def test_bad_argument_is_one_error_line(tool, argv, key):
-  r = _run([sys.executable, "-m", f"tools.{tool}", *argv])
-  errors = [line for line in r.stderr.splitlines() if "error:" in line]
-  assert r.returncode == 2, (r.returncode, r.stderr)
-  assert "Traceback" not in r.stderr + r.stdout, r.stderr
-  assert len(errors) == 1 and errors[0].startswith("error: "), r.stderr
-  assert key in errors[0], errors[0]
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_bad_argument_is_one_error_line(tool):
+  cases = TOOLS[tool][1]
+  r = _run([sys.executable, "-m", "tests.layout.tool_cases", tool, json.dumps([argv for argv, _ in cases])])
+  assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr   # the driver itself
+  results = json.loads(r.stdout.strip().splitlines()[-1])
+  assert [res["argv"] for res in results] == [argv for argv, _ in cases]
+  for res, (argv, key) in zip(results, cases):
+    errors = [line for line in res["stderr"].splitlines() if "error:" in line]
+    assert res["code"] == 2, (argv, res)
+    assert "Traceback" not in res["stderr"] + res["stdout"], (argv, res["stderr"])
+    assert len(errors) == 1 and errors[0].startswith("error: "), (argv, res["stderr"])
+    assert key in errors[0], (argv, errors[0])
 
 
 @pytest.mark.parametrize("tool", sorted(TOOLS))

@@ -19,22 +19,28 @@ HERE = pathlib.Path(__file__).parent
 ROOT = HERE.parent.parent
 
 
-def run_inner(path: pathlib.Path, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_inner(*paths: pathlib.Path, timeout: int = 900) -> subprocess.CompletedProcess:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
   env.pop("PYTEST_XDIST_WORKER", None)
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly",
-         "-rA", str(path.relative_to(ROOT))]
+         "-rA", *(str(p.relative_to(ROOT)) for p in paths)]
   return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("name", ["md_equivalence.py", "md_checkpoint.py",
-                                  pytest.param("md_train_tool.py", marks=pytest.mark.slow)])
-def test_eight_device_checks(name):
-  proc = run_inner(HERE / "multidevice" / name)
+# The files of one group run in one 8-device process: one jax start-up, and programs that several
+# files compile alike (the tiny model's) are compiled once.
+@pytest.mark.parametrize("names", [("md_equivalence.py", "md_checkpoint.py"),
+                                   pytest.param(("md_train_tool.py",), marks=pytest.mark.slow)],
+                         ids=["equivalence+checkpoint", "train_tool"])
+def test_eight_device_checks(names):
+  proc = run_inner(*(HERE / "multidevice" / n for n in names))
   report = proc.stdout[-12000:] + proc.stderr[-4000:]
-  assert proc.returncode == 0, f"8-device checks in {name} failed:\n{report}"
-  assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], report
+  assert proc.returncode == 0, f"8-device checks in {', '.join(names)} failed:\n{report}"
+  last = proc.stdout.strip().splitlines()[-1]
+  assert " passed" in last and "skipped" not in last and "deselected" not in last, report
+  for name in names:  # every file ran: -rA lists each passed test with its file
+    assert f"PASSED tests/sharding/multidevice/{name}::" in proc.stdout, f"no test of {name} ran:\n{report}"
 
 
 def _free_port() -> int:
