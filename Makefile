@@ -12,7 +12,7 @@ PYTEST_WORKERS ?= 2
 # Whole test files per xdist worker, in collection order (tests/conftest.py puts the longest first and
 # the compile checks last): a module's fixtures (a server, a compiled engine, converted checkpoints)
 # are built once, not once per worker as with the default per-test `load` distribution. Measured on a
-# quiet 2-core host, same tree: pytest 783 s (load) -> 576 s (loadfile), CPU 1386 -> 1017 s.
+# quiet 2-core host in fresh clones (venv installs included): pytest 783 -> 685 s, CPU 1386 -> 1237 s.
 # (`--dist loadgroup` would group by xdist_group marks, but with pytest 9.2 and xdist 3.8 it silently
 # groups nothing: xdist renames item._nodeid, which pytest 9.2 no longer reads.)
 PYTEST_DIST ?= --dist loadfile --no-loadscope-reorder
