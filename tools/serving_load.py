@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import pathlib
@@ -184,6 +185,7 @@ class _Replay:
   """The engine of one configuration, built in this process (`--in-process`)."""
 
   def __init__(self, args, keys: list[str], max_len: int):
+    # Only --in-process builds a model: the online mode's client process never starts jax.
     from model.loading import load_model
     from model.server.engines import build_engine
     kv = dict(k.split("=", 1) for k in keys)
@@ -199,8 +201,7 @@ class _Replay:
   def run(self, requests, concurrency) -> tuple[list[dict], float]:
     """Closed loop: `concurrency` requests in flight, the next added when one finishes; times on the host
     clock at the step that emitted each token (request sent = added)."""
-    import collections
-    from model.engine.api import Request
+    from model.engine.api import Request   # jax-free, but with the model package: --in-process only
     pending = collections.deque(requests)
     live: dict[str, dict] = {}
     done: list[dict] = []
