@@ -25,6 +25,7 @@ import os
 import pathlib
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Sequence
 
 from configs import base
@@ -244,6 +245,8 @@ def run_tool(main: Callable[[list[str]], int], doc: str, argv: Sequence[str] | N
     if help_text is not None:
       print(help_text())
     return 0
+  # Python hides DeprecationWarning outside __main__; a renamed config key must reach the user's stderr.
+  warnings.filterwarnings("default", category=DeprecationWarning, message=r"config key .* is deprecated")
   try:
     return main(argv)
   except UserError as e:

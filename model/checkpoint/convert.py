@@ -112,8 +112,12 @@ class SafetensorsSource:
         if pickles:
           raise ConversionError(f"{self.root} holds only pickle checkpoints {pickles[:3]}; these are refused "
                                 f"(unpickling runs arbitrary code): convert them to safetensors first")
-        raise ConversionError(f"{self.root} holds no model.safetensors, model.safetensors.index.json or "
-                              f"*.safetensors file")
+        if (self.root / "params").is_dir() and (self.root / "config.json").is_file():
+          raise ConversionError(f"hf_model_path={self.root} is a checkpoint of this project (config.json + params/), "
+                                f"not a Hugging Face directory: to convert it to one, pass direction=to_hf "
+                                f"load_parameters_path={self.root} output_path=DIR")
+        raise ConversionError(f"hf_model_path={self.root} holds no model.safetensors, model.safetensors.index.json "
+                              f"or *.safetensors file")
     self.info: dict[str, TensorInfo] = {}
     for name in files:
       f = self.root / name

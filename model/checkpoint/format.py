@@ -306,10 +306,10 @@ def check_writable(path: str | os.PathLike, overwrite: bool, replaceable=is_chec
     _check_creatable(path)
     return
   if not overwrite:
-    raise CheckpointError(f"output path {os.fspath(path)!r} already exists; pass overwrite=true to replace it")
+    raise CheckpointError(f"output_path {os.fspath(path)!r} already exists; pass overwrite=true to replace it")
   if path.is_dir() and not path.is_symlink() and (not any(path.iterdir()) or replaceable(path)):
     return
-  raise CheckpointError(f"output path {os.fspath(path)!r} exists and is not {what} directory; refusing to "
+  raise CheckpointError(f"output_path {os.fspath(path)!r} exists and is not {what} directory; refusing to "
                         f"replace it even with overwrite (remove it yourself)")
 
 

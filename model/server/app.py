@@ -277,9 +277,9 @@ def build_app(state: ServerState) -> fastapi.FastAPI:
 
   @app.exception_handler(StarletteHTTPException)
   async def _http(request, e: StarletteHTTPException):
-    kind = "not_found" if e.status_code == 404 else "invalid_request_error"
-    return _error(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None,
-                           kind if e.status_code == 404 else None, type="invalid_request_error"))
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    return _error(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None, code,
+                           type="invalid_request_error"))
 
   @app.get("/health")
   async def health():

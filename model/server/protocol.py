@@ -40,8 +40,8 @@ class ApiError(Exception):
     return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def bad_request(message: str, param: str | None, code: str | None = None) -> ApiError:
-  """400 invalid_request_error naming `param`."""
+def bad_request(message: str, param: str | None, code: str | None = "invalid_value") -> ApiError:
+  """400 invalid_request_error naming `param` (code `invalid_value` unless a more specific one is given)."""
   return ApiError(400, message, param, code)
 
 
@@ -65,11 +65,14 @@ def from_validation_error(e: pydantic.ValidationError | list) -> ApiError:
     return bad_request(f"{param} is required", param, "missing_field")
   if first.get("type") == "extra_forbidden":
     return bad_request(f"{param} is not a field this server accepts", param, "unknown_field")
-  if param == "prompt":   # a union: pydantic's message names only one of its members
+  if param in _UNION_FIELDS:   # pydantic's message names only one of the union's members
     whole = min(errors, key=lambda err: len(err.get("loc", ()))).get("input")   # the value, not a member's part
-    return bad_request(f"prompt must be a string, a list of integer token ids, or a list holding one of them "
-                       f"(got {_short(whole)})", "prompt", "invalid_value")
+    return bad_request(f"{param} must be {_UNION_FIELDS[param]} (got {_short(whole)})", param, "invalid_value")
   return bad_request(f"{param}: {first.get('msg')} (got {first.get('input')!r})", param, "invalid_value")
+
+
+_UNION_FIELDS = {"prompt": "a string, a list of integer token ids, or a list holding one of them",
+                 "stop": "a string or a list of at most 4 strings"}
 
 
 def _short(value, limit: int = 80) -> str:

@@ -605,3 +605,14 @@ def test_explicit_weight_dtype_casts_and_says_so(tmp_path, capsys):
                   "weight_dtype=bfloat16"]) == 0
   out = capsys.readouterr().out
   assert "F32 -> bfloat16" in out, out
+
+
+def test_a_project_checkpoint_as_hf_model_path_points_to_to_hf(tmp_path, capsys):
+  demo = REPO / "kda_plugin" / "assets" / "demo"
+  _expect_failure(tmp_path, [f"hf_model_path={demo}"], f"hf_model_path={demo} is a checkpoint of this project",
+                  f"pass direction=to_hf load_parameters_path={demo} output_path=DIR", capsys=capsys)
+  empty = tmp_path / "empty"   # an HF config, no weights
+  empty.mkdir()
+  shutil.copy(DENSE / "config.json", empty / "config.json")
+  _expect_failure(tmp_path, [f"hf_model_path={empty}"], f"hf_model_path={empty} holds no model.safetensors",
+                  capsys=capsys)

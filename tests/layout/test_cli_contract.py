@@ -99,3 +99,12 @@ def test_help_through_the_console_command(tool):
   r = _run([str(command), "--help"])
   assert r.returncode == 0 and r.stderr == "", r.stderr
   assert len(r.stdout.splitlines()) > 5  # the tool's help text, not an empty line
+
+
+def test_a_renamed_key_warns_on_stderr():
+  """Python hides DeprecationWarning by default; a tool shows the renamed-key one (then goes on: here to
+  the missing-checkpoint error)."""
+  r = _run([sys.executable, "-m", "tools.generate", "kda_impl=xla", "prompt_ids=1"])
+  assert r.returncode == 2, r.stderr
+  assert "DeprecationWarning: config key 'kda_impl' is deprecated; write kda_implementation=xla" in r.stderr, r.stderr
+  assert "error: load_parameters_path is required" in r.stderr, r.stderr

@@ -84,16 +84,16 @@ def test_a_valid_request_becomes_an_engine_request():
 @pytest.mark.parametrize("fields, param, code", [
     ({"prompt": [1] * 16}, "prompt", "context_length_exceeded"),
     ({"prompt": [1] * 10, "max_tokens": 7}, "max_tokens", "context_length_exceeded"),
-    ({"max_tokens": 0}, "max_tokens", None),
+    ({"max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"prompt": [1, 26]}, "prompt", "token_id_out_of_range"),
     ({"prompt": [-1]}, "prompt", "token_id_out_of_range"),
-    ({"prompt": []}, "prompt", None),
-    ({"prompt": ""}, "prompt", None),
-    ({"prompt": ["ab", "cd"]}, "prompt", None),
-    ({"n": 2}, "n", None),
-    ({"logprobs": 3}, "logprobs", None),
-    ({"seed": -1}, "seed", None),
-    ({"stop": [""]}, "stop", None),
+    ({"prompt": []}, "prompt", "invalid_value"),
+    ({"prompt": ""}, "prompt", "invalid_value"),
+    ({"prompt": ["ab", "cd"]}, "prompt", "invalid_value"),
+    ({"n": 2}, "n", "invalid_value"),
+    ({"logprobs": 3}, "logprobs", "invalid_value"),
+    ({"seed": -1}, "seed", "invalid_value"),
+    ({"stop": [""]}, "stop", "invalid_value"),
 ])
 def test_bad_values_name_the_field(fields, param, code):
   with pytest.raises(protocol.ApiError) as e:
@@ -121,6 +121,7 @@ def test_validation_errors_become_openai_bodies():
     ({"prompt": 5}, "prompt"),                                # the union member ("prompt.str") is not named
     ({"prompt": [1, "x"]}, "prompt"),
     ({"prompt": [1.5]}, "prompt"),
+    ({"prompt": "a", "stop": 5}, "stop"),
     ({"prompt": "a", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
 ])
 def test_wrong_json_types_are_refused_naming_the_field(fields, param):
@@ -131,6 +132,8 @@ def test_wrong_json_types_are_refused_naming_the_field(fields, param):
   assert (err.status, err.param, err.code) == (400, param, "invalid_value"), err.body()
   if param == "prompt":
     assert "a list of integer token ids" in err.message and repr(fields["prompt"]) in err.message, err.message
+  if param == "stop":
+    assert err.message == "stop must be a string or a list of at most 4 strings (got 5)", err.message
 
 
 def test_an_integer_is_a_number():
