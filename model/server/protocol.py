@@ -52,10 +52,9 @@ def from_validation_error(e: pydantic.ValidationError | list) -> ApiError:
   loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
   # pydantic names the union member that failed ("prompt.str", "prompt.list[int].0"): the param is the
   # field path up to the first part that is not a field name.
-  fields = _field_names()
   param_parts = []
   for part in loc:
-    if part not in fields:
+    if part not in _FIELD_NAMES:
       break
     param_parts.append(part)
   param = ".".join(param_parts or loc[:1]) or None
@@ -123,9 +122,9 @@ class ChatCompletionRequest(pydantic.BaseModel):
   messages: list[dict]
 
 
-def _field_names() -> frozenset[str]:
-  return frozenset(CompletionRequest.model_fields) | frozenset(StreamOptions.model_fields) | frozenset(
-      ChatCompletionRequest.model_fields)
+# Every body field name: what `from_validation_error` keeps of pydantic's error locations.
+_FIELD_NAMES = frozenset(CompletionRequest.model_fields) | frozenset(StreamOptions.model_fields) | frozenset(
+    ChatCompletionRequest.model_fields)
 
 
 def _stop_strings(stop) -> tuple[str, ...]:
