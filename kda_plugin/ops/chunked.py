@@ -398,6 +398,22 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   chunk_prep = functools.partial(_chunk_prep, scale=scale, prep=prep, diag_mode=diag_mode)
   gat = lambda x, ci: x[ci, bidx[:, None]]                                       # [NC, B, ...] -> [B, N, ...]
   rows_of = lambda seg_n: seg_n == labels[None, :, None]                         # [B, N, C]
+  prepared = []
+
+  def prep_all():
+    """Every chunk prepared once (`_ChunkPrep` with leading `[NC, B]`), built on first use."""
+    if not prepared:
+      prepared.append(chunk_prep(qc, kc, vc, gc, bc, segc)[0])
+    return prepared[0]
+
+  def prep_at(ci):
+    """The prepared chunk `ci [B, N]` of every slot, `_ChunkPrep` with leading `[B, N]`."""
+    if nc > n_slots:
+      return chunk_prep(gat(qc, ci), gat(kc, ci), gat(vc, ci), gat(gc, ci), gat(bc, ci), gat(segc, ci))[0]
+    # No more chunks than slots (a short row over a large slot pool: the serving engine's mixed steps
+    # carry one-token decode segments of every slot): preparing each chunk once and gathering costs
+    # NC chunk preparations instead of N, with the same values.
+    return jax.tree.map(lambda x: gat(x, ci), prep_all())
 
   # Documents that start inside a chunk enter it with their own initial state: their rows' part of
   # `kgb S_in` and `qd S_in` is computed here, one gathered chunk per slot, and scattered into the
@@ -406,13 +422,24 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   init = h0 if h0 is not None else jnp.zeros((b, n_slots, h, kd, vd), jnp.float32)
   if h0 is not None:
     c_s = jnp.clip(first // c, 0, nc - 1)
-    seg_s = gat(segc, c_s)
-    ps, _, _ = chunk_prep(gat(qc, c_s), gat(kc, c_s), gat(vc, c_s), gat(gc, c_s), gat(bc, c_s), seg_s)
-    rows = (rows_of(seg_s) & present[..., None])[:, :, None, :, None]
-    both = jnp.concatenate([jnp.where(rows, ps.bh * ps.kh * ps.egl, 0.0),
-                            jnp.where(rows, ps.qh * ps.egl, 0.0)], axis=-2)      # [B, N, H, 2C, K]
-    x = _mm("bnhrk,bnhkv->bnhrv", both, h0)
-    corr = jnp.zeros((nc, b, h, 2 * c, vd), jnp.float32).at[c_s, bidx[:, None]].add(x)
+    if tp <= 4 * n_slots:
+      # Rows at most four times the slots (decode-sized rows over a slot pool): each row takes its own
+      # slot's state, T row-products instead of N gathered 2C-row chunk products.
+      pa = prep_all()
+      lab = jnp.clip(segc - 1, 0, n_slots - 1)                                   # [NC, B, C]
+      enters = (segc > 0) & (jnp.arange(nc)[:, None, None] == c_s[bidx[:, None], lab])
+      hrow = h0[bidx[None, :, None], lab]                                        # [NC, B, C, H, K, V]
+      mask = enters[:, :, None, :, None]
+      kq = (jnp.where(mask, pa.bh * pa.kh * pa.egl, 0.0), jnp.where(mask, pa.qh * pa.egl, 0.0))
+      corr = jnp.concatenate([_mm("nbhck,nbchkv->nbhcv", x, hrow) for x in kq], axis=-2)
+    else:
+      seg_s = gat(segc, c_s)
+      ps = prep_at(c_s)
+      rows = (rows_of(seg_s) & present[..., None])[:, :, None, :, None]
+      both = jnp.concatenate([jnp.where(rows, ps.bh * ps.kh * ps.egl, 0.0),
+                              jnp.where(rows, ps.qh * ps.egl, 0.0)], axis=-2)    # [B, N, H, 2C, K]
+      x = _mm("bnhrk,bnhkv->bnhrv", both, h0)
+      corr = jnp.zeros((nc, b, h, 2 * c, vd), jnp.float32).at[c_s, bidx[:, None]].add(x)
 
   def step(carry, xs):
     cp_all, aqk_all, akk_all = chunk_prep(*xs[:6])
@@ -489,7 +516,7 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   sbuf, vbuf = buf
   e_row = jnp.clip(lastpos - c_e * c, 0, c - 1)
   seg_e = gat(segc, c_e)
-  pe, _, _ = chunk_prep(gat(qc, c_e), gat(kc, c_e), gat(vc, c_e), gat(gc, c_e), gat(bc, c_e), seg_e)
+  pe = prep_at(c_e)
   e_b = jnp.broadcast_to(e_row[:, :, None], (b, n_slots, h))
   kd_n = jnp.where(rows_of(seg_e)[:, :, None, :, None], pe.kh * _decay_to_row(pe.gb, pe.ce, pe.tb, e_b), 0.0)
   dec_n = jnp.take_along_axis(pe.egl, e_b[..., None, None], axis=-2)[..., 0, :]   # [B, N, H, K]

@@ -15,6 +15,7 @@ from kda_plugin.ops.chunked import kda_chunked
 from kda_plugin.ops.gates import kda_gate_bounded, kda_gate_softplus, l2norm
 from kda_plugin.ops.inference_xla import kda_inference_xla
 from kda_plugin.ops.reference import kda_reference
+from tests.oracles import kda_recurrence_f64
 
 B, T, H, K, V, N = 2, 130, 2, 16, 8, 6
 TOL = 1e-5
@@ -264,3 +265,41 @@ def test_split_and_chain_equals_unsplit(split):
   o2, f2 = run(second, f1, *(shift(x) for x in (q, k, v, g, beta)))
   assert _max_diff(np.asarray(o2)[:, :T - split], np.asarray(o)[:, split:]) <= TOL
   assert _max_diff(f2, final) <= TOL
+
+
+# Rows over a slot pool larger than the row (the serving engine's mixed steps: one-token decode
+# segments of most slots, a prompt chunk of one): the per-row initial-state path of kda_chunk_core
+# (T <= 4 N after padding) and the prepare-every-chunk-once path (NC <= N), against the float64
+# recurrence of tests/oracles.py.
+POOL_CASES = {
+    # 31 one-token segments, a 9-token prompt, padding; labels in slot order with gaps (slot 0 and
+    # slots 40.. absent)
+    "decode_row_n48_t40": (48, np.concatenate([np.arange(2, 33), np.full(9, 35)]).astype(np.int32), 64),
+    # documents spanning the chunk edge and one-token runs in a 3-chunk row (kda_inference_xla pads
+    # to 256 rows, kda_chunked to 192: both <= 4 N)
+    "spanning_n64_t130": (64, np.concatenate([np.full(70, 5), np.arange(10, 40), np.full(28, 64),
+                                              np.zeros(2)]).astype(np.int32), 0),
+}
+
+
+@pytest.mark.parametrize("fn", [kda_chunked, kda_inference_xla], ids=["chunked", "inference_xla"])
+@pytest.mark.parametrize("case", sorted(POOL_CASES))
+def test_slot_pool_rows_match_the_recurrence(case, fn):
+  n, row, pad = POOL_CASES[case]
+  seg = np.pad(row, (0, pad))[None]
+  t = seg.shape[1]
+  rng = np.random.default_rng(11)
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  q, k = unit(rng.normal(size=(1, t, H, K))), unit(rng.normal(size=(1, t, H, K)))
+  v = rng.normal(size=(1, t, H, V))
+  g = -rng.uniform(0.02, 1.0, (1, t, H, K))
+  beta = rng.uniform(0.0, 1.0, (1, t, H))
+  h0 = 0.5 * rng.normal(size=(1, n, H, K, V))
+  f32 = lambda x: np.asarray(x, np.float32)
+  o, final = fn(f32(q), f32(k), f32(v), f32(g), f32(beta), segment_ids=seg, initial_state=f32(h0),
+                output_final_state=True, max_num_segments=n)
+  ro, rf = kda_recurrence_f64(f32(q), f32(k), f32(v), f32(g), f32(beta), seg, f32(h0))
+  assert _max_diff(o, ro) <= TOL and _max_diff(final, rf) <= TOL
+  assert np.all(np.asarray(o)[seg == 0] == 0)
+  absent = ~np.isin(np.arange(1, n + 1), seg)
+  np.testing.assert_array_equal(np.asarray(final)[0, absent], f32(h0)[0, absent])
