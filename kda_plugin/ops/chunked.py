@@ -412,12 +412,14 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
       return chunk_prep(gat(qc, ci), gat(kc, ci), gat(vc, ci), gat(gc, ci), gat(bc, ci), gat(segc, ci))[0]
     # No more chunks than slots (a short row over a large slot pool: the serving engine's mixed steps
     # carry one-token decode segments of every slot): preparing each chunk once and gathering costs
-    # NC chunk preparations instead of N, with the same values.
+    # NC chunk preparations instead of N (equal up to float32 rounding: the gate path a prepared
+    # batch takes depends on whether any of its chunks holds a document start).
     return jax.tree.map(lambda x: gat(x, ci), prep_all())
 
   # Documents that start inside a chunk enter it with their own initial state: their rows' part of
-  # `kgb S_in` and `qd S_in` is computed here, one gathered chunk per slot, and scattered into the
-  # scan inputs (the carried state only ever multiplies the rows of the carried document).
+  # `kgb S_in` and `qd S_in` is computed here (per row for short rows, else one gathered chunk per
+  # slot) and scattered into the scan inputs (the carried state only ever multiplies the rows of the
+  # carried document).
   corr = None
   init = h0 if h0 is not None else jnp.zeros((b, n_slots, h, kd, vd), jnp.float32)
   if h0 is not None:
