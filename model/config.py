@@ -43,13 +43,19 @@ def _load_named(name: str) -> ml_collections.ConfigDict:
   if path.suffix == ".json":
     if not path.is_file():
       raise ConfigError(f"config file {name!r} does not exist")
-    return config_from_json(path.read_text())
+    try:
+      return config_from_json(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise ConfigError(f"config file {name!r} is not valid JSON: {e}") from None
   if path.suffix == ".py":
     if not path.is_file():
       raise ConfigError(f"config file {name!r} does not exist")
     spec = importlib.util.spec_from_file_location(f"_model_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+      spec.loader.exec_module(module)
+    except SyntaxError as e:   # the file's own runtime errors keep their traceback (user code)
+      raise ConfigError(f"config file {name!r} is not valid Python: {e.msg} (line {e.lineno})") from None
   else:
     module_name = name.replace("-", "_")
     if module_name not in [n.replace("-", "_") for n in available_configs()]:

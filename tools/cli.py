@@ -175,7 +175,8 @@ def check_output_path(path: str | os.PathLike, key: str = "output_json", *, over
   path = pathlib.Path(path)
   parent = path.parent if str(path.parent) else pathlib.Path(".")
   if not parent.is_dir():
-    raise UsageError(f"{key}={str(path)!r}: directory {str(parent)!r} does not exist")
+    what = "is a file, not a directory" if parent.exists() else "does not exist"
+    raise UsageError(f"{key}={str(path)!r}: directory {str(parent)!r} {what}")
   if path.is_dir():
     raise UsageError(f"{key}={str(path)!r} is a directory; expected a file path")
   if not overwrite and (path.exists() or path.is_symlink()):

@@ -85,6 +85,19 @@ def test_config_file_paths(tmp_path):
   assert load_config([str(py)]).vocab_size == 77
 
 
+@pytest.mark.parametrize("name,body,says", [
+    ("bad.json", "{bad json", "is not valid JSON: Expecting property name"),
+    ("latin1.json", b'{"model_name": "caf\xe9"}', "is not valid JSON: 'utf-8' codec"),
+    ("bad.py", "x = (\n", "is not valid Python: "),
+])
+def test_unreadable_config_files_name_the_file(tmp_path, name, body, says):
+  path = tmp_path / name
+  (path.write_bytes if isinstance(body, bytes) else path.write_text)(body)
+  with pytest.raises(ConfigError) as e:
+    load_config([str(path)])
+  assert str(e.value).startswith(f"config file {str(path)!r} {says}"), str(e.value)
+
+
 def test_48b_config_has_the_published_size():
   """49,122,681,728 parameters in 20,493 HF tensors (kda.md section 5), counted without allocation;
   the HF checkpoint stores each of the 26 x 256 experts' w1/w2/w3 separately, we stack them."""

@@ -238,6 +238,7 @@ def test_errors_before_model_load(checkpoints, tokenizer_file, tmp_path, capsys,
     # /sys refuses new files to every user, root included: a directory that exists but cannot be written.
     for target, msg in ((tmp_path / "nodir" / "x.json", "directory .*nodir' does not exist"),
                         (tmp_path, "is a directory; expected a file path"),
+                        (tmp_path / "ok.txt" / "x.json", "directory .*ok.txt' is a file, not a directory"),
                         ("/sys/x.json", "cannot write in directory '/sys'")):
       assert tool(argv + [f"output_json={target}"]) == 2
       err = capsys.readouterr().err
