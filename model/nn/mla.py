@@ -16,6 +16,8 @@ values are re-expanded from it. Parameters (HF name -> here, `.weight` -> `.kern
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -219,9 +221,11 @@ class MultiHeadLatentAttention(nnx.Module):
 
     The window's own keys are expanded (`expand`); the prefix is attended in the absorbed form
     (as `decode_latent`): each token's query is mapped into latent space once (`W_uk`), scored
-    against the latents of ITS OWN slot only (gathered per token, block by block), and the weighted
-    latents go through `W_uv` once at the end. The work is O(T * own prefix * (r + dr)) per head, not
-    O(T * N * L) as attending every slot's prefix and masking would be.
+    against the latents of ITS OWN slot only (block by block: one block per region when every token
+    of the region with a prefix reads the same slot, as a prompt chunk's do; else gathered per
+    token), and the weighted latents go through `W_uv` once at the end. The work is
+    O(T * own prefix * (r + dr)) per head, not O(T * N * L) as attending every slot's prefix and
+    masking would be.
 
     One online softmax per token (running max `m`, denominator `l`, weighted latents `acc`; the same
     rescaling as flash attention) visits the prefix in blocks of `PREFIX_BLOCK` cached tokens, only as
@@ -256,24 +260,39 @@ class MultiHeadLatentAttention(nnx.Module):
       qa, sl, own = q_abs[:, lo:hi], slot[:, lo:hi], own_length[:, lo:hi]
       tr = hi - lo
 
-      def visit(j, carry):
+      # The slot of the region's deepest prefix: when every token with a prefix reads that one slot
+      # (a prompt chunk: the common case past the decode tokens), each block is one [B, blk, C] slice
+      # shared by the region's tokens instead of a [B, t, blk, C] gather of per-token copies
+      # (the same products; on CPU the copies cost more than the attention itself).
+      lead = jnp.take_along_axis(sl, jnp.argmax(own, axis=1)[:, None], axis=1)          # [B, 1]
+      one_slot = jnp.all((sl == lead) | (own == 0))
+
+      def visit(j, carry, shared):
         m, l, acc = carry
         lat = jax.lax.dynamic_slice_in_dim(prefix, j * block, block, axis=2)              # [B, N, blk, C]
-        c = lat[rows, sl].astype(self.dtype).astype(jnp.float32)                         # [B, t, blk, C]
-        sp = jnp.einsum("bthc,btlc->bhtl", qa, c) * self.scale
+        if shared:
+          c = lat[rows[:, 0], lead[:, 0]]                                                 # [B, blk, C]
+          score_spec, out_spec = "bthc,blc->bhtl", "bhtl,blr->bhtr"
+        else:
+          c = lat[rows, sl]                                                               # [B, t, blk, C]
+          score_spec, out_spec = "bthc,btlc->bhtl", "bhtl,btlr->bhtr"
+        c = c.astype(self.dtype).astype(jnp.float32)
+        sp = jnp.einsum(score_spec, qa, c) * self.scale
         valid = (j * block + jnp.arange(block))[None, None, :] < own[:, :, None]          # [B, t, blk]
         sp = jnp.where(valid[:, None], sp, _NEG)
         m_new = jnp.maximum(m, jnp.max(sp, axis=-1))
         rescale = jnp.exp(m - m_new)
         pp = jnp.where(valid[:, None], jnp.exp(sp - m_new[..., None]), 0.0)               # [B, H, t, blk]
-        o = jnp.einsum("bhtl,btlr->bhtr", pp, c[..., :self.rank])
+        o = jnp.einsum(out_spec, pp, c[..., :self.rank])
         return m_new, l * rescale + jnp.sum(pp, axis=-1), acc * rescale[..., None] + o
 
       h = self.num_heads
       init = (jnp.full((b, h, tr), _NEG, jnp.float32), jnp.zeros((b, h, tr), jnp.float32),
               jnp.zeros((b, h, tr, self.rank), jnp.float32))
       num_blocks = (jnp.max(own) + block - 1) // block
-      return jax.lax.fori_loop(0, num_blocks, visit, init)
+      loop = lambda shared: lambda: jax.lax.fori_loop(0, num_blocks, functools.partial(visit, shared=shared),
+                                                      init)
+      return jax.lax.cond(one_slot, loop(True), loop(False))
 
     bounds = [0] + list(range(min(n, t), t, PREFIX_REGION)) + [t]
     parts = [region(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -108,17 +108,24 @@ def test_prefill_then_decode_equals_full_forward(prefilled):
   assert not last[2].any()                                   # the empty slot
 
 
-def test_prefill_continues_documents_across_windows(prefilled):
+# Second windows: the MLA prefix attention takes its first N (= 2) tokens as one region, the rest as
+# another; "mixed" puts tokens of both slots of a row in that second region (per-token latent
+# gathers), "one_slot" only tokens of one slot per row there (one latent block shared per row).
+SECOND_WINDOWS = {"mixed": ([1, 1, 1, 2, 2], [1, 1, 1, 1, 2, 2, 2]),
+                  "one_slot": ([1, 2, 2, 2, 2, 2], [2, 1, 1, 1, 1])}
+
+
+@pytest.mark.parametrize("layout", sorted(SECOND_WINDOWS))
+def test_prefill_continues_documents_across_windows(prefilled, layout):
   """A second window with an incoming cache equals the forward over each whole document (KDA state,
   conv windows and MLA latent prefix carried per slot; slot 0 of row 1 starts a new document)."""
   _, gd, st = helpers.build(*REF)
   _, cache = prefilled
   ids = np.zeros((2, 12), np.int32)
   seg = np.zeros((2, 12), np.int32)
-  ids[0, :5] = RNG.integers(3, 64, 5)
-  seg[0, :5] = [1, 1, 1, 2, 2]
-  ids[1, :7] = RNG.integers(3, 64, 7)
-  seg[1, :7] = [1, 1, 1, 1, 2, 2, 2]
+  for r, labels in enumerate(SECOND_WINDOWS[layout]):
+    ids[r, :len(labels)] = RNG.integers(3, 64, len(labels))
+    seg[r, :len(labels)] = labels
   logits2, cache2 = helpers.prefill_fn(gd, 2, 16)(st, jnp.asarray(ids), jnp.asarray(seg), cache)
   prompts = _sequence_prompts()
   new = [ids[r][seg[r] == lab] for r in range(2) for lab in (1, 2)]
