@@ -2,7 +2,7 @@ r"""Perplexity of a checkpoint on a corpus, with documents packed and long docum
 
 Usage:
   python -m tools.perplexity load_parameters_path=DIR eval_data=FILE [eval_format=text|jsonl|ids]
-      [tokenizer_path=FILE] max_target_length=N [attention=kda_native] [compare_attention=NAME]
+      [tokenizer_path=FILE] [max_target_length=512] [attention=kda_native] [compare_attention=NAME]
       [compare_tolerance=X] [dump_logprobs=true] [output_json=FILE [overwrite=true]]
 
 The model config comes from the checkpoint (DIR/config.json); any key=value of configs/base.py given

@@ -82,7 +82,7 @@ def test_implementation_keyword_and_deprecated_backend():
   with pytest.warns(DeprecationWarning, match="use implementation="):
     o_old, _ = kda_inference(*x, backend="xla")
   assert jnp.array_equal(o_new, o_old)
-  with pytest.raises(ValueError, match="disagree"):
+  with pytest.raises(ValueError, match="disagree"), pytest.warns(DeprecationWarning, match="use implementation="):
     kda_inference(*x, implementation="xla", backend="pallas_tpu")
 
 

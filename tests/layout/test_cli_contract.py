@@ -58,7 +58,11 @@ TOOLS = {
                                         (["tiny", "compile_topology=v5e:2x2", "stacked_params=maybe"],
                                          "stacked_params"),
                                         (["tiny", "compile_topology=v5e:2x2", "attention=no_such_backend"],
-                                         "attention")]),
+                                         "attention"),
+                                        (["tiny", "compile_topology=v5e:2x2", "batch_size=0"], "batch_size"),
+                                        (["tiny", "compile_topology=v5e:2x2", "seq_len=-5"], "seq_len"),
+                                        # a typo of the tool's own key is suggested, not only config keys
+                                        (["tiny", "compile_topolgy=v5e:2x2"], "compile_topology")]),
     "unigram_baseline": ("kda-unigram-baseline", [([f"dat={MISSING}"], "dat"),
                                                   ([f"data={MISSING}", f"tokenizer_path={MISSING}",
                                                     "heldout_fraction=half"], "heldout_fraction"),
