@@ -107,14 +107,16 @@ def _parse_list(key: str, text: str, default: list):
   return [_parse_scalar(f"{key}[{i}]", s, elem) for i, s in enumerate(items)]
 
 
-def _unknown_key(cfg, key):
-  close = difflib.get_close_matches(key, list(cfg.keys()), n=3, cutoff=0.5)
+def _unknown_key(cfg, key, other_keys: Sequence[str] = ()):
+  close = difflib.get_close_matches(key, list(cfg.keys()) + list(other_keys), n=3, cutoff=0.5)
   hint = f"; did you mean {', '.join(close)}?" if close else ""
   return ConfigError(f"unknown config key {key!r}{hint} (see configs/base.py for every key)")
 
 
-def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[str]) -> ml_collections.ConfigDict:
-  """Applies `key=value` strings in order to a copy of `cfg` and returns it.
+def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[str], *,
+                    other_keys: Sequence[str] = ()) -> ml_collections.ConfigDict:
+  """Applies `key=value` strings in order to a copy of `cfg` and returns it. `other_keys`: names the
+  caller takes out of the arguments itself (a tool's own keys), offered too when a key is unknown.
 
   Raises:
     ConfigError: a malformed override, an unknown key (with the closest valid names), or a value
@@ -131,7 +133,7 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[str]) ->
                     f"removed)", DeprecationWarning, stacklevel=2)
       key = base.RENAMED[key]
     if key not in cfg:
-      raise _unknown_key(cfg, key)
+      raise _unknown_key(cfg, key, other_keys)
     default = cfg[key]
     typ = _expected_type(cfg, key)
     value = _parse_list(key, text, default) if typ is list else _parse_scalar(key, text, typ)
@@ -154,12 +156,13 @@ def set_value(cfg: ml_collections.ConfigDict, key: str, value) -> None:
     cfg[key] = float(value) if typ is float and value is not None else value
 
 
-def load_config(argv: Sequence[str] | None = None) -> ml_collections.ConfigDict:
+def load_config(argv: Sequence[str] | None = None, *, other_keys: Sequence[str] = ()) -> ml_collections.ConfigDict:
   """Builds a validated, locked config from `[model_config] key=value ...`.
 
   Args:
     argv: strings; the first may be a config name (`tiny`, `demo`, `kimi-linear-48b-a3b`) or a
       `.py`/`.json` path; every other item is a `key=value` override. None or [] gives the base.
+    other_keys: a tool's own keys (already taken out of argv), also suggested for an unknown key.
 
   Returns:
     A locked `ml_collections.ConfigDict` that passed `validate_config`.
@@ -172,7 +175,7 @@ def load_config(argv: Sequence[str] | None = None) -> ml_collections.ConfigDict:
     cfg = _load_named(argv.pop(0))
   else:
     cfg = base.get_config()
-  cfg = apply_overrides(cfg, argv)
+  cfg = apply_overrides(cfg, argv, other_keys=other_keys)
   validate_config(cfg)
   cfg.lock()
   return cfg

@@ -36,7 +36,6 @@ Exit status: 0 fits; 3 does not fit (the report is still printed and written); 2
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import json
 import sys
@@ -48,7 +47,8 @@ from tools import cli
 
 TOOL_KEYS = ("compile_topology", "compile_topology_num_slices", "mode", "stacked_params")
 MODES = ("train", "prefill", "decode")
-SHAPE_KEYS = ("batch_size", "seq_len", "max_num_segments", "max_cache_length")
+# The program shapes model.config does not range-check (it checks max_num_segments, max_cache_length).
+SHAPE_KEYS = ("batch_size", "seq_len")
 MEMORY_KEYS = "batch_size, seq_len, max_cache_length or the mesh sizes"
 GIB = 2**30
 EXIT_DOES_NOT_FIT = 3
@@ -68,25 +68,12 @@ def _split(argv):
   return rest, own
 
 
-def _check_keys(rest):
-  """An override key that is neither the config's nor the tool's: one error with suggestions from both."""
-  known = list(load_config(rest[:1]).keys()) + list(TOOL_KEYS)
-  for a in rest[1:]:
-    key = a.split("=", 1)[0].strip().lstrip("-")
-    if "=" in a and key not in known:
-      close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
-      hint = f"; did you mean {', '.join(close)}?" if close else ""
-      raise UsageError(f"unknown key {key!r}{hint} (the tool's keys: {', '.join(TOOL_KEYS)}; every config key: "
-                       "configs/base.py)")
-
-
 def _parse(argv):
   rest, own = _split(argv)
   if not rest or "=" in rest[0]:
     raise UsageError("the first argument is the model config (a name in configs/ or a .py/.json path), "
                      "e.g. kimi_linear_48b_a3b (see --help)")
-  _check_keys(rest)
-  cfg = load_config(rest)  # wrong types: ConfigError naming the key
+  cfg = load_config(rest, other_keys=TOOL_KEYS)  # unknown keys / wrong types: ConfigError naming the key
   for key in SHAPE_KEYS:   # the compiled program's shapes: a value < 1 would fail deep inside tracing
     if int(cfg[key]) < 1:
       raise UsageError(f"{key}={cfg[key]!r} is invalid: expected an integer >= 1")
