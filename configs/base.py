@@ -32,8 +32,8 @@ SERVING_KEYS = (
     "eval_data", "eval_format", "max_target_length", "eval_add_bos", "eval_add_eos",
     "compare_attention", "compare_tolerance", "dump_logprobs", "output_json", "overwrite",
 ) + (  # tools.serve (the HTTP server; model/server/, model/engine/continuous.py and static.py)
-    "engine", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_waiting", "prefix_cache_bytes",
-    "host", "port",
+    "engine", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_num_partial_prefills", "max_waiting",
+    "prefix_cache_bytes", "host", "port",
 )
 # tools.train.
 TRAIN_KEYS = (
@@ -167,6 +167,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.max_num_seqs = 8  # requests decoding at once (slots of the engine)
   c.max_model_len = 2048  # prompt + output tokens of one request (the MLA cache rows per slot)
   c.max_num_batched_tokens = 2048  # tokens one engine step may process (prefill chunk budget)
+  c.max_num_partial_prefills = 0  # continuous: prompts prefilled in one step, in [1, max_num_seqs] (0 = min(4, max_num_seqs))
   c.max_waiting = 128  # requests waiting for a slot at which new ones get HTTP 503
   c.prefix_cache_bytes = 1 << 30  # byte budget of the prefix cache of KDA/MLA state snapshots (0 = off)
   c.host = "127.0.0.1"  # address the server listens on

@@ -2,7 +2,8 @@ r"""Serve a checkpoint over HTTP with an OpenAI-compatible API (FastAPI + uvicor
 
 Usage:
   python -m tools.serve load_parameters_path=DIR [engine=continuous|static] [max_num_seqs=8]
-      [max_model_len=2048] [max_num_batched_tokens=2048] [max_waiting=128] [prefix_cache_bytes=N]
+      [max_model_len=2048] [max_num_batched_tokens=2048] [max_num_partial_prefills=0] [max_waiting=128]
+      [prefix_cache_bytes=N]
       [host=127.0.0.1] [port=8000] [attention=kda_native] [ici_*_parallelism=...]
 
 Routes: POST /v1/completions (prompt as text or token ids; max_tokens, temperature, top_p, top_k, stop,
@@ -21,6 +22,9 @@ Keys (vLLM's names; none is written into a checkpoint):
                           (max_cache_length is set to it). Longer requests get HTTP 400.
   max_num_batched_tokens  tokens one engine step may process (continuous: the prefill chunk budget; static:
                           the prompt tokens of one group's prefill row).
+  max_num_partial_prefills  continuous: prompts (whole or a chunk) prefilled in one step, in [1, max_num_seqs];
+                          0 (the default) = min(4, max_num_seqs). The step prefills on a sub-pool of that many
+                          slots, so its cost grows with it (README, "Serving").
   max_waiting             waiting requests at which new ones get HTTP 503.
   prefix_cache_bytes      byte budget of the continuous engine's prefix cache (0 = off); engine=static has
                           none (giving it there is an error).
@@ -58,9 +62,12 @@ DRAIN_TIMEOUT_S = 30.0
 def check_keys(cfg) -> None:
   """UsageError naming the first serving key out of range (before anything loads)."""
   for key, low in (("max_num_seqs", 1), ("max_model_len", 2), ("max_num_batched_tokens", 1), ("max_waiting", 1),
-                   ("prefix_cache_bytes", 0), ("port", 0)):
+                   ("prefix_cache_bytes", 0), ("port", 0), ("max_num_partial_prefills", 0)):
     if cfg[key] < low:
       raise UsageError(f"{key} must be an integer >= {low}, got {cfg[key]}")
+  if cfg.max_num_partial_prefills > cfg.max_num_seqs:
+    raise UsageError(f"max_num_partial_prefills must be in [1, max_num_seqs={cfg.max_num_seqs}] (0 = min(4, "
+                     f"max_num_seqs)), got {cfg.max_num_partial_prefills}")
   if cfg.port > 65535:
     raise UsageError(f"port must be in [0, 65535], got {cfg.port}")
   if not cfg.host:
@@ -100,7 +107,8 @@ def run(argv: list[str]) -> int:
   engine = build_engine(cfg.engine, model, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, prefix_cache_bytes=cfg.prefix_cache_bytes,
                         vocab_limit=min(vocab, tokenizer.vocab_size), mesh=mesh, rules=mcfg,
-                        prefix_cache_given="prefix_cache_bytes" in given)
+                        prefix_cache_given="prefix_cache_bytes" in given,
+                        max_num_partial_prefills=cfg.max_num_partial_prefills)
   seconds = warm_up(engine)
   cache = (f"prefix cache {cfg.prefix_cache_bytes} bytes" if cfg.engine == "continuous" else "no prefix cache")
   print(f"model {mcfg.model_name} from {mcfg.load_parameters_path}: attention={mcfg.attention}, dtype={mcfg.dtype}; "

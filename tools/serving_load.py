@@ -193,7 +193,8 @@ class _Replay:
     self.engine = build_engine(kv["engine"], self.model, max_num_seqs=int(kv["max_num_seqs"]),
                                max_model_len=int(kv["max_model_len"]),
                                max_num_batched_tokens=int(kv["max_num_batched_tokens"]),
-                               prefix_cache_bytes=int(kv.get("prefix_cache_bytes", 0)), vocab_limit=None, rules=cfg)
+                               prefix_cache_bytes=int(kv.get("prefix_cache_bytes", 0)), vocab_limit=None, rules=cfg,
+                               max_num_partial_prefills=int(kv.get("max_num_partial_prefills", 0)))
     if hasattr(self.engine, "compile_all"):   # as tools.serve does before it listens
       self.engine.compile_all()
     self._n = 0

@@ -6,19 +6,21 @@ Per `step`:
   2. admission: waiting requests take free slots in arrival order; with the prefix cache on, the
      deepest cached block-aligned prefix is restored into the slot (`SlotPool.put`) and only the
      rest of the prompt is prefilled;
-  3. `model.engine.scheduler.plan_step` packs one decode token per decoding request, then prefill
-     chunks, into a row of at most `max_num_batched_tokens`, padded to a shape bucket;
-  4. the bucket's compiled `model.engine.mixed_step` runs it and samples every emitting segment;
+  3. `model.engine.scheduler.plan_step` takes one decode token per decoding request, then prompt
+     chunks of up to `max_num_partial_prefills` requests, at most `max_num_batched_tokens` tokens
+     in all; the prompt tokens are packed into a row padded to a shape bucket;
+  4. the bucket's compiled `model.engine.mixed_step` runs it and samples every emitting request;
   5. tokens are emitted; a request that hits a stop id or max_tokens frees its slot in this step;
      a chunk that ended at a prefix-cache boundary has its slot copied into the cache.
 Host-device traffic per step: the packed row and per-slot sampling arrays in, three [S] vectors out.
 
-Decode routing (`decode_path`): a step with prompt chunks runs decode tokens inside the mixed row
-as one-token segments (`kda_inference` solves chunks and single tokens in one call); a decode-only
-step runs by default through `KimiLinearForCausalLM.decode` (`kda_decode_step`, absorbed MLA), which
-measured 4.3x faster per step on the demo model (tools/benchmark_decode_routing.py: 8 slots, 200-token
-context, median 34.2 ms against 145.6 ms on the shared CPU); `decode_path="mixed"` keeps every step
-in the mixed function. Executables: one per row bucket plus the decode-only one.
+Decode routing (`decode_path`), by measurement (README, "Which op runs when"): by default decode
+tokens go through `KimiLinearForCausalLM.decode` (`kda_decode_step`, absorbed MLA): a step without
+prompt chunks is the decode-only executable; a step with them is the split step
+(`mixed_step.build_split_step`: the decode tokens through `decode`, the prompt chunks through
+`prefill` on a sub-pool of the P prefilling slots). `decode_path="mixed"` runs every step as one
+packed row through `prefill`, decode tokens as one-token segments (`kda_inference` solves chunks
+and single tokens in one call). Executables: one per row bucket, plus the decode-only one.
 """
 
 from __future__ import annotations
@@ -60,8 +62,12 @@ class ContinuousEngine:
       default the model's vocabulary.
     mesh, rules: serve a model sharded on this mesh (`model.partitioning`; rules: a config or parsed
       `logical_axis_rules`); None: one device.
-    decode_path: "decode" (decode-only steps through `model.decode`, the measured faster route) or
-      "mixed" (every step through the mixed row).
+    decode_path: "decode" (the default: decode tokens go through `model.decode`, in a decode-only
+      step or beside the prompt chunks in a split step, the measured faster route) or "mixed"
+      (every token through one packed row, one-token decode segments included).
+    max_num_partial_prefills: P, prompts (whole or a chunk) prefilled in one step (vLLM's name),
+      in [1, max_num_seqs]; default min(4, max_num_seqs). Only for decode_path="decode": the split
+      step prefills on a P-slot sub-pool, so its cost grows with P, not with S.
 
   Attributes:
     buckets: the row lengths of the compiled steps (`model.engine.scheduler.buckets`).
@@ -75,7 +81,7 @@ class ContinuousEngine:
 
   def __init__(self, model, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                prefix_cache_bytes: int = 0, vocab_limit: int | None = None, mesh=None, rules=None,
-               decode_path: str = "decode"):
+               decode_path: str = "decode", max_num_partial_prefills: int | None = None):
     for name, v, low in (("max_num_seqs", max_num_seqs, 1), ("max_model_len", max_model_len, 2),
                          ("max_num_batched_tokens", max_num_batched_tokens, 1), ("prefix_cache_bytes",
                                                                                  prefix_cache_bytes, 0)):
@@ -87,6 +93,11 @@ class ContinuousEngine:
     if decode_path not in ("decode", "mixed"):
       raise GenerationError(f"decode_path must be 'decode' or 'mixed', got {decode_path!r}")
     self.decode_path = decode_path
+    p = min(4, int(max_num_seqs)) if max_num_partial_prefills is None else int(max_num_partial_prefills)
+    if not 1 <= p <= int(max_num_seqs):
+      raise GenerationError(f"max_num_partial_prefills must be in [1, max_num_seqs={max_num_seqs}], got "
+                            f"{max_num_partial_prefills}")
+    self.max_num_partial_prefills = p
     self.max_num_seqs = int(max_num_seqs)
     self.max_model_len = int(max_model_len)
     self.max_num_batched_tokens = int(max_num_batched_tokens)
@@ -98,10 +109,12 @@ class ContinuousEngine:
     self.mesh, self._rules = mesh, rules
     graphdef, state = nnx.split(model)
     self._leaves, treedef = jax.tree.flatten(state)
-    self._step_fn = mixed_step.build_step(graphdef, treedef, self.max_num_seqs)
+    self._step_fn = (mixed_step.build_split_step(graphdef, treedef, self.max_num_seqs, p) if decode_path == "decode"
+                     else mixed_step.build_step(graphdef, treedef, self.max_num_seqs))
     self._decode_fn = mixed_step.build_decode(graphdef, treedef)
     self._key = (graphdef, treedef, self.max_num_seqs, self.max_model_len, mesh,
-                 None if rules is None else repr(partitioning.as_rules(rules)))
+                 None if rules is None else repr(partitioning.as_rules(rules)), decode_path,
+                 p if decode_path == "decode" else None)
     # bucket -> the AOT executable this engine steps with. An AOT executable never recompiles (a
     # shape or sharding mismatch raises), so len() of this is exactly the step compilations used.
     self._compiled: dict[int, object] = {}
@@ -188,7 +201,10 @@ class ContinuousEngine:
       emit(TokenEvent(rid, None, None, "cancelled"))
     self._cancelled.clear()
     self._admit()
-    plan = scheduler.plan_step(self._running, self.max_num_batched_tokens, self.buckets)
+    split = self.decode_path == "decode"
+    plan = scheduler.plan_step(self._running, self.max_num_batched_tokens, self.buckets,
+                               max_prefills=self.max_num_partial_prefills if split else None,
+                               decodes_in_row=not split)
     if plan is None:
       return
     tok, logprob, top2 = self._run(plan)
@@ -269,19 +285,26 @@ class ContinuousEngine:
       if key not in _EXECUTABLES:
         t0 = time.perf_counter()
         fn = self._step_fn if bucket is not None else self._decode_fn
+        split = bucket is not None and self.decode_path == "decode"
         _EXECUTABLES[key] = mixed_step.compile_step(fn, self._leaves, self.pool.cache, bucket,
                                                     self.max_num_seqs, mesh=self.mesh, rules=self._rules,
-                                                    pool_shardings=self.pool.shardings)
+                                                    pool_shardings=self.pool.shardings,
+                                                    num_prefill=self.max_num_partial_prefills if split else None)
         self.compile_seconds += time.perf_counter() - t0
       self._compiled[bucket] = _EXECUTABLES[key]
     return self._compiled[bucket]
 
   def _run(self, plan):
     s_count, t = self.max_num_seqs, plan.bucket
-    decode_only = self.decode_path == "decode" and all(not c.seq.prefilling for c in plan.chunks)
+    split = self.decode_path == "decode"
+    decode_only = split and all(not c.seq.prefilling for c in plan.chunks)
     ids = np.zeros((1, t), np.int32)
     seg = np.zeros((1, t), np.int32)
-    last = np.zeros(s_count, np.int32)      # decode-only: each active slot's input token
+    last = np.zeros(s_count, np.int32)      # each decoding slot's input token
+    active = np.zeros(s_count, bool)        # the slots that decode (split and decode-only steps)
+    p_count = self.max_num_partial_prefills
+    sub_slots = np.full(p_count, s_count, np.int32)   # split step: sub-pool entry -> slot (S: unused)
+    sub_fresh = np.zeros(p_count, bool)
     fresh = np.zeros(s_count, bool)
     greedy = np.ones(s_count, bool)
     temperature = np.ones(s_count, np.float32)
@@ -289,15 +312,22 @@ class ContinuousEngine:
     top_p = np.ones(s_count, np.float32)
     seeds = np.zeros(s_count, np.uint32)
     positions = np.zeros(s_count, np.int32)
-    u = 0
+    u = n_sub = 0
     for c in plan.chunks:
       seq, s = c.seq, c.seq.slot
-      ids[0, u:u + len(c.tokens)] = c.tokens
-      seg[0, u:u + len(c.tokens)] = s + 1
-      u += len(c.tokens)
-      last[s] = c.tokens[-1]
-      if seq.fresh:
-        fresh[s], seq.fresh = True, False
+      if split and not seq.prefilling:
+        last[s], active[s] = c.tokens[-1], True
+      else:
+        label = s + 1
+        if split:
+          sub_slots[n_sub], sub_fresh[n_sub] = s, seq.fresh
+          n_sub += 1
+          label = n_sub
+        ids[0, u:u + len(c.tokens)] = c.tokens
+        seg[0, u:u + len(c.tokens)] = label
+        u += len(c.tokens)
+        fresh[s] = seq.fresh
+      seq.fresh = False
       sp = seq.request.sampling
       greedy[s] = sp.strategy == "greedy"
       temperature[s] = sp.temperature if sp.strategy != "greedy" else 1.0
@@ -307,12 +337,11 @@ class ContinuousEngine:
       positions[s] = c.output_index
     sampling = (greedy, temperature, top_k, top_p, seeds, positions, np.int32(self.vocab_limit))
     if decode_only:
-      active = seg[0, :u] - 1
-      mask = np.zeros(s_count, bool)
-      mask[active] = True
-      tok, logprob, top2, self.pool.cache = self.compiled_step(None)(self._leaves, self.pool.cache, last, mask,
-                                                                     *sampling)
+      out = self.compiled_step(None)(self._leaves, self.pool.cache, last, active, *sampling)
+    elif split:
+      out = self.compiled_step(t)(self._leaves, self.pool.cache, last, active, ids, seg, sub_slots, sub_fresh,
+                                  *sampling)
     else:
-      tok, logprob, top2, self.pool.cache = self.compiled_step(t)(self._leaves, self.pool.cache, ids, seg, fresh,
-                                                                  *sampling)
+      out = self.compiled_step(t)(self._leaves, self.pool.cache, ids, seg, fresh, *sampling)
+    tok, logprob, top2, self.pool.cache = out
     return jax.device_get((tok, logprob, top2))

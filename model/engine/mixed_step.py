@@ -98,28 +98,85 @@ def build_decode(graphdef, treedef):
   def step(leaves, cache, tok, active, greedy, temperature, top_k, top_p, seeds, positions, vocab_limit):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     logits, new = model.decode(tok, cache)
-
-    def keep(old, nw):
-      return jnp.where(active.reshape((-1,) + (1,) * (old.ndim - 1)), nw, old)
-    layers = tuple(cache_lib.KDALayerCache(*(keep(getattr(o, f), getattr(n, f)) for f in ("state", "conv_q", "conv_k",
-                                                                                         "conv_v")))
-                   if isinstance(o, cache_lib.KDALayerCache) else n for o, n in zip(cache.layers, new.layers))
-    out = cache_lib.ModelCache(layers, jnp.where(active, new.lengths, cache.lengths))
+    out = _keep_inactive(cache, new, active)
     tok, logprob, top2 = sample_rows(logits, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions)
     return tok, logprob, top2, out
   return step
 
 
+def _keep_inactive(old, new, active):
+  """`new` pool where `active` (bool [S]), else `old`'s KDA states, conv windows and lengths (MLA
+  latents from `new`: a row written at an inactive slot's `lengths[s]` is beyond its valid prefix)."""
+  def keep(o, n):
+    return jnp.where(active.reshape((-1,) + (1,) * (o.ndim - 1)), n, o)
+  layers = tuple(cache_lib.KDALayerCache(*(keep(getattr(o, f), getattr(n, f)) for f in ("state", "conv_q", "conv_k",
+                                                                                       "conv_v")))
+                 if isinstance(o, cache_lib.KDALayerCache) else n for o, n in zip(old.layers, new.layers))
+  return cache_lib.ModelCache(layers, jnp.where(active, new.lengths, old.lengths))
+
+
+def build_split_step(graphdef, treedef, num_slots: int, num_prefill: int):
+  """The step for a batch with prompt chunks, decode and prefill split (the default route).
+
+  `step(leaves, pool, tokens int32 [S], active bool [S], ids int32 [1, T], segment_ids int32 [1, T],
+  sub_slots int32 [P], fresh bool [P], sampling arrays [S]..., vocab_limit)`:
+    1. the decoding slots (`active`) advance one token through `KimiLinearForCausalLM.decode`
+       (`kda_decode_step`, absorbed MLA), as in `build_decode`; skipped (`lax.cond`) when none;
+    2. the P prefilling slots `sub_slots` (pool indices; S marks an unused entry) are gathered into
+       a P-slot sub-pool, entries flagged `fresh` reset, and the row prefilled on it
+       (`KimiLinearForCausalLM.prefill`: label p + 1 continues sub-pool entry p, i.e. slot
+       `sub_slots[p]`), then scattered back (unused entries dropped);
+    3. slot `sub_slots[p]` samples from its segment's last-token logits, a decoding slot from its
+       decode logits.
+  Returns `(tokens int32 [S], logprobs float32 [S], top2 float32 [S, 2], new pool)`; rows of slots
+  absent from the step are meaningless.
+
+  Why split: the row carries only prompt tokens, and the prefill's per-slot work (each row's
+  initial KDA state, the MLA prefix attention, the final-state extraction) spans P slots, not S;
+  a decode token costs what it costs in a decode-only step. A slot is either decoding or in
+  `sub_slots` in one step (the scheduler's contract), so the two parts touch disjoint slots; the
+  prefill runs second, so it overwrites the stale MLA row the decode may write at a prefilling
+  slot's `lengths[s]`.
+  """
+  def step(leaves, cache, tok, active, ids, seg, sub_slots, fresh, greedy, temperature, top_k, top_p, seeds,
+           positions, vocab_limit):
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+    def run_decode(cache):
+      logits, new = model.decode(tok, cache)
+      return logits.astype(jnp.float32), _keep_inactive(cache, new, active)
+
+    def skip(cache):
+      return jnp.zeros((num_slots, model.args.vocab_size), jnp.float32), cache
+
+    logits, cache = jax.lax.cond(jnp.any(active), run_decode, skip, cache)
+    take = jnp.minimum(sub_slots, num_slots - 1)
+    sub = _reset(jax.tree.map(lambda x: x[take], cache), fresh)
+    sub_logits, sub = model.prefill(ids, seg, cache=sub)
+    cache = jax.tree.map(lambda x, y: x.at[sub_slots].set(y, mode="drop"), cache, sub)
+    last = last_token_logits(sub_logits, seg, num_prefill).astype(jnp.float32)
+    logits = logits.at[sub_slots].set(last, mode="drop")
+    tok, logprob, top2 = sample_rows(logits, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions)
+    return tok, logprob, top2, cache
+  return step
+
+
 def compile_step(step, leaves, pool, bucket: int | None, num_slots: int, *, mesh=None, rules=None,
-                 pool_shardings=None):
-  """`step` compiled ahead of time for a row of `bucket` tokens (`build_step`), or for the
-  decode-only step when bucket is None (`build_decode`); the pool (argument 1) is donated, so the
-  MLA latents are updated in place. On a mesh the outputs keep the pool's shardings, so the next
-  step takes them as they are (one executable per shape, no resharding)."""
+                 pool_shardings=None, num_prefill: int | None = None):
+  """`step` compiled ahead of time for a row of `bucket` tokens (`build_step`, or `build_split_step`
+  when `num_prefill`, its P, is given), or for the decode-only step when bucket is None
+  (`build_decode`); the pool (argument 1) is donated, so the MLA latents are updated in place. On a
+  mesh the outputs keep the pool's shardings, so the next step takes them as they are (one
+  executable per shape, no resharding)."""
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  rows = (i32(1, bucket), i32(1, bucket)) if bucket is not None else (i32(num_slots),)
-  args = (leaves, pool, *rows, jax.ShapeDtypeStruct((num_slots,), jnp.bool_),
-          jax.ShapeDtypeStruct((num_slots,), jnp.bool_), jax.ShapeDtypeStruct((num_slots,), jnp.float32),
+  flags = lambda n: jax.ShapeDtypeStruct((n,), jnp.bool_)
+  if bucket is None:
+    rows = (i32(num_slots), flags(num_slots))
+  elif num_prefill is None:
+    rows = (i32(1, bucket), i32(1, bucket), flags(num_slots))
+  else:
+    rows = (i32(num_slots), flags(num_slots), i32(1, bucket), i32(1, bucket), i32(num_prefill), flags(num_prefill))
+  args = (leaves, pool, *rows, flags(num_slots), jax.ShapeDtypeStruct((num_slots,), jnp.float32),
           i32(num_slots), jax.ShapeDtypeStruct((num_slots,), jnp.float32),
           jax.ShapeDtypeStruct((num_slots,), jnp.uint32), i32(num_slots), i32())
   kwargs = {}

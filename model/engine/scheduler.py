@@ -84,20 +84,28 @@ class StepPlan:
   bucket: int
 
 
-def plan_step(running: list[Sequence], max_num_batched_tokens: int, sizes: tuple[int, ...]) -> StepPlan | None:
+def plan_step(running: list[Sequence], max_num_batched_tokens: int, sizes: tuple[int, ...], *,
+              max_prefills: int | None = None, decodes_in_row: bool = True) -> StepPlan | None:
   """The next step's segments for the running sequences (in admission order), or None when there
   is nothing to compute. Requires max_num_batched_tokens >= len(running) (the engine guarantees
-  it: max_num_batched_tokens >= max_num_seqs), so every decoding request gets its token."""
+  it: max_num_batched_tokens >= max_num_seqs), so every decoding request gets its token.
+
+  `max_prefills`: at most this many prompt chunks per step (None: no limit). `decodes_in_row`:
+  the row (and so the bucket) holds the decode tokens too; False when the step decodes them apart
+  (`model.engine.mixed_step.build_split_step`): the bucket then fits the prompt tokens alone, and
+  `max_num_batched_tokens` still counts both."""
   chunks, budget = [], int(max_num_batched_tokens)
   for seq in running:
     if not seq.prefilling:
       chunks.append(Chunk(seq, [seq.output_ids[-1]], True, len(seq.output_ids)))
       budget -= 1
+  num_prefills = 0
   for seq in running:
-    if budget <= 0:
+    if budget <= 0 or num_prefills == max_prefills:
       break
     if not seq.prefilling:
       continue
+    num_prefills += 1
     start = seq.num_computed
     end = min(seq.prompt_length, start + budget)
     split = next((b for b in seq.splits if b > start), None)
@@ -109,4 +117,5 @@ def plan_step(running: list[Sequence], max_num_batched_tokens: int, sizes: tuple
   if not chunks:
     return None
   n = sum(len(c.tokens) for c in chunks)
-  return StepPlan(chunks, n, bucket_for(n, sizes))
+  in_row = n if decodes_in_row else sum(len(c.tokens) for c in chunks if c.seq.prefilling)
+  return StepPlan(chunks, n, bucket_for(max(in_row, 1), sizes))

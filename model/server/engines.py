@@ -12,12 +12,12 @@ ENGINES = ("continuous", "static")
 
 def build_engine(kind: str, model, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                  prefix_cache_bytes: int, vocab_limit: int | None, mesh=None, rules=None,
-                 prefix_cache_given: bool = False):
+                 prefix_cache_given: bool = False, max_num_partial_prefills: int = 0):
   """The engine of `kind` over `model` with the vLLM-named sizes.
 
   Raises:
     UsageError: an unknown kind; prefix_cache_bytes given explicitly with engine=static (it has no prefix cache: the key would
-      be silently ignored).
+      be silently ignored), or max_num_partial_prefills (> 0) with engine=static (it prefills whole groups).
     GenerationError: a size out of range (the engine's own check, naming the key).
   """
   if kind not in ENGINES:
@@ -28,5 +28,8 @@ def build_engine(kind: str, model, *, max_num_seqs: int, max_model_len: int, max
     if prefix_cache_given and int(prefix_cache_bytes) > 0:
       raise UsageError("engine=static has no prefix cache: drop prefix_cache_bytes (or pass prefix_cache_bytes=0), "
                        "or use engine=continuous")
+    if int(max_num_partial_prefills) > 0:
+      raise UsageError("engine=static prefills whole groups: drop max_num_partial_prefills, or use engine=continuous")
     return StaticEngine(model, **sizes)
-  return ContinuousEngine(model, prefix_cache_bytes=int(prefix_cache_bytes), **sizes)
+  return ContinuousEngine(model, prefix_cache_bytes=int(prefix_cache_bytes),
+                          max_num_partial_prefills=int(max_num_partial_prefills) or None, **sizes)

@@ -72,22 +72,27 @@ def test_is_an_engine(engine):
 
 
 def test_absent_slots_are_bit_unchanged(engine):
-  """A step that feeds slot 1 only leaves slots 0, 2, 3 (KDA state, conv windows, MLA latents,
-  length) bit for bit as they were: idle slots need no masking in the engine."""
+  """A split step that prefills slot 1 only (and decodes none) leaves slots 0, 2, 3 (KDA state, conv
+  windows, MLA latents, length) bit for bit as they were: idle slots need no masking in the engine,
+  and the sub-pool's unused entries (index S) are dropped, not written to any slot."""
   rng = np.random.default_rng(1)
-  ids, seg = np.zeros((1, 16), np.int32), np.zeros((1, 16), np.int32)
-  ids[0, :12] = rng.integers(4, 1000, 12)
-  seg[0, :4], seg[0, 4:8], seg[0, 8:12] = 1, 3, 4     # slots 0, 2, 3 get 4 tokens each
-  pool = jax.tree.map(lambda a: jnp.array(a, copy=True), engine.pool.cache)
+  s, p = SLOTS, engine.max_num_partial_prefills
+  assert p == 4
   fn = engine.compiled_step(16)
-  s = SLOTS
   sampling = (np.ones(s, bool), np.ones(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
               np.zeros(s, np.uint32), np.zeros(s, np.int32), np.int32(engine.vocab_limit))
-  *_, before = fn(engine._leaves, pool, ids, seg, np.ones(s, bool), *sampling)
+  no_decode = (np.zeros(s, np.int32), np.zeros(s, bool))
+  ids, seg = np.zeros((1, 16), np.int32), np.zeros((1, 16), np.int32)
+  ids[0, :12] = rng.integers(4, 1000, 12)
+  seg[0, :4], seg[0, 4:8], seg[0, 8:12] = 1, 2, 3     # sub-pool entries 0, 1, 2 = slots 3, 0, 2
+  pool = jax.tree.map(lambda a: jnp.array(a, copy=True), engine.pool.cache)
+  *_, before = fn(engine._leaves, pool, *no_decode, ids, seg, np.array([3, 0, 2, s], np.int32), np.ones(p, bool),
+                  *sampling)
   before_host = jax.device_get(before)
   ids2, seg2 = np.zeros((1, 16), np.int32), np.zeros((1, 16), np.int32)
-  ids2[0, :5], seg2[0, :5] = 7, 2                      # only slot 1
-  *_, after = fn(engine._leaves, before, ids2, seg2, np.zeros(s, bool), *sampling)
+  ids2[0, :5], seg2[0, :5] = 7, 1                      # only slot 1, as sub-pool entry 0
+  *_, after = fn(engine._leaves, before, *no_decode, ids2, seg2, np.array([1, s, s, s], np.int32),
+                 np.array([True, False, False, False]), *sampling)
   after_host = jax.device_get(after)
   assert list(before_host.lengths) == [4, 0, 4, 4] and list(after_host.lengths) == [4, 5, 4, 4]
   for a, b in zip(before_host.layers, after_host.layers):

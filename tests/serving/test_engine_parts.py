@@ -43,6 +43,21 @@ def test_plan_decodes_first_then_chunks_the_prompts():
   assert plan_step([], 128, buckets(128)) is None
 
 
+def test_split_plan_limits_prefills_and_buckets_the_prompt_tokens_alone():
+  """The split step's plan (decode apart): at most `max_prefills` prompt chunks, the budget still
+  counting the decode tokens, and the bucket sized for the prompt tokens only."""
+  dec = [_seq(5, 0, done=5, out=[9]), _seq(7, 1, done=7, out=[3, 4])]
+  prompts = [_seq(20, 2), _seq(30, 3), _seq(40, 4)]
+  plan = plan_step(dec + prompts, 64, buckets(64), max_prefills=2, decodes_in_row=False)
+  assert [(c.seq.slot, len(c.tokens)) for c in plan.chunks] == [(0, 1), (1, 1), (2, 20), (3, 30)]
+  assert plan.num_tokens == 52 and plan.bucket == 64          # 50 prompt tokens
+  plan = plan_step(dec + prompts[:1], 64, buckets(64), max_prefills=2, decodes_in_row=False)
+  assert plan.num_tokens == 22 and plan.bucket == 32          # 20 prompt tokens (22 with the decodes)
+  plan = plan_step(dec + prompts, 24, buckets(24), max_prefills=2, decodes_in_row=False)
+  assert [(c.seq.slot, len(c.tokens)) for c in plan.chunks] == [(0, 1), (1, 1), (2, 20), (3, 2)]
+  assert plan_step(dec, 64, buckets(64), max_prefills=2, decodes_in_row=False).bucket == 16
+
+
 def test_chunks_end_at_snapshot_boundaries():
   seq = _seq(200, 0, splits=[64, 192])
   plan = plan_step([seq], 128, buckets(128))
