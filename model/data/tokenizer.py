@@ -120,7 +120,8 @@ class SentencePieceTokenizer:
       TokenizerError: an id outside [0, vocab_size).
     """
     ids = [int(i) for i in ids]
-    bad = [i for i in ids if not 0 <= i < self.vocab_size]
+    n = self.vocab_size   # once, not per id: the server decodes every streamed token's text
+    bad = [i for i in ids if not 0 <= i < n]
     if bad:
       raise TokenizerError(f"ids out of range [0, {self.vocab_size}) for {self.path!r}: {bad[:8]}")
     return self._sp.decode(ids)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from model.config import load_config
 from model.engine.serving import SamplingParams
 from model.errors import UsageError
 from model.server import protocol
 from model.server.engines import build_engine
+from tools.serve import check_keys
 from model.server.text import TextStream
 
 
@@ -202,3 +204,16 @@ def test_serving_keys_stay_out_of_checkpoints():
   for key in ("engine", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_waiting",
               "prefix_cache_bytes", "host", "port"):
     assert key in base.SERVING_KEYS and key not in stored, key
+
+
+def test_max_num_partial_prefills_is_checked_before_anything_loads():
+  """serve's key check names max_num_partial_prefills above max_num_seqs (or negative); the static
+  engine refuses the key rather than ignore it."""
+  for value in (9, -1):
+    cfg = load_config(["demo", "max_num_seqs=8", f"max_num_partial_prefills={value}"])
+    with pytest.raises(UsageError, match="max_num_partial_prefills"):
+      check_keys(cfg)
+  check_keys(load_config(["demo", "max_num_seqs=8", "max_num_partial_prefills=8"]))
+  with pytest.raises(UsageError, match="max_num_partial_prefills"):
+    build_engine("static", None, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64, prefix_cache_bytes=0,
+                 vocab_limit=None, max_num_partial_prefills=2)
