@@ -49,7 +49,7 @@ from model import partitioning
 from model.engine.api import Request
 from model.errors import UsageError
 from model.server.app import ServerState, build_app
-from model.server.engines import build_engine
+from model.server.engines import build_engine, check_engine
 from model.server.loop import EngineLoop
 from model.server.runner import bind, serve
 from tools import cli as common
@@ -94,8 +94,8 @@ def run(argv: list[str]) -> int:
   overrides, cfg = common.parse_args(argv)
   check_keys(cfg)
   given = common.given_keys(argv)
-  if cfg.engine not in ("continuous", "static"):
-    raise UsageError(f"engine must be 'continuous' or 'static', got {cfg.engine!r}")
+  check_engine(cfg.engine, prefix_cache_bytes=cfg.prefix_cache_bytes, prefix_cache_given="prefix_cache_bytes" in given,
+               max_num_partial_prefills=cfg.max_num_partial_prefills)
   stored = common.checkpoint_config(cfg, overrides, extra=[f"max_cache_length={cfg.max_model_len}"])
   tokenizer = common.tokenizer_for(stored)
   vocab = int(stored.vocab_size)
@@ -110,7 +110,8 @@ def run(argv: list[str]) -> int:
                         prefix_cache_given="prefix_cache_bytes" in given,
                         max_num_partial_prefills=cfg.max_num_partial_prefills)
   seconds = warm_up(engine)
-  cache = (f"prefix cache {cfg.prefix_cache_bytes} bytes" if cfg.engine == "continuous" else "no prefix cache")
+  cache = (f"prefix cache {cfg.prefix_cache_bytes} bytes, max_num_partial_prefills={engine.max_num_partial_prefills}"
+           if cfg.engine == "continuous" else "no prefix cache")
   print(f"model {mcfg.model_name} from {mcfg.load_parameters_path}: attention={mcfg.attention}, dtype={mcfg.dtype}; "
         f"engine={cfg.engine}, max_num_seqs={cfg.max_num_seqs}, max_model_len={cfg.max_model_len}, "
         f"max_num_batched_tokens={cfg.max_num_batched_tokens}, {cache}; warm-up {seconds:.1f} s", file=sys.stderr)

@@ -62,8 +62,9 @@ def from_validation_error(e: pydantic.ValidationError | list) -> ApiError:
     return bad_request(f"the request body is not valid JSON: {first.get('msg')}", None, "invalid_json")
   if first.get("type") == "missing":
     return bad_request(f"{param} is required", param, "missing_field")
-  if first.get("type") == "extra_forbidden":
-    return bad_request(f"{param} is not a field this server accepts", param, "unknown_field")
+  if first.get("type") == "extra_forbidden":   # the unknown key itself, under its parent ("stream_options.bogus")
+    unknown = ".".join(loc)
+    return bad_request(f"{unknown} is not a field this server accepts", unknown, "unknown_field")
   if param in _UNION_FIELDS:   # pydantic's message names only one of the union's members
     whole = min(errors, key=lambda err: len(err.get("loc", ()))).get("input")   # the value, not a member's part
     return bad_request(f"{param} must be {_UNION_FIELDS[param]} (got {_short(whole)})", param, "invalid_value")

@@ -1,12 +1,20 @@
 """Generated ids to text, incrementally, with OpenAI `stop` strings matched on the decoded text.
 
-`TextStream.add(token_id)` returns the text that may be sent now. The continuation is decoded
-together with the last prompt tokens (`CONTEXT` of them) and the decoded context is cut off, so a
-piece that starts a word keeps its leading space (sentencepiece drops a leading "▁" of the first
-piece of a decode). Text is held back while it (a) ends in U+FFFD, an incomplete multi-byte character
-of byte-fallback pieces, or (b) ends in a prefix of a stop string (it may yet become one), so that
-streamed deltas concatenate to exactly the final text. A stop string ends the text before it (the
-stop string is not part of the output, as in the OpenAI API); stop token ids (EOS) are never shown.
+`TextStream.add(token_id)` returns the text that may be sent now. Each step decodes a bounded window
+of ids, not the whole output (the detokenizer runs on the server's event loop once per streamed
+token, so a whole-output decode would cost O(length) per token): the window starts at `prefix` and
+the text of `ids[prefix:read]` (already emitted) is cut off the window's text, so that the new piece
+keeps its leading space (sentencepiece drops the "▁" of a decode's first piece) and byte-fallback
+pieces that together spell one character are decoded together. The window then moves on to
+`prefix, read = read, len(ids)`; it starts with the last prompt tokens (`CONTEXT` of them), so the
+output's first piece keeps its leading space too. These are the prefix/read offsets of vLLM's and
+transformers' incremental detokenizers (the idea, not their code).
+
+Text is held back while it (a) ends in U+FFFD, an incomplete multi-byte character of byte-fallback
+pieces (the window does not move until the character completes), or (b) ends in a prefix of a stop
+string (it may yet become one), so that streamed deltas concatenate to exactly the final text. A stop
+string ends the text before it (the stop string is not part of the output, as in the OpenAI API);
+stop token ids (EOS) are never shown.
 """
 
 from __future__ import annotations
@@ -19,50 +27,72 @@ class TextStream:
 
   Args:
     tokenizer: has `decode(ids) -> str`.
-    prompt_ids: the prompt (its last CONTEXT ids are decoded with the output).
+    prompt_ids: the prompt (its last CONTEXT ids start the first decode window).
     stop: stop strings (non-empty).
     hidden_ids: ids never shown as text (the stop token ids).
   """
 
   def __init__(self, tokenizer, prompt_ids, stop: tuple[str, ...] = (), hidden_ids=frozenset()):
     self._tok = tokenizer
-    self._context = [int(t) for t in list(prompt_ids)[-CONTEXT:] if int(t) not in hidden_ids]
-    self._prefix = tokenizer.decode(self._context) if self._context else ""
-    self._ids: list[int] = []
-    self._hidden = frozenset(hidden_ids)
+    self._hidden = frozenset(int(t) for t in hidden_ids)
+    self._ids = [int(t) for t in list(prompt_ids)[-CONTEXT:] if int(t) not in self._hidden]
+    self._prefix, self._read = 0, len(self._ids)    # window start; end of the ids already decoded
+    self._read_text = tokenizer.decode(self._ids) if self._ids else ""   # text of ids[prefix:read]
     self._stop = tuple(stop)
+    self._longest_stop = max(map(len, self._stop), default=0)
+    self._decoded = ""      # the output's text up to `read` (complete characters only)
     self.text = ""          # the final text so far (stop string cut off once found)
     self.sent = 0           # characters of `text` already handed out
     self.stopped = False    # a stop string was found
 
-  def _decode(self) -> str:
-    full = self._tok.decode(self._context + self._ids) if self._ids else self._prefix
-    if full.startswith(self._prefix):
-      return full[len(self._prefix):]
-    return self._tok.decode(self._ids)  # the context decoded differently joined: no leading-space fix
+  def _advance(self, final: bool = False) -> None:
+    """Decodes the window; appends its new complete text to `_decoded` and moves the window on."""
+    if self._read == len(self._ids):
+      return
+    window = self._tok.decode(self._ids[self._prefix:])
+    if window.endswith("\ufffd") and not final:
+      return                    # a multi-byte character is still incomplete: decode it with its rest
+    if window.startswith(self._read_text):
+      new = window[len(self._read_text):]
+    else:                       # the emitted part decodes differently joined: the new ids alone
+      new = self._tok.decode(self._ids[self._read:])
+    self._decoded += new
+    self._prefix, self._read = self._read, len(self._ids)
+    self._read_text = self._tok.decode(self._ids[self._prefix:])   # alone, as the next window starts
 
-  def add(self, token_id: int) -> str:
-    """Adds one generated id; returns the new text that may be sent ("" while held back or stopped)."""
-    if self.stopped:
-      return ""
-    if int(token_id) not in self._hidden:
-      self._ids.append(int(token_id))
-    text = self._decode()
+  def _update(self) -> int:
+    """Finds a stop string in the decoded text; returns how far `text` may be sent now."""
+    text = self._decoded
     if self._stop:
-      start = max(0, len(self.text) - max(map(len, self._stop)))
+      start = max(0, len(self.text) - self._longest_stop)
       hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
       if hits:
         self.text, self.stopped = text[:min(hits)], True
-        return self._release(len(self.text))
+        return len(self.text)
     self.text = text
-    return self._release(len(text) - self._held(text))
+    return len(text) - self._held(text)
+
+  def add(self, token_id: int) -> str:
+    """Adds one generated id; returns the new text that may be sent ("" while held back or stopped)."""
+    if self.stopped or int(token_id) in self._hidden:
+      return ""
+    self._ids.append(int(token_id))
+    self._advance()
+    return self._release(self._update())
 
   def finish(self) -> str:
-    """The text still held back (the request ended): everything not sent yet."""
+    """The text still held back (the request ended): everything not sent yet.
+
+    An incomplete character left at the end (the output stopped inside a byte sequence) is released
+    as the tokenizer decodes it (U+FFFD), as a whole-output decode shows it.
+    """
+    if not self.stopped:
+      self._advance(final=True)
+      self._update()
     return self._release(len(self.text))
 
   def _held(self, text: str) -> int:
-    held = len(text) - len(text.rstrip("\ufffd"))
+    held = 0
     for s in self._stop:
       for k in range(min(len(s) - 1, len(text)), 0, -1):
         if text.endswith(s[:k]):

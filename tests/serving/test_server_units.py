@@ -138,6 +138,19 @@ def test_wrong_json_types_are_refused_naming_the_field(fields, param):
     assert err.message == "stop must be a string or a list of at most 4 strings (got 5)", err.message
 
 
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": "a", "bogus": 1}, "bogus"),
+    ({"prompt": "a", "stream": True, "stream_options": {"bogus": 1}}, "stream_options.bogus"),
+])
+def test_an_unknown_field_is_named_with_its_path(fields, param):
+  import pydantic
+  with pytest.raises(pydantic.ValidationError) as e:
+    protocol.CompletionRequest.model_validate(fields)
+  err = protocol.from_validation_error(e.value)
+  assert (err.status, err.param, err.code) == (400, param, "unknown_field"), err.body()
+  assert err.message == f"{param} is not a field this server accepts"
+
+
 def test_an_integer_is_a_number():
   req = protocol.CompletionRequest.model_validate({"prompt": "a", "temperature": 1, "top_p": 1})
   assert req.temperature == 1.0 and req.top_p == 1.0
@@ -176,10 +189,98 @@ def test_stop_tokens_are_never_text():
   assert "".join(parts) + tail == "b"
 
 
+def _whole_output_text(tok, prompt, ids, stop, hidden):
+  """The oracle: the whole output decoded at once after the prompt's last ids, cut at the first stop."""
+  ctx = [i for i in prompt[-8:] if i not in hidden]
+  ids = [i for i in ids if i not in hidden]
+  full, pre = tok.decode(ctx + ids), tok.decode(ctx)
+  text = full[len(pre):] if full.startswith(pre) else tok.decode(ids)
+  hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+  return text[:min(hits)] if hits else text
+
+
+def test_incremental_text_equals_the_whole_output_decoded_with_the_demo_tokenizer():
+  """Random outputs (ordinary pieces, byte-fallback runs that spell multi-byte characters or break
+  them, EOS) streamed id by id concatenate to the whole-output decode, stop strings included."""
+  import numpy as np
+  from model.data.tokenizer import SentencePieceTokenizer
+  from tools.demo import ASSETS
+  tok = SentencePieceTokenizer(ASSETS / "tokenizer.model")     # pieces 5..260 are the 256 bytes
+  rng = np.random.default_rng(0)
+  utf8 = [b for ch in "日本語 Жж ü" for b in ch.encode()]
+  for trial in range(400):
+    n = int(rng.integers(1, 40))
+    kind = trial % 4
+    if kind == 0:
+      ids = rng.integers(4, tok.vocab_size, n).tolist()
+    elif kind == 1:
+      ids = rng.integers(5, 261, n).tolist()                   # mostly invalid byte sequences
+    elif kind == 2:                                            # valid characters as byte pieces, mixed in
+      ids = [5 + utf8[int(rng.integers(len(utf8)))] if rng.random() < 0.5 else int(rng.integers(4, 1024))
+             for _ in range(n)]
+    else:
+      ids = [5 + b for b in "日本 Ж".encode()] + rng.integers(4, 1024, n).tolist() + [3, 40]
+    prompt = rng.integers(4, tok.vocab_size, int(rng.integers(0, 12))).tolist()
+    stop = ("th", "e ") if trial % 2 else ()
+    s = TextStream(tok, prompt, stop, frozenset({3}))
+    streamed = "".join(s.add(i) for i in ids) + s.finish()
+    want = _whole_output_text(tok, prompt, ids, stop, {3})
+    assert streamed == want == s.text, (trial, prompt, ids)
+
+
+class _DummyPrefixTokenizer(_CharTokenizer):
+  """As _CharTokenizer, plus id 31 = a word-start space that a decode drops when it comes first (as
+  sentencepiece with add_dummy_prefix drops the "▁" of a decode's first piece)."""
+
+  def decode(self, ids):
+    ids = list(ids)
+    out, run = [], []    # runs of byte pieces decode together
+    for i in ids + [None]:
+      if i is not None and 27 <= i <= 29:
+        run.append(i)
+        continue
+      if run:
+        out.append(super().decode(run))
+        run = []
+      if i is not None:
+        out.append(" " if i == 31 else super().decode([i]))
+    text = "".join(out)
+    return text[1:] if ids and ids[0] == 31 else text
+
+
+def test_incremental_text_keeps_word_start_spaces_a_first_piece_would_drop():
+  import numpy as np
+  tok = _DummyPrefixTokenizer()
+  rng = np.random.default_rng(1)
+  for trial in range(300):
+    ids = rng.choice([*range(26), 27, 28, 29, 30, 31, 31, 31], int(rng.integers(1, 30))).tolist()
+    prompt = rng.choice([*range(26), 31], int(rng.integers(0, 10))).tolist()
+    stop = ("a b",) if trial % 2 else ()
+    s = TextStream(tok, prompt, stop, frozenset({30}))
+    streamed = "".join(s.add(i) for i in ids) + s.finish()
+    assert streamed == _whole_output_text(tok, prompt, ids, stop, {30}) == s.text, (trial, prompt, ids)
+
+
+def test_each_token_decodes_a_bounded_window_not_the_whole_output():
+  decoded_lengths = []
+
+  class Counting(_CharTokenizer):
+    def decode(self, ids):
+      decoded_lengths.append(len(ids))
+      return super().decode(ids)
+
+  s = TextStream(Counting(), [0] * 20, (), frozenset({30}))
+  out = "".join(s.add(i % 26) for i in range(2000)) + s.finish()
+  assert out == "".join(chr(ord("a") + i % 26) for i in range(2000))
+  assert max(decoded_lengths) <= 8 + 1 and len(decoded_lengths) <= 2 * 2000 + 1
+
+
 @pytest.mark.parametrize("argv, key", [
     (["engine=bogus"], "engine"), (["max_num_seqs=0"], "max_num_seqs"), (["port=70000"], "port"),
     (["max_model_len=1"], "max_model_len"), (["prefix_cache_bytes=-1"], "prefix_cache_bytes"),
     (["host="], "host"), (["max_waiting=0"], "max_waiting"),
+    (["engine=static", "max_num_partial_prefills=2"], "max_num_partial_prefills"),
+    (["engine=static", "prefix_cache_bytes=1"], "prefix_cache_bytes"),
 ])
 def test_serve_checks_its_keys_before_loading(argv, key):
   from tools import serve  # the tool module imports the server stack: only this test needs it
