@@ -18,7 +18,11 @@ uniform in 16-1024, outputs uniform in 16-256 tokens) for every engine; "shared_
 512-token prefix + a different 16-128-token suffix, outputs as mixed) on engine=continuous with
 the prefix cache on and off. Figures: output tokens/s = generated tokens / workload wall time;
 TTFT (request sent -> first token received) and TPOT ((last - first token time) / (tokens - 1))
-p50 / p99 over the requests. Prints a markdown table and writes --json.
+p50 / p99 over the requests. `--rounds N` measures every configuration N times in interleaved
+rounds (each in a fresh server, so no round finds another's prompts cached) and reports each figure's
+median over the rounds, and for shared_prefix the TTFT p50 ratio of the medians with each round's own
+ratio: the cores are shared, and a single run can be slowed by other jobs. Prints a markdown table
+and writes --json.
 
 `--online --in-process` replays the same configurations, warm-ups and workloads on the engine in this
 process (no server, no HTTP, no client library; `--concurrency` closed-loop clients, times taken at

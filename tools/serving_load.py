@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--serve-arg", action="append", default=[], help="more key=value for tools.serve (repeatable)")
   p.add_argument("--start-timeout", type=float, default=1200.0)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--rounds", type=int, default=1,
+                 help="measure every configuration this many times, in interleaved rounds (each in a fresh "
+                      "server or engine), and report each figure's median over the rounds: the cores are "
+                      "shared, and one run can be slowed by other jobs")
   p.add_argument("--in-process", action="store_true",
                  help="no server and no HTTP: the same workloads replayed on the engine in this process, "
                       "`--concurrency` closed-loop clients in engine steps (separates the engine's cost from "
@@ -254,18 +258,49 @@ def replay(args, label, keys, requests, warmup, max_len) -> dict:
   return row
 
 
+_FIGURES = ("wall_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "ttft_mean_s")
+
+
+def median_row(runs: list[dict]) -> dict:
+  """One configuration's row: each figure the median over its rounds (`runs`, kept under "rounds")."""
+  if len(runs) == 1:
+    return {**runs[0], "rounds": 1}
+  row = {**runs[-1], **{k: statistics.median(r[k] for r in runs) for k in _FIGURES}}
+  return {**row, "rounds": len(runs), "per_round": runs}
+
+
+def prefix_cache_ratio(rows: list[dict]) -> str:
+  """The shared-prefix TTFT p50 ratio (cache off / on), with each round's own ratio when there are rounds."""
+  on = next((r for r in rows if r["workload"] == "shared_prefix" and "cache on" in r["config"]), None)
+  off = next((r for r in rows if r["workload"] == "shared_prefix" and "cache off" in r["config"]), None)
+  if on is None or off is None:
+    return ""
+  text = f"prefix cache TTFT p50 ratio (off / on, medians): {off['ttft_p50_s'] / on['ttft_p50_s']:.2f}x"
+  if on.get("rounds", 1) > 1:
+    each = [b["ttft_p50_s"] / a["ttft_p50_s"] for a, b in zip(on["per_round"], off["per_round"])]
+    text += " (each round: " + ", ".join(f"{x:.2f}x" for x in each) + ")"
+  return text
+
+
 def table(rows: list[dict]) -> str:
-  lines = ["| workload | configuration | requests | output tok/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | "
-           "TPOT p99 (ms) | cached prompt tokens |", "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| workload | configuration | requests | rounds | output tok/s | TTFT p50 (s) | TTFT p99 (s) | "
+           "TPOT p50 (ms) | TPOT p99 (ms) | cached prompt tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    lines.append(f"| {r['workload']} | {r['config']} | {r['requests']} | {r['output_tokens_per_s']:.1f} | "
+    lines.append(f"| {r['workload']} | {r['config']} | {r['requests']} | {r.get('rounds', 1)} | "
+                 f"{r['output_tokens_per_s']:.1f} | "
                  f"{r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['tpot_p50_s'] * 1e3:.1f} | "
                  f"{r['tpot_p99_s'] * 1e3:.1f} | {r['cached_tokens']} |")
   return "\n".join(lines)
 
 
 def main(argv) -> int:
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  args = parser.parse_args(argv)
+  if args.rounds < 1:
+    parser.error(f"--rounds must be >= 1, got {args.rounds}")
+  if args.url and args.rounds > 1:
+    parser.error("--rounds needs a fresh server per round (a running server's prefix cache already holds the "
+                 "measured prompts after one round): drop --url, or --rounds")
   args.json.parent.mkdir(parents=True, exist_ok=True)
   vocab = json.loads((args.checkpoint / "config.json").read_text())["vocab_size"]   # the served one's, with --url
   kinds = [w for w in args.workloads.split(",") if w]
@@ -292,20 +327,29 @@ def main(argv) -> int:
       for on in (True, False):
         configs.append(("shared_prefix", f"engine=continuous, prefix cache {'on' if on else 'off'}",
                         ["engine=continuous", f"prefix_cache_bytes={args.prefix_cache_bytes if on else 0}"]))
-    for kind, label, keys in configs:
-      if args.in_process:
-        rows.append({"workload": kind, **replay(args, label, base + keys, loads[kind], warmups[kind], max_len)})
-        continue
-      server = _Server(args, base + keys, f"{kind}_{label}")
-      try:
-        rows.append({"workload": kind, **measure(args, server.url, label, loads[kind], warmups[kind])})
-      finally:
-        server.stop()
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in range(args.rounds):     # interleaved: a slow spell of the host hits every configuration alike
+      for kind, label, keys in configs:
+        if args.rounds > 1:
+          print(f"round {r + 1}/{args.rounds}: {kind}, {label}", flush=True)
+        if args.in_process:
+          row = replay(args, label, base + keys, loads[kind], warmups[kind], max_len)
+        else:
+          server = _Server(args, base + keys, f"{kind}_{label}_round{r}")
+          try:
+            row = measure(args, server.url, label, loads[kind], warmups[kind])
+          finally:
+            server.stop()
+        runs.setdefault((kind, label), []).append(row)
+    rows = [{"workload": kind, **median_row(rs)} for (kind, _), rs in runs.items()]
   md = table(rows)
   print(md)
+  ratio = prefix_cache_ratio(rows)
+  if ratio:
+    print(ratio)
   result = {"what": "tools/benchmark_serving.py --online: tools.serve under concurrent streaming clients, CPU",
             "cpu_count": os.cpu_count(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-            "table": md}
+            "table": md, "prefix_cache_ratio": ratio}
   tmp = args.json.with_suffix(".tmp")
   tmp.write_text(json.dumps(result, indent=1) + "\n")
   os.replace(tmp, args.json)
