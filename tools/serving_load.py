@@ -115,15 +115,27 @@ def _pct(values, q):
   return float(np.percentile(np.asarray(values, float), q)) if values else float("nan")
 
 
-def summarize(results: list[dict], wall: float) -> dict:
+BLOCK = 64   # the prefix cache's block (model.engine.prefix_cache.BLOCK; not imported: no jax in the client)
+
+
+def summarize(results: list[dict], wall: float, prefix_len: int | None = None) -> dict:
+  """Figures over `results`; with `prefix_len` (shared_prefix) also TTFT p50 of the requests whose
+  suffix is shorter than a block and of the rest: with the prefix cache on, a suffix of a block or
+  more first ends a chunk at its last full block (a snapshot), so its first token takes a second step."""
   ttft = [r["ttft_s"] for r in results]
+  split = {}
+  if prefix_len is not None:
+    short = [r["ttft_s"] for r in results if r["prompt_tokens"] - prefix_len < BLOCK]
+    long = [r["ttft_s"] for r in results if r["prompt_tokens"] - prefix_len >= BLOCK]
+    split = {"ttft_p50_suffix_under_block_s": _pct(short, 50), "ttft_p50_suffix_block_or_more_s": _pct(long, 50),
+             "requests_suffix_under_block": len(short)}
   tpot = [r["tpot_s"] for r in results if r["tpot_s"] is not None]
   out = sum(r["output_tokens"] for r in results)
   prompt = sum(r["prompt_tokens"] for r in results)
   return {"requests": len(results), "wall_s": wall, "output_tokens": out, "output_tokens_per_s": out / wall,
           "prompt_tokens": prompt, "cached_tokens": sum(r["cached_tokens"] for r in results),
           "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "tpot_p50_s": _pct(tpot, 50),
-          "tpot_p99_s": _pct(tpot, 99), "ttft_mean_s": statistics.fmean(ttft)}
+          "tpot_p99_s": _pct(tpot, 99), "ttft_mean_s": statistics.fmean(ttft), **split}
 
 
 class _Server:
@@ -169,7 +181,7 @@ def _metrics(url) -> dict:
   return out
 
 
-def measure(args, url, label, requests, warmup) -> dict:
+def measure(args, url, label, requests, warmup, prefix_len=None) -> dict:
   with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
     model = json.loads(r.read())["data"][0]["id"]
   warm = args.concurrency if args.warmup is None else args.warmup
@@ -179,7 +191,7 @@ def measure(args, url, label, requests, warmup) -> dict:
     asyncio.run(_run(url, model, warmup[:1], 1))
     asyncio.run(_run(url, model, warmup[1:warm], args.concurrency))
   results, wall = asyncio.run(_run(url, model, requests, args.concurrency))
-  row = {"config": label, **summarize(results, wall), "server_metrics": _metrics(url), "load_after": os.getloadavg()}
+  row = {"config": label, **summarize(results, wall, prefix_len), "server_metrics": _metrics(url), "load_after": os.getloadavg()}
   print(f"[{label}] {row['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {row['ttft_p50_s']:.3f} s, "
         f"TPOT p50 {row['tpot_p50_s'] * 1e3:.1f} ms; load {row['load_after'][0]:.1f}", flush=True)
   return row
@@ -243,7 +255,7 @@ class _Replay:
     return done, time.perf_counter() - t0
 
 
-def replay(args, label, keys, requests, warmup, max_len) -> dict:
+def replay(args, label, keys, requests, warmup, max_len, prefix_len=None) -> dict:
   """`measure` without the server: the same warm-up and workload on the engine in this process."""
   rep = _Replay(args, keys, max_len)
   warm = args.concurrency if args.warmup is None else args.warmup
@@ -251,21 +263,22 @@ def replay(args, label, keys, requests, warmup, max_len) -> dict:
     rep.run(warmup[:1], 1)
     rep.run(warmup[1:warm], args.concurrency)
   results, wall = rep.run(requests, args.concurrency)
-  row = {"config": label + " (in-process replay, no HTTP)", **summarize(results, wall),
+  row = {"config": label + " (in-process replay, no HTTP)", **summarize(results, wall, prefix_len),
          "load_after": os.getloadavg()}
   print(f"[{row['config']}] {row['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {row['ttft_p50_s']:.3f} s, "
         f"TPOT p50 {row['tpot_p50_s'] * 1e3:.1f} ms; load {row['load_after'][0]:.1f}", flush=True)
   return row
 
 
-_FIGURES = ("wall_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "ttft_mean_s")
+_FIGURES = ("wall_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "ttft_mean_s",
+            "ttft_p50_suffix_under_block_s", "ttft_p50_suffix_block_or_more_s")
 
 
 def median_row(runs: list[dict]) -> dict:
   """One configuration's row: each figure the median over its rounds (`runs`, kept under "rounds")."""
   if len(runs) == 1:
     return {**runs[0], "rounds": 1}
-  row = {**runs[-1], **{k: statistics.median(r[k] for r in runs) for k in _FIGURES}}
+  row = {**runs[-1], **{k: statistics.median(r[k] for r in runs) for k in _FIGURES if k in runs[0]}}
   return {**row, "rounds": len(runs), "per_round": runs}
 
 
@@ -279,6 +292,10 @@ def prefix_cache_ratio(rows: list[dict]) -> str:
   if on.get("rounds", 1) > 1:
     each = [b["ttft_p50_s"] / a["ttft_p50_s"] for a, b in zip(on["per_round"], off["per_round"])]
     text += " (each round: " + ", ".join(f"{x:.2f}x" for x in each) + ")"
+  if "ttft_p50_suffix_under_block_s" in on:
+    text += (f"; with the cache on, TTFT p50 of suffixes under {BLOCK} tokens "
+             f"{on['ttft_p50_suffix_under_block_s']:.3f} s, of {BLOCK} or more (a snapshot chunk first) "
+             f"{on['ttft_p50_suffix_block_or_more_s']:.3f} s")
   return text
 
 
@@ -314,7 +331,8 @@ def main(argv) -> int:
   rows = []
   if args.url:
     for k in kinds:
-      rows.append({"workload": k, **measure(args, args.url.rstrip("/"), args.url, loads[k], warmups[k])})
+      rows.append({"workload": k, **measure(args, args.url.rstrip("/"), args.url, loads[k], warmups[k],
+                                            args.prefix_len if k == "shared_prefix" else None)})
   else:
     base = [f"max_num_seqs={args.max_num_seqs}", f"max_model_len={max_len}",
             f"max_num_batched_tokens={args.max_num_batched_tokens}"]
@@ -332,12 +350,13 @@ def main(argv) -> int:
       for kind, label, keys in configs:
         if args.rounds > 1:
           print(f"round {r + 1}/{args.rounds}: {kind}, {label}", flush=True)
+        plen = args.prefix_len if kind == "shared_prefix" else None
         if args.in_process:
-          row = replay(args, label, base + keys, loads[kind], warmups[kind], max_len)
+          row = replay(args, label, base + keys, loads[kind], warmups[kind], max_len, plen)
         else:
           server = _Server(args, base + keys, f"{kind}_{label}_round{r}")
           try:
-            row = measure(args, server.url, label, loads[kind], warmups[kind])
+            row = measure(args, server.url, label, loads[kind], warmups[kind], plen)
           finally:
             server.stop()
         runs.setdefault((kind, label), []).append(row)

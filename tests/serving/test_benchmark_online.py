@@ -34,3 +34,18 @@ def test_bad_rounds_are_refused_before_anything_starts(argv, capsys):
   with pytest.raises(SystemExit) as e:
     serving_load.main(argv)
   assert e.value.code == 2 and "--rounds" in capsys.readouterr().err
+
+
+def test_shared_prefix_ttft_is_split_at_a_block_of_suffix():
+  results = [{"prompt_tokens": 512 + s, "output_tokens": 2, "cached_tokens": 512, "ttft_s": t, "tpot_s": 0.01}
+             for s, t in ((16, 0.03), (63, 0.05), (64, 0.08), (128, 0.09), (100, 0.07))]
+  row = serving_load.summarize(results, 1.0, prefix_len=512)
+  assert row["requests_suffix_under_block"] == 2
+  assert row["ttft_p50_suffix_under_block_s"] == pytest.approx(0.04)
+  assert row["ttft_p50_suffix_block_or_more_s"] == pytest.approx(0.08)
+  assert "ttft_p50_suffix_under_block_s" not in serving_load.summarize(results, 1.0)
+
+
+def test_the_client_block_is_the_prefix_cache_block():
+  from model.engine.prefix_cache import BLOCK
+  assert serving_load.BLOCK == BLOCK
