@@ -209,6 +209,8 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[protocol.CompletionRequest
     data = json.loads(raw)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+  except RecursionError:
+    raise bad_request("the request body nests JSON arrays or objects too deeply", None, "invalid_json") from None
   if not isinstance(data, dict):
     raise bad_request("the request body must be a JSON object", None, "invalid_json")
   try:
@@ -274,6 +276,11 @@ def build_app(state: ServerState) -> fastapi.FastAPI:
   @app.exception_handler(RequestValidationError)
   async def _validation(request, e: RequestValidationError):
     return _error(protocol.from_validation_error(e.errors()))
+
+  @app.exception_handler(Exception)
+  async def _internal(request, e: Exception):   # a bug: still the OpenAI error body, not a plain-text 500
+    return _error(ApiError(500, f"internal server error: {type(e).__name__}: {e}", None, "internal_error",
+                           type="server_error"))
 
   @app.exception_handler(StarletteHTTPException)
   async def _http(request, e: StarletteHTTPException):

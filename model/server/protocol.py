@@ -110,6 +110,8 @@ class CompletionRequest(pydantic.BaseModel):
   n: int = 1
   echo: bool = False
   user: str | None = None
+  presence_penalty: float | None = None  # accepted only at their neutral 0 (what many clients send by default)
+  frequency_penalty: float | None = None
   ignore_eos: bool = False              # vLLM: generate max_tokens tokens even past EOS
   return_token_ids: bool = False        # vLLM: choices carry the generated ids as `token_ids`
 
@@ -136,7 +138,19 @@ def _stop_strings(stop) -> tuple[str, ...]:
     raise bad_request(f"stop holds {len(stops)} strings; at most 4 are accepted", "stop")
   if any(s == "" for s in stops):
     raise bad_request("stop strings must not be empty", "stop")
+  for s in stops:
+    _check_unicode(s, "stop")
   return stops
+
+
+def _check_unicode(text: str, param: str) -> None:
+  """400 naming `param` for text that is not valid Unicode (a lone surrogate such as "\\ud800", which
+  JSON can spell but UTF-8 cannot encode, so neither the tokenizer nor generated text can hold it)."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise bad_request(f"{param} is not valid Unicode text: a lone surrogate {text[e.start]!r} at character "
+                      f"{e.start}", param, "invalid_value") from None
 
 
 def sampling_of(req: CompletionRequest, vocab_size: int) -> SamplingParams:
@@ -183,13 +197,15 @@ def prompt_ids_of(req: CompletionRequest, tokenizer, *, add_bos: bool) -> tuple[
                         f"(send several requests: they are batched on the server)", "prompt")
     prompt = prompt[0]
   if isinstance(prompt, str):
-    if not prompt:
-      raise bad_request("prompt is empty", "prompt")
+    _check_unicode(prompt, "prompt")
     if getattr(tokenizer, "ids_only", False):
       raise bad_request("prompt text needs a tokenizer and the served checkpoint has none: send token ids",
                         "prompt")
     bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
-    return bos + tokenizer.encode(prompt), prompt
+    ids = bos + tokenizer.encode(prompt) if prompt else bos   # "" is BOS alone (OpenAI accepts it), if any
+    if not ids:
+      raise bad_request("prompt is empty (and the tokenizer prepends no BOS token to start from)", "prompt")
+    return ids, prompt
   if not prompt:
     raise bad_request("prompt is empty (no token ids)", "prompt")
   return [int(t) for t in prompt], None
@@ -200,7 +216,8 @@ def to_engine_request(req: CompletionRequest, *, request_id: str, tokenizer, voc
   """Checks the values of `req` and builds the engine's `Request`.
 
   Raises:
-    ApiError (400): n != 1, echo, logprobs outside [0, 1], max_tokens <= 0, a seed outside [0, 2**32),
+    ApiError (400): n != 1, echo, a non-zero presence_penalty or frequency_penalty, stream_options
+      without stream, logprobs outside [0, 1], max_tokens <= 0, a seed outside [0, 2**32),
       an empty prompt, token ids
       outside [0, vocab_size), a prompt of max_model_len tokens or more, prompt + max_tokens >
       max_model_len, and the sampling errors of `sampling_of`.
@@ -209,6 +226,12 @@ def to_engine_request(req: CompletionRequest, *, request_id: str, tokenizer, voc
     raise bad_request(f"n must be 1, got {req.n}: send several requests instead", "n")
   if req.echo:
     raise bad_request("echo is not supported", "echo")
+  for name in ("presence_penalty", "frequency_penalty"):
+    value = getattr(req, name)
+    if value is not None and value != 0:
+      raise bad_request(f"{name} is not supported (only 0, no penalty), got {value}", name)
+  if req.stream_options is not None and not req.stream:
+    raise bad_request("stream_options is only allowed when stream is true", "stream_options")
   if req.logprobs is not None and not 0 <= req.logprobs <= 1:
     raise bad_request(f"logprobs must be 0 or 1 (the log-prob of the chosen token), got {req.logprobs}",
                       "logprobs")

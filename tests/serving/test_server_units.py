@@ -96,12 +96,32 @@ def test_a_valid_request_becomes_an_engine_request():
     ({"logprobs": 3}, "logprobs", "invalid_value"),
     ({"seed": -1}, "seed", "invalid_value"),
     ({"stop": [""]}, "stop", "invalid_value"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "invalid_value"),
+    ({"frequency_penalty": -1.0}, "frequency_penalty", "invalid_value"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
 ])
 def test_bad_values_name_the_field(fields, param, code):
   with pytest.raises(protocol.ApiError) as e:
     _prepare(**fields)
   assert (e.value.status, e.value.param, e.value.code) == (400, param, code)
   assert e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_neutral_penalties_and_stream_options_with_stream_are_accepted():
+  p = _prepare(presence_penalty=0, frequency_penalty=0.0, stream=True, stream_options={"include_usage": True})
+  assert p.request.prompt_ids == (1, 2, 3)
+
+
+def test_an_empty_text_prompt_is_bos_alone_when_the_tokenizer_has_one():
+  class WithBos(_CharTokenizer):
+    bos_id = 25
+  req = protocol.CompletionRequest.model_validate({"prompt": ""})
+  p = protocol.to_engine_request(req, request_id="r", tokenizer=WithBos(), vocab_size=31, max_model_len=64,
+                                 add_bos=True)
+  assert p.request.prompt_ids == (25,) and p.prompt_text == ""
+  with pytest.raises(protocol.ApiError, match="prepends no BOS"):
+    protocol.to_engine_request(req, request_id="r", tokenizer=WithBos(), vocab_size=31, max_model_len=64,
+                               add_bos=False)
 
 
 def test_validation_errors_become_openai_bodies():
@@ -149,6 +169,24 @@ def test_an_unknown_field_is_named_with_its_path(fields, param):
   err = protocol.from_validation_error(e.value)
   assert (err.status, err.param, err.code) == (400, param, "unknown_field"), err.body()
   assert err.message == f"{param} is not a field this server accepts"
+
+
+@pytest.mark.parametrize("fields, param", [({"prompt": "a\ud800b"}, "prompt"),
+                                           ({"prompt": "a", "stop": ["x", "\udfff"]}, "stop")])
+def test_a_lone_surrogate_is_refused_naming_the_field(fields, param):
+  req = protocol.CompletionRequest.model_validate(fields)
+  with pytest.raises(protocol.ApiError) as e:
+    protocol.to_engine_request(req, request_id="r", tokenizer=_CharTokenizer(), vocab_size=31, max_model_len=64,
+                               add_bos=False)
+  assert (e.value.status, e.value.param) == (400, param) and "lone surrogate" in e.value.message
+
+
+def test_deeply_nested_json_is_a_400_not_a_crash():
+  from model.server import app
+  raw = b'{"prompt": "a", "stream_options": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+  with pytest.raises(protocol.ApiError) as e:
+    app._prepare(None, raw)
+  assert (e.value.status, e.value.code) == (400, "invalid_json")
 
 
 def test_an_integer_is_a_number():
@@ -318,3 +356,19 @@ def test_max_num_partial_prefills_is_checked_before_anything_loads():
   with pytest.raises(UsageError, match="max_num_partial_prefills"):
     build_engine("static", None, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64, prefix_cache_bytes=0,
                  vocab_limit=None, max_num_partial_prefills=2)
+
+
+def test_an_unexpected_exception_still_answers_an_openai_error_body():
+  from fastapi.testclient import TestClient
+  from model.server.app import build_app
+
+  class Broken:
+    @property
+    def draining(self):
+      raise ZeroDivisionError("a bug")
+
+  client = TestClient(build_app(Broken()), raise_server_exceptions=False)
+  r = client.post("/v1/completions", json={"prompt": "a"})
+  assert r.status_code == 500
+  err = r.json()["error"]
+  assert (err["type"], err["code"]) == ("server_error", "internal_error") and "ZeroDivisionError: a bug" in err["message"]
