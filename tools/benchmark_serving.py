@@ -12,8 +12,11 @@ compiles every shape bucket before it listens), waits for /health, sends `--warm
 measured; drawn with another seed, so the measured prompts never meet themselves in the prefix
 cache; in shared_prefix they share the measured 512-token prefix, as a system prompt the server has
 already seen, each with its own suffix), then the workload from
-`--concurrency` concurrent clients through the official `openai` client, streaming with
-`ignore_eos` (every request produces exactly its output length). Workloads: "mixed" (prompt lengths
+`--concurrency` concurrent clients, streaming with `ignore_eos` (every request produces exactly its
+output length). The clients (`--client`) are plain aiohttp streams whose SSE lines are parsed as JSON
+by default, as vLLM's benchmark_serving does: the client shares the host's cores with the server,
+and the official `openai` client (`--client openai`) spends about a third of a core on its
+per-chunk models at 32 streams, which the server's figures would then pay for. Workloads: "mixed" (prompt lengths
 uniform in 16-1024, outputs uniform in 16-256 tokens) for every engine; "shared_prefix" (one
 512-token prefix + a different 16-128-token suffix, outputs as mixed) on engine=continuous with
 the prefix cache on and off. Figures: output tokens/s = generated tokens / workload wall time;

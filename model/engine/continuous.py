@@ -8,10 +8,12 @@ Per `step`:
      rest of the prompt is prefilled;
   3. `model.engine.scheduler.plan_step` takes one decode token per decoding request, then prompt
      chunks of up to `max_num_partial_prefills` requests, at most `max_num_batched_tokens` tokens
-     in all; the prompt tokens are packed into a row padded to a shape bucket;
+     in all; the prompt tokens are packed into a row padded to a shape bucket (with the prefix
+     cache on, a chunk that ends at a boundary continues past it in a second row, its tail);
   4. the bucket's compiled `model.engine.mixed_step` runs it and samples every emitting request;
   5. tokens are emitted; a request that hits a stop id or max_tokens frees its slot in this step;
-     a chunk that ended at a prefix-cache boundary has its slot copied into the cache.
+     a chunk that ended at a prefix-cache boundary has its state there copied into the cache (the
+     slot's, or, when a tail went on past it, the step's first-stage `mid` output).
 Host-device traffic per step: the packed row and per-slot sampling arrays in, three [S] vectors out.
 
 Decode routing (`decode_path`), by measurement (README, "Which op runs when"): by default decode
@@ -127,6 +129,7 @@ class ContinuousEngine:
     self._live: dict[str, Sequence] = {}
     self._cancelled: list[str] = []
     self._stats = EngineStats()
+    self._mid = None   # the last split step's sub-pool KDA states after its first stage (device)
 
   # --- the Engine protocol ----------------------------------------------------------------------------
   def add_request(self, request: Request) -> None:
@@ -204,17 +207,21 @@ class ContinuousEngine:
     split = self.decode_path == "decode"
     plan = scheduler.plan_step(self._running, self.max_num_batched_tokens, self.buckets,
                                max_prefills=self.max_num_partial_prefills if split else None,
-                               decodes_in_row=not split)
+                               decodes_in_row=not split, tails=split and self.prefix_cache.enabled)
     if plan is None:
       return
-    tok, logprob, top2 = self._run(plan)
+    tok, logprob, top2, entries = self._run(plan)
     self.last_top2 = {}
     for chunk in sorted(plan.chunks, key=lambda c: c.seq.slot):
       seq = chunk.seq
       if chunk.tokens and seq.prefilling:
         seq.num_computed += len(chunk.tokens)
         if chunk.snapshot_at is not None:
-          self._save(seq, chunk.snapshot_at)
+          # After a tail the slot is past the boundary: its state there is the step's `mid` output.
+          self._save(seq, chunk.snapshot_at, entry=entries[seq.slot] if chunk.tail else None)
+        seq.num_computed += len(chunk.tail)
+        if chunk.tail_snapshot_at is not None:
+          self._save(seq, chunk.tail_snapshot_at)
         if not seq.prefilling:
           self._stats.prompt_tokens += seq.prompt_length
           self._stats.cached_prompt_tokens += seq.cached_tokens
@@ -254,9 +261,13 @@ class ContinuousEngine:
     self._live.pop(seq.request.request_id, None)
     self.pool.release(seq.slot)
 
-  def _save(self, seq: Sequence, num_tokens: int):
+  def _save(self, seq: Sequence, num_tokens: int, entry: int | None = None):
+    """Caches `seq`'s state after `num_tokens` prompt tokens: its slot's now, or, with `entry`, the
+    last split step's `mid` (sub-pool entry `entry`) with the slot's MLA latents."""
     key = seq.keys[num_tokens // 64 - 1]
-    self.prefix_cache.insert(key, self.pool.take(seq.slot, num_tokens))
+    snap = (self.pool.take(seq.slot, num_tokens) if entry is None
+            else self.pool.take_mid(self._mid, entry, seq.slot, num_tokens))
+    self.prefix_cache.insert(key, snap)
 
   def compile_all(self, progress=None) -> float:
     """Compiles every step executable now (each row bucket, the decode-only step and, with the
@@ -269,8 +280,16 @@ class ContinuousEngine:
     for bucket in (progress(steps, len(steps)) if progress is not None else steps):
       self.compiled_step(bucket)
     if self.prefix_cache.enabled:
-      self.pool.compile_transfers()
+      self.pool.compile_transfers(self._mid_example() if self.decode_path == "decode" else None)
     return time.perf_counter() - t0
+
+  def _mid_example(self):
+    """A zero `mid` of the split step's shape (compiles `SlotPool.take_mid` before any step ran)."""
+    if self._mid is None:
+      p = self.max_num_partial_prefills
+      return mixed_step.kda_fields(jax.tree.map(lambda x: jax.numpy.zeros((p,) + x.shape[1:], x.dtype),
+                                                self.pool.cache))
+    return self._mid
 
   @property
   def max_compilations(self) -> int:
@@ -298,8 +317,8 @@ class ContinuousEngine:
     s_count, t = self.max_num_seqs, plan.bucket
     split = self.decode_path == "decode"
     decode_only = split and all(not c.seq.prefilling for c in plan.chunks)
-    ids = np.zeros((1, t), np.int32)
-    seg = np.zeros((1, t), np.int32)
+    ids = np.zeros((2 if split else 1, t), np.int32)    # split: row 1 = the tails (second stage)
+    seg = np.zeros_like(ids)
     last = np.zeros(s_count, np.int32)      # each decoding slot's input token
     active = np.zeros(s_count, bool)        # the slots that decode (split and decode-only steps)
     p_count = self.max_num_partial_prefills
@@ -312,7 +331,8 @@ class ContinuousEngine:
     top_p = np.ones(s_count, np.float32)
     seeds = np.zeros(s_count, np.uint32)
     positions = np.zeros(s_count, np.int32)
-    u = n_sub = 0
+    u = u_tail = n_sub = 0
+    entries = {}   # slot -> its sub-pool entry (split step)
     for c in plan.chunks:
       seq, s = c.seq, c.seq.slot
       if split and not seq.prefilling:
@@ -321,11 +341,16 @@ class ContinuousEngine:
         label = s + 1
         if split:
           sub_slots[n_sub], sub_fresh[n_sub] = s, seq.fresh
+          entries[s] = n_sub
           n_sub += 1
           label = n_sub
         ids[0, u:u + len(c.tokens)] = c.tokens
         seg[0, u:u + len(c.tokens)] = label
         u += len(c.tokens)
+        if c.tail:
+          ids[1, u_tail:u_tail + len(c.tail)] = c.tail
+          seg[1, u_tail:u_tail + len(c.tail)] = label
+          u_tail += len(c.tail)
         fresh[s] = seq.fresh
       seq.fresh = False
       sp = seq.request.sampling
@@ -339,9 +364,9 @@ class ContinuousEngine:
     if decode_only:
       out = self.compiled_step(None)(self._leaves, self.pool.cache, last, active, *sampling)
     elif split:
-      out = self.compiled_step(t)(self._leaves, self.pool.cache, last, active, ids, seg, sub_slots, sub_fresh,
-                                  *sampling)
+      *out, self._mid = self.compiled_step(t)(self._leaves, self.pool.cache, last, active, ids, seg, sub_slots,
+                                              sub_fresh, *sampling)
     else:
       out = self.compiled_step(t)(self._leaves, self.pool.cache, ids, seg, fresh, *sampling)
     tok, logprob, top2, self.pool.cache = out
-    return jax.device_get((tok, logprob, top2))
+    return (*jax.device_get((tok, logprob, top2)), entries)

@@ -115,29 +115,45 @@ def _keep_inactive(old, new, active):
   return cache_lib.ModelCache(layers, jnp.where(active, new.lengths, old.lengths))
 
 
+def kda_fields(cache) -> tuple:
+  """Per decoder layer, the KDA layer's `KDALayerCache` of `cache` (state and conv windows), None for
+  an MLA layer: what a snapshot takes from a slot besides the MLA latents."""
+  return tuple(c if isinstance(c, cache_lib.KDALayerCache) else None for c in cache.layers)
+
+
 def build_split_step(graphdef, treedef, num_slots: int, num_prefill: int):
   """The step for a batch with prompt chunks, decode and prefill split (the default route).
 
-  `step(leaves, pool, tokens int32 [S], active bool [S], ids int32 [1, T], segment_ids int32 [1, T],
+  `step(leaves, pool, tokens int32 [S], active bool [S], ids int32 [2, T], segment_ids int32 [2, T],
   sub_slots int32 [P], fresh bool [P], sampling arrays [S]..., vocab_limit)`:
     1. the decoding slots (`active`) advance one token through `KimiLinearForCausalLM.decode`
        (`kda_decode_step`, absorbed MLA), as in `build_decode`; skipped (`lax.cond`) when none;
     2. the P prefilling slots `sub_slots` (pool indices; S marks an unused entry) are gathered into
-       a P-slot sub-pool, entries flagged `fresh` reset, and the row prefilled on it
+       a P-slot sub-pool, entries flagged `fresh` reset, and row 0 prefilled on it
        (`KimiLinearForCausalLM.prefill`: label p + 1 continues sub-pool entry p, i.e. slot
-       `sub_slots[p]`), then scattered back (unused entries dropped);
-    3. slot `sub_slots[p]` samples from its segment's last-token logits, a decoding slot from its
+       `sub_slots[p]`);
+    3. the second stage, only when row 1 holds tokens (a `while_loop` of one or two trips over the
+       same prefill, so the executable holds one copy of the model): row 1, the tails of chunks
+       that ended at a prefix-cache boundary (`model.engine.scheduler`), is prefilled on the
+       sub-pool as row 0 left it, so every token is computed once; the sub-pool's KDA states and
+       conv windows after row 0 (`mid`) are returned for the snapshot at that boundary (the MLA
+       latents before it are in the pool: the tails write rows after it);
+    4. the sub-pool is scattered back (unused entries dropped); slot `sub_slots[p]` samples from
+       its segment's last-token logits (row 1's when it has a tail there), a decoding slot from its
        decode logits.
-  Returns `(tokens int32 [S], logprobs float32 [S], top2 float32 [S, 2], new pool)`; rows of slots
-  absent from the step are meaningless.
+  Returns `(tokens int32 [S], logprobs float32 [S], top2 float32 [S, 2], new pool, mid)`; mid is
+  `kda_fields` of the sub-pool after row 0 (entry p at index p); rows of slots absent from the
+  step are meaningless.
 
-  Why split: the row carries only prompt tokens, and the prefill's per-slot work (each row's
+  Why split: the rows carry only prompt tokens, and the prefill's per-slot work (each row's
   initial KDA state, the MLA prefix attention, the final-state extraction) spans P slots, not S;
   a decode token costs what it costs in a decode-only step. A slot is either decoding or in
   `sub_slots` in one step (the scheduler's contract), so the two parts touch disjoint slots; the
   prefill runs second, so it overwrites the stale MLA row the decode may write at a prefilling
   slot's `lengths[s]`.
   """
+  labels = jnp.arange(1, num_prefill + 1, dtype=jnp.int32)
+
   def step(leaves, cache, tok, active, ids, seg, sub_slots, fresh, greedy, temperature, top_k, top_p, seeds,
            positions, vocab_limit):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
@@ -152,19 +168,32 @@ def build_split_step(graphdef, treedef, num_slots: int, num_prefill: int):
     logits, cache = jax.lax.cond(jnp.any(active), run_decode, skip, cache)
     take = jnp.minimum(sub_slots, num_slots - 1)
     sub = _reset(jax.tree.map(lambda x: x[take], cache), fresh)
-    sub_logits, sub = model.prefill(ids, seg, cache=sub)
+
+    def stage(i, carry):
+      sub, last, mid = carry
+      row_ids = jax.lax.dynamic_slice_in_dim(ids, i, 1, axis=0)
+      row_seg = jax.lax.dynamic_slice_in_dim(seg, i, 1, axis=0)
+      row_logits, sub = model.prefill(row_ids, row_seg, cache=sub)
+      present = jnp.any(row_seg[0][None, :] == labels[:, None], axis=-1)                       # [P]
+      row_last = last_token_logits(row_logits, row_seg, num_prefill).astype(jnp.float32)
+      last = jnp.where(present[:, None], row_last, last)
+      mid = jax.tree.map(lambda m, x: jnp.where(i == 0, x, m), mid, kda_fields(sub))
+      return sub, last, mid
+
+    stages = 1 + jnp.any(seg[1] > 0).astype(jnp.int32)
+    init = (sub, jnp.zeros((num_prefill, model.args.vocab_size), jnp.float32), kda_fields(sub))
+    sub, last, mid = jax.lax.fori_loop(0, stages, stage, init)
     cache = jax.tree.map(lambda x, y: x.at[sub_slots].set(y, mode="drop"), cache, sub)
-    last = last_token_logits(sub_logits, seg, num_prefill).astype(jnp.float32)
     logits = logits.at[sub_slots].set(last, mode="drop")
     tok, logprob, top2 = sample_rows(logits, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions)
-    return tok, logprob, top2, cache
+    return tok, logprob, top2, cache, mid
   return step
 
 
 def compile_step(step, leaves, pool, bucket: int | None, num_slots: int, *, mesh=None, rules=None,
                  pool_shardings=None, num_prefill: int | None = None):
   """`step` compiled ahead of time for a row of `bucket` tokens (`build_step`, or `build_split_step`
-  when `num_prefill`, its P, is given), or for the decode-only step when bucket is None
+  when `num_prefill`, its P, is given: two rows of `bucket`), or for the decode-only step when bucket is None
   (`build_decode`); the pool (argument 1) is donated, so the MLA latents are updated in place. On a
   mesh the outputs keep the pool's shardings, so the next step takes them as they are (one
   executable per shape, no resharding)."""
@@ -175,7 +204,7 @@ def compile_step(step, leaves, pool, bucket: int | None, num_slots: int, *, mesh
   elif num_prefill is None:
     rows = (i32(1, bucket), i32(1, bucket), flags(num_slots))
   else:
-    rows = (i32(num_slots), flags(num_slots), i32(1, bucket), i32(1, bucket), i32(num_prefill), flags(num_prefill))
+    rows = (i32(num_slots), flags(num_slots), i32(2, bucket), i32(2, bucket), i32(num_prefill), flags(num_prefill))
   args = (leaves, pool, *rows, flags(num_slots), jax.ShapeDtypeStruct((num_slots,), jnp.float32),
           i32(num_slots), jax.ShapeDtypeStruct((num_slots,), jnp.float32),
           jax.ShapeDtypeStruct((num_slots,), jnp.uint32), i32(num_slots), i32())
@@ -183,7 +212,7 @@ def compile_step(step, leaves, pool, bucket: int | None, num_slots: int, *, mesh
   ctx = contextlib.nullcontext()
   if mesh is not None:
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    kwargs["out_shardings"] = (rep, rep, rep, pool_shardings)
+    kwargs["out_shardings"] = (rep, rep, rep, pool_shardings) + ((rep,) if bucket is not None and num_prefill else ())
     ctx = partitioning.mesh_context(mesh, rules)
   with ctx:
     return jax.jit(step, donate_argnums=(1,), **kwargs).lower(*args).compile()

@@ -9,8 +9,9 @@ function; slots absent from a step come back bit-unchanged (tests/serving/test_c
 checks it), so idle and finished slots need no masking.
 
 Besides the pool, this module moves one slot's state to and from the host for the prefix cache:
-`take` (device -> `Snapshot` of the first n tokens) and `put` (a `Snapshot` -> slot s). Each is
-one executable, compiled on first use.
+`take` (device -> `Snapshot` of the first n tokens), `take_mid` (the same, with the KDA states and
+conv windows from a split step's first-stage output instead of the slot) and `put` (a `Snapshot`
+-> slot s). Each is one executable, compiled on first use.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class SlotPool:
       self.shardings = None
     self.cache = cache
     self._free = list(range(self.num_slots))
-    self._take = self._put = None
+    self._take = self._put = self._take_mid = None
 
   # --- free list ------------------------------------------------------------------------------------
   @property
@@ -80,9 +81,10 @@ class SlotPool:
   def _context(self):
     return partitioning.mesh_context(self.mesh, self._rules) if self.mesh is not None else contextlib.nullcontext()
 
-  def compile_transfers(self) -> None:
+  def compile_transfers(self, mid=None) -> None:
     """Compiles `take` and `put` now (each is one executable, whatever the snapshot's length) by
-    copying free slot 0's state out and back; call it only while every slot is free.
+    copying free slot 0's state out and back, and `take_mid` when an example `mid` (the split
+    step's output shape) is given; call it only while every slot is free.
 
     Raises:
       ValueError: a slot is in use.
@@ -90,6 +92,8 @@ class SlotPool:
     if self.num_free != self.num_slots:
       raise ValueError(f"compile_transfers needs every slot free ({self.num_free} of {self.num_slots} are)")
     self.put(0, self.take(0, 0))
+    if mid is not None:
+      self.take_mid(mid, 0, 0, 0)
 
   def take(self, slot: int, num_tokens: int) -> Snapshot:
     """A host copy of slot `slot`'s state, which must have seen exactly `num_tokens` tokens."""
@@ -98,9 +102,26 @@ class SlotPool:
         return tuple({f: getattr(layer, f)[s] for f in _fields(layer)} for layer in cache.layers)
       with self._context():
         self._take = jax.jit(take)
-    layers = jax.device_get(self._take(self.cache, jnp.int32(slot)))
+    return self._snapshot(self._take(self.cache, jnp.int32(slot)), num_tokens)
+
+  def take_mid(self, mid, entry: int, slot: int, num_tokens: int) -> Snapshot:
+    """A host `Snapshot` of the first `num_tokens` tokens of slot `slot` whose KDA states and conv
+    windows are entry `entry` of `mid` (`model.engine.mixed_step.build_split_step`'s first-stage
+    output: the slot went on past `num_tokens` in the same step) and whose MLA latents are the
+    slot's first `num_tokens` rows (the second stage wrote only rows after them)."""
+    if self._take_mid is None:
+      def take_mid(cache, mid, p, s):
+        return tuple({f: getattr(m, f)[p] for f in _fields(m)} if m is not None
+                     else {f: getattr(layer, f)[s] for f in _fields(layer)}
+                     for layer, m in zip(cache.layers, mid))
+      with self._context():
+        self._take_mid = jax.jit(take_mid)
+    return self._snapshot(self._take_mid(self.cache, mid, jnp.int32(entry), jnp.int32(slot)), num_tokens)
+
+  @staticmethod
+  def _snapshot(layers, num_tokens: int) -> Snapshot:
     out = []
-    for layer in layers:
+    for layer in jax.device_get(layers):
       if "latent" in layer:   # MLA: only the prefix rows (the rest of the slot's row is stale)
         layer = {"latent": np.array(layer["latent"][:num_tokens])}
       out.append({k: np.asarray(v) for k, v in layer.items()})

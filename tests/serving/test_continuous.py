@@ -82,19 +82,20 @@ def test_absent_slots_are_bit_unchanged(engine):
   sampling = (np.ones(s, bool), np.ones(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
               np.zeros(s, np.uint32), np.zeros(s, np.int32), np.int32(engine.vocab_limit))
   no_decode = (np.zeros(s, np.int32), np.zeros(s, bool))
-  ids, seg = np.zeros((1, 16), np.int32), np.zeros((1, 16), np.int32)
+  ids, seg = np.zeros((2, 16), np.int32), np.zeros((2, 16), np.int32)   # row 1: no tails
   ids[0, :12] = rng.integers(4, 1000, 12)
   seg[0, :4], seg[0, 4:8], seg[0, 8:12] = 1, 2, 3     # sub-pool entries 0, 1, 2 = slots 3, 0, 2
   pool = jax.tree.map(lambda a: jnp.array(a, copy=True), engine.pool.cache)
-  *_, before = fn(engine._leaves, pool, *no_decode, ids, seg, np.array([3, 0, 2, s], np.int32), np.ones(p, bool),
-                  *sampling)
+  *_, before, _ = fn(engine._leaves, pool, *no_decode, ids, seg, np.array([3, 0, 2, s], np.int32), np.ones(p, bool),
+                     *sampling)
   before_host = jax.device_get(before)
-  ids2, seg2 = np.zeros((1, 16), np.int32), np.zeros((1, 16), np.int32)
-  ids2[0, :5], seg2[0, :5] = 7, 1                      # only slot 1, as sub-pool entry 0
-  *_, after = fn(engine._leaves, before, *no_decode, ids2, seg2, np.array([1, s, s, s], np.int32),
-                 np.array([True, False, False, False]), *sampling)
+  ids2, seg2 = np.zeros((2, 16), np.int32), np.zeros((2, 16), np.int32)
+  ids2[0, :5], seg2[0, :5] = 7, 1                      # only slot 1, as sub-pool entry 0 (its tail in row 1)
+  ids2[1, :3], seg2[1, :3] = 9, 1
+  *_, after, _ = fn(engine._leaves, before, *no_decode, ids2, seg2, np.array([1, s, s, s], np.int32),
+                    np.array([True, False, False, False]), *sampling)
   after_host = jax.device_get(after)
-  assert list(before_host.lengths) == [4, 0, 4, 4] and list(after_host.lengths) == [4, 5, 4, 4]
+  assert list(before_host.lengths) == [4, 0, 4, 4] and list(after_host.lengths) == [4, 8, 4, 4]
   for a, b in zip(before_host.layers, after_host.layers):
     for f in a.__dataclass_fields__:
       x, y = getattr(a, f), getattr(b, f)
@@ -225,6 +226,31 @@ def test_prefix_cache_hit_equals_cache_off(model, engine):
   assert on.stats().num_compilations <= on.max_compilations
 
 
+def test_tail_after_a_snapshot_boundary_emits_in_the_same_step(model, engine):
+  """A 200-token prompt under a 128-token budget with the cache on: the second step prefills up to
+  its last full block (192) and, in its second stage, the 8-token tail, so the first token comes out
+  of that step (not a third one) with the cache-off engine's tokens and log-probs (1e-5); the
+  snapshot at 192 comes from the step's first-stage `mid`, and a request restoring it also matches
+  the cache-off engine (a snapshot taken after the tail would not)."""
+  on = ContinuousEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, max_num_batched_tokens=BUDGET,
+                        prefix_cache_bytes=64 << 20)
+  rng = np.random.default_rng(12)
+  first = _prompt(rng, 200)
+  second = first[:192] + _prompt(rng, 90)
+  steps = []
+  got, _ = run(on, [Request("first", first, 5)], during=lambda i: steps.append(i))
+  assert len(steps) == 2 + 5 - 1            # [0, 128); [128, 192) + tail [192, 200) emits; 4 decode steps
+  assert len(on.prefix_cache) == 1 and on.stats().prefix_cache_bytes > 0
+  want, _ = run(engine, [Request("first", first, 5)])
+  assert tokens(got["first"]) == tokens(want["first"])
+  np.testing.assert_allclose(logprobs(got["first"]), logprobs(want["first"]), atol=1e-5, rtol=0)
+  hit, _ = run(on, [Request("second", second, 8)])
+  assert all(e.cached_tokens == 192 for e in hit["second"])
+  off, _ = run(engine, [Request("second", second, 8)])
+  assert tokens(hit["second"]) == tokens(off["second"])
+  np.testing.assert_allclose(logprobs(hit["second"]), logprobs(off["second"]), atol=1e-5, rtol=0)
+
+
 def test_cancel_frees_the_slot_in_the_same_step(engine):
   """Four running requests fill the slots and a fifth waits; cancelling one frees its slot at once,
   the next step reports the cancellation and the waiting request takes that slot."""
@@ -319,6 +345,6 @@ def test_compile_all_compiles_every_executable_and_changes_no_slot(model):
   before = [np.asarray(a).copy() for a in jax.tree.leaves(fresh.pool.cache)]
   fresh.compile_all()
   assert fresh.stats().num_compilations == fresh.max_compilations
-  assert fresh.pool._take is not None and fresh.pool._put is not None
+  assert fresh.pool._take is not None and fresh.pool._put is not None and fresh.pool._take_mid is not None
   for a, b in zip(before, jax.tree.leaves(fresh.pool.cache)):
     np.testing.assert_array_equal(np.asarray(b), a)

@@ -9,7 +9,7 @@ import pytest
 
 from model.engine.api import Request
 from model.engine.prefix_cache import BLOCK, PrefixCache, Snapshot, block_keys
-from model.engine.scheduler import Sequence, bucket_for, buckets, plan_step
+from model.engine.scheduler import TAIL_MAX_BUCKET, Sequence, bucket_for, buckets, plan_step
 
 
 def test_buckets():
@@ -68,6 +68,33 @@ def test_chunks_end_at_snapshot_boundaries():
   seq.num_computed = 192
   c = plan_step([seq], 128, buckets(128)).chunks[0]
   assert len(c.tokens) == 8 and c.snapshot_at is None and c.emits
+
+
+def test_tails_continue_past_a_boundary_in_the_same_step():
+  """With `tails`, a chunk that ends at a boundary before its prompt's end continues in the second
+  stage with the budget left, up to the next boundary or the prompt's end; the bucket holds the
+  larger of the two rows, and no tail rides a step whose rows exceed TAIL_MAX_BUCKET."""
+  dec = [_seq(5, 0, done=5, out=[9])]
+  hit = _seq(612, 1, done=512, splits=[576])            # a prefix-cache hit at 512, snapshot at 576
+  plan = plan_step(dec + [hit], 2048, buckets(2048), max_prefills=4, decodes_in_row=False, tails=True)
+  c = plan.chunks[1]
+  assert (len(c.tokens), c.snapshot_at, len(c.tail), c.tail_snapshot_at, c.emits) == (64, 576, 36, None, True)
+  assert c.tail == list(range(577, 613)) and (plan.num_tokens, plan.bucket, plan.tail_tokens) == (101, 64, 36)
+  plain = plan_step(dec + [_seq(612, 1, done=512, splits=[576])], 2048, buckets(2048), max_prefills=4,
+                    decodes_in_row=False)
+  assert not plain.chunks[1].tail and not plain.chunks[1].emits and plain.tail_tokens == 0
+  # The budget bounds the tail; a tail ending at the next boundary is saved there too.
+  two = _seq(300, 2, splits=[64, 192])
+  c = plan_step([two], 100, buckets(100), max_prefills=4, decodes_in_row=False, tails=True).chunks[0]
+  assert (len(c.tokens), c.snapshot_at, len(c.tail), c.tail_snapshot_at, c.emits) == (64, 64, 36, None, False)
+  two.num_computed = 64
+  c = plan_step([two], 256, buckets(256), max_prefills=4, decodes_in_row=False, tails=True).chunks[0]
+  assert (len(c.tokens), c.snapshot_at, len(c.tail), c.tail_snapshot_at) == (128, 192, 108, None) and c.emits
+  # Rows over TAIL_MAX_BUCKET carry no tail: the second stage would cost a large prefill.
+  big = _seq(1000, 3, splits=[960])
+  plan = plan_step([big], 2048, buckets(2048), max_prefills=4, decodes_in_row=False, tails=True)
+  assert len(plan.chunks[0].tokens) == 960 and not plan.chunks[0].tail and plan.bucket == 1024
+  assert TAIL_MAX_BUCKET == 256
 
 
 def _snap(tokens, nbytes):
