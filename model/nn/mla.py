@@ -330,11 +330,14 @@ class MultiHeadLatentAttention(nnx.Module):
     c = cache.astype(self.dtype).astype(jnp.float32)                       # as expand() sees it
     w_uk, w_uv = self._absorbed_weights()
     q_lat = jnp.einsum("shd,rhd->shr", q[..., :self.dn], w_uk)             # [S, nH, r]
-    scores = (jnp.einsum("shr,slr->shl", q_lat, c[..., :self.rank])
-              + jnp.einsum("shd,sld->shl", q[..., self.dn:], c[..., self.rank:])) * self.scale
+    # One product against the whole cached row [latent, shared key part] (the query's rope part
+    # beside its absorbed part), and the weighted sum over the whole row, its latent part kept:
+    # slicing the cache into the two parts first copies every slot's L rows each step.
+    q_row = jnp.concatenate([q_lat, q[..., self.dn:]], axis=-1)             # [S, nH, r + dr]
+    scores = jnp.einsum("shc,slc->shl", q_row, c) * self.scale
     mask = (jnp.arange(cache.shape[1])[None, :] <= lengths[:, None])[:, None, :]
     p = _masked_softmax(scores, mask)
-    o = jnp.einsum("shr,rhd->shd", jnp.einsum("shl,slr->shr", p, c[..., :self.rank]), w_uv)
+    o = jnp.einsum("shr,rhd->shd", jnp.einsum("shl,slc->shc", p, c)[..., :self.rank], w_uv)
     return self._out(o), cache
 
 
