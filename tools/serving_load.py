@@ -163,7 +163,8 @@ BLOCK = 64   # the prefix cache's block (model.engine.prefix_cache.BLOCK; not im
 def summarize(results: list[dict], wall: float, prefix_len: int | None = None) -> dict:
   """Figures over `results`; with `prefix_len` (shared_prefix) also TTFT p50 of the requests whose
   suffix is shorter than a block and of the rest: with the prefix cache on, a suffix of a block or
-  more first ends a chunk at its last full block (a snapshot), so its first token takes a second step."""
+  more ends a chunk at its last full block (a snapshot), and its step prefills the rest in a second
+  stage (a second step when the step's rows are over `model.engine.scheduler.TAIL_MAX_BUCKET`)."""
   ttft = [r["ttft_s"] for r in results]
   split = {}
   if prefix_len is not None:
@@ -337,7 +338,7 @@ def prefix_cache_ratio(rows: list[dict]) -> str:
     text += " (each round: " + ", ".join(f"{x:.2f}x" for x in each) + ")"
   if "ttft_p50_suffix_under_block_s" in on:
     text += (f"; with the cache on, TTFT p50 of suffixes under {BLOCK} tokens "
-             f"{on['ttft_p50_suffix_under_block_s']:.3f} s, of {BLOCK} or more (a snapshot chunk first) "
+             f"{on['ttft_p50_suffix_under_block_s']:.3f} s, of {BLOCK} or more (a snapshot at their last full block) "
              f"{on['ttft_p50_suffix_block_or_more_s']:.3f} s")
   return text
 

@@ -9,7 +9,9 @@ only the rest (vLLM's mamba-style state cache at block granularity, SGLang's rad
 models: a recurrent state exists only at the boundaries where it was saved, unlike paged KV).
 
 Which boundaries to save (`PrefixCache.boundaries`), so that no extra pass is ever needed (the
-engine ends a prefill chunk at each one and copies the slot after that step):
+engine ends a prefill chunk at each one and copies the slot's state there: after the step, or,
+when the rest of the prompt went on in the same step's second stage, from that step's first-stage
+output; `model.engine.scheduler`):
   * the prompt's last full block (a 130-token prompt: after token 128), the deepest reusable prefix;
   * the branch point: the deepest boundary this prompt shares with a prompt seen before (the key
     chains of past prompts are remembered, 16 bytes per block, even where no snapshot was taken).
