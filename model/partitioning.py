@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -282,7 +283,10 @@ def create_mesh(cfg, devices: Sequence | None = None) -> Mesh:
     devices: the devices to lay out; default `jax.devices()` (every process's devices).
 
   Returns:
-    A `jax.sharding.Mesh` from `jax.make_mesh` (physical-topology aware on TPU).
+    A `jax.sharding.Mesh` from `jax.make_mesh` (physical-topology aware on TPU). When an axis size
+    is not a product of whole physical axes of the TPU torus (e.g. tensor=8 on a 4x4 slice), the
+    physical axes are split to lay it out (`allow_split_physical_axes`, as MaxText's key of that
+    name allows) and a `UserWarning` says so: collectives over a split axis may cross more links.
 
   Raises:
     ConfigError: an impossible mesh (see `mesh_shape`).
@@ -299,7 +303,15 @@ def create_mesh(cfg, devices: Sequence | None = None) -> Mesh:
                                                 allow_split_physical_axes=True)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
   # Auto axes: GSPMD propagates shardings from the annotated inputs, parameters and constraints.
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+  try:
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+  except NotImplementedError:   # jax's torus assignment: an axis is not a product of whole physical axes
+    from jax.experimental import mesh_utils
+    warnings.warn(f"mesh ({_sizes_text(sizes, MESH_AXES)}): an axis size is not a product of whole physical "
+                  f"axes of the device torus; splitting physical axes to lay it out (collectives over a split "
+                  f"axis may cross more links)", UserWarning, stacklevel=2)
+    grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def job_mesh(cfg, devices: Sequence | None = None) -> Mesh | None:

@@ -300,6 +300,24 @@ def test_bad_input_is_refused_while_a_good_request_completes(server):
   assert server.get("/health")[0] == 200
 
 
+def test_benchmark_clients_agree(server):
+  """tools/serving_load.py's two clients (raw aiohttp SSE, the default, and the official openai client)
+  count the same: every request's tokens, prompt length and (raw, a repeated prompt) cached tokens."""
+  import asyncio
+  from tools import serving_load
+  model = server.client.models.list().data[0].id
+  rng = np.random.default_rng(21)
+  shapes = ((5, 3), (70, 4), (33, 1))
+  fresh = {kind: [(rng.integers(4, 1000, n).tolist(), m) for n, m in shapes] for kind in ("raw", "openai")}
+  for kind, reqs in fresh.items():
+    rows, _ = asyncio.run(serving_load._run(server.url, model, reqs, 2, kind))
+    for row, (ids, n) in zip(rows, reqs):
+      assert (row["output_tokens"], row["prompt_tokens"], row["cached_tokens"]) == (n, len(ids), 0), kind
+      assert row["ttft_s"] > 0 and (row["tpot_s"] is None) == (n == 1)
+  again, _ = asyncio.run(serving_load._run(server.url, model, fresh["raw"][1:2], 1, "raw"))
+  assert again[0]["cached_tokens"] == (64 if ENGINE == "continuous" else 0)   # its last full block
+
+
 def test_max_waiting_gives_503(server):
   body = json.dumps({"model": "demo", "prompt": [2, 7], "max_tokens": 2}).encode()
   n = MAX_WAITING + 3 * MAX_NUM_SEQS
