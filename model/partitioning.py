@@ -306,7 +306,7 @@ def create_mesh(cfg, devices: Sequence | None = None) -> Mesh:
   try:
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
   except NotImplementedError:   # jax's torus assignment: an axis is not a product of whole physical axes
-    from jax.experimental import mesh_utils
+    from jax.experimental import mesh_utils  # device-layout helpers: needed only when make_mesh refuses the layout
     warnings.warn(f"mesh ({_sizes_text(sizes, MESH_AXES)}): an axis size is not a product of whole physical "
                   f"axes of the device torus; splitting physical axes to lay it out (collectives over a split "
                   f"axis may cross more links)", UserWarning, stacklevel=2)
