@@ -27,6 +27,19 @@ median over the rounds, and for shared_prefix the TTFT p50 ratio of the medians 
 ratio: the cores are shared, and a single run can be slowed by other jobs. Prints a markdown table
 and writes --json.
 
+With `--url` the one server given is measured (no server is started): its /metrics are scraped after the
+warm-up and after the workload, and the JSON's `server_metrics` are the differences (this run's
+generated, prompt and cached prompt tokens, compilations; other clients' tokens count too). Such a
+server keeps its prefix cache between runs: run again with the same `--seed` and the measured prompts
+are cached already, so TTFT is measured warm; a note says so when the server's prefix cache holds
+anything before the run (restart the server, or change `--seed`, for a cold measurement). The JSON's
+`args` holds the settings that apply to the mode run, as numbers and lists.
+
+Every flag is checked before anything starts (one `error:` line naming the flag, exit status 2): counts
+>= 1, each min <= its max, the workloads and engines named, the sizes `tools.serve` would refuse, an
+`--url` that answers; a failure while running (a server that does not start, a refused request) is one
+`error:` line with status 1.
+
 `--online --in-process` replays the same configurations, warm-ups and workloads on the engine in this
 process (no server, no HTTP, no client library; `--concurrency` closed-loop clients, times taken at
 the engine step that emitted each token): what the engine alone gives, to tell its cost from the
@@ -135,8 +148,9 @@ def main(argv=None):
     from tools import serving_load  # the online client: only this mode needs openai and asyncio
     argv.remove("--online")
     return serving_load.main(argv)
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+  from tools.serving_load import OneLineErrorParser   # one `error:` line, status 2 (no jax, no openai)
+  p = OneLineErrorParser(prog="benchmark_serving.py", description=__doc__.split("\n\n")[0],
+                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
   p.add_argument("--hf-dir", type=pathlib.Path, default=REPO / "runs/reference/demo_hf")
   p.add_argument("--checkpoint", type=pathlib.Path, default=REPO / "runs/serving/demo_ckpt")
   p.add_argument("--attention", default="kda_native")
@@ -149,6 +163,12 @@ def main(argv=None):
   p.add_argument("--skip-reference", action="store_true", help="measure ours only")
   p.add_argument("--json", type=pathlib.Path, default=REPO / "runs/serving/benchmark_serving.json")
   args = p.parse_args(argv)
+  for flag, value in (("--prefill-tokens", args.prefill_tokens), ("--decode-tokens", args.decode_tokens),
+                      ("--runs", args.runs), ("--rounds", args.rounds), ("--threads", args.threads)):
+    if value < 1:
+      p.error(f"{flag} must be an integer >= 1, got {value}")
+  if args.json.is_dir():
+    p.error(f"--json {str(args.json)!r} is a directory; expected a file path")
   args.json.parent.mkdir(parents=True, exist_ok=True)
   ckpt = ensure_checkpoint(args)
   rounds = []
@@ -182,7 +202,8 @@ def main(argv=None):
   tmp.write_text(json.dumps(result, indent=1) + "\n")
   os.replace(tmp, args.json)
   print(f"wrote {args.json} (the cores are shared with other jobs: see the load averages)")
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

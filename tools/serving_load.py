@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -27,13 +28,32 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 DEMO = REPO / "kda_plugin" / "assets" / "demo"
 
 
+WORKLOADS = ("mixed", "shared_prefix")
+ENGINES = ("continuous", "static")   # model.server.engines.ENGINES (not imported: the client starts no jax)
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+  """argparse whose errors are the project's one `error:` line on stderr, exit status 2 (no usage dump)."""
+
+  def error(self, message):
+    print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+    sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="benchmark_serving.py --online",
-                              description="Online serving benchmark (see tools/benchmark_serving.py).")
-  p.add_argument("--url", default="", help="an already running server: measure it (one configuration) instead")
-  p.add_argument("--checkpoint", type=pathlib.Path, default=DEMO)
-  p.add_argument("--engines", default="continuous,static", help="engines of the mixed workload")
-  p.add_argument("--workloads", default="mixed,shared_prefix")
+  p = OneLineErrorParser(prog="benchmark_serving.py --online",
+                         description="Online serving benchmark (see tools/benchmark_serving.py).")
+  p.add_argument("--url", default="",
+                 help="an already running server: measure it (one configuration per workload) instead of "
+                      "starting servers. Its /metrics are scraped before and after the measured requests and "
+                      "the JSON's server_metrics are the differences. The server keeps its prefix cache "
+                      "between runs: a repeated run (same --seed) finds its own prompts cached and is measured "
+                      "warm; a note is printed when the server's prefix cache holds anything before the run")
+  p.add_argument("--checkpoint", type=pathlib.Path, default=DEMO,
+                 help="the checkpoint to serve (its config.json gives the vocabulary of the random prompts; "
+                      "with --url, give the served one's)")
+  p.add_argument("--engines", default="continuous,static", help="engines of the mixed workload: continuous, static")
+  p.add_argument("--workloads", default="mixed,shared_prefix", help="mixed, shared_prefix (comma-separated)")
   p.add_argument("--num-requests", type=int, default=64)
   p.add_argument("--concurrency", type=int, default=32, help="concurrent clients")
   p.add_argument("--prompt-min", type=int, default=16)
@@ -68,18 +88,19 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
-def workload(kind: str, args, vocab: int, seed: int) -> list[tuple[list[int], int]]:
-  """`[(prompt ids, output tokens)]` of `--num-requests` requests (ids drawn from [4, vocab))."""
+def workload(kind: str, args, vocab: int, seed: int, count: int | None = None) -> list[tuple[list[int], int]]:
+  """`[(prompt ids, output tokens)]` of `count` (default `--num-requests`) requests (ids drawn from [4, vocab))."""
+  count = args.num_requests if count is None else count
   rng = np.random.default_rng(seed)
-  outs = rng.integers(args.output_min, args.output_max + 1, args.num_requests)
+  outs = rng.integers(args.output_min, args.output_max + 1, count)
   if kind == "mixed":
-    lens = rng.integers(args.prompt_min, args.prompt_max + 1, args.num_requests)
+    lens = rng.integers(args.prompt_min, args.prompt_max + 1, count)
     return [(rng.integers(4, vocab, n).tolist(), int(o)) for n, o in zip(lens, outs)]
   if kind == "shared_prefix":
     prefix = rng.integers(4, vocab, args.prefix_len).tolist()
-    lens = rng.integers(args.suffix_min, args.suffix_max + 1, args.num_requests)
+    lens = rng.integers(args.suffix_min, args.suffix_max + 1, count)
     return [(prefix + rng.integers(4, vocab, n).tolist(), int(o)) for n, o in zip(lens, outs)]
-  raise SystemExit(f"unknown workload {kind!r}; expected mixed or shared_prefix")
+  raise ValueError(f"unknown workload {kind!r}; expected one of {WORKLOADS}")   # check_args refuses it first
 
 
 async def _one(client, model, ids, n, sem) -> dict:
@@ -115,7 +136,7 @@ async def _one_raw(session, url, model, ids, n, sem) -> dict:
     tokens = cached = 0
     async with session.post(url + "/v1/completions", json=body) as response:
       if response.status != 200:
-        raise SystemExit(f"the server answered {response.status}: {(await response.text())[:500]}")
+        raise SystemExit(f"error: the server answered {response.status}: {(await response.text())[:500]}")
       async for raw in response.content:
         line = raw.strip()
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -201,7 +222,7 @@ class _Server:
         break
       if not line and self.proc.poll() is not None or time.monotonic() > deadline:
         self.stop()
-        raise SystemExit(f"the server did not start (see {self.log.name})")
+        raise SystemExit(f"error: the server did not start (see {self.log.name})")
 
   def stop(self) -> None:
     if self.proc.poll() is None:
@@ -214,28 +235,77 @@ class _Server:
     self.log.close()
 
 
-def _metrics(url) -> dict:
+# The server's counters (and gauges) the benchmark reads from /metrics (model/server/metrics.py).
+COUNTERS = ("kda_num_compilations", "kda_prompt_tokens_total", "kda_cached_prompt_tokens_total",
+            "kda_generation_tokens_total")
+GAUGES = ("kda_prefix_cache_bytes", "kda_num_requests_running")
+
+
+def scrape(url) -> dict[str, float | None]:
+  """The values of COUNTERS and GAUGES in the server's /metrics now (None: not exposed)."""
   with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
     text = r.read().decode()
   out = {}
-  for name in ("kda_num_compilations", "kda_prefix_cache_hit_rate", "kda_generation_tokens_total"):
+  for name in COUNTERS + GAUGES:
     m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
     out[name] = float(m.group(1)) if m else None
   return out
 
 
+def _scrape_settled(url, timeout_s: float = 5.0) -> dict:
+  """`scrape` once no request runs (the engine loop refreshes its counters after the step that sent a
+  request's last token, so a scrape right after the responses can miss that step), or after `timeout_s`
+  (a server with other clients may never be idle)."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    now = scrape(url)
+    if not now["kda_num_requests_running"] or time.monotonic() > deadline:
+      return now
+    time.sleep(0.05)
+
+
+def metrics_delta(before: dict, after: dict) -> dict:
+  """The server's counters over the measured requests: `after - before` of each of COUNTERS (None where
+  either scrape lacks it), the prefix-cache hit rate of those requests alone, and the prefix cache's
+  bytes after them (a gauge)."""
+  out = {"scope": "differences over the measured requests (/metrics scraped after the warm-up and after the "
+                  "workload); a server with other clients counts their tokens too"}
+  for name in COUNTERS:
+    a, b = before.get(name), after.get(name)
+    out[name] = None if a is None or b is None else b - a
+  prompt, cached = out["kda_prompt_tokens_total"], out["kda_cached_prompt_tokens_total"]
+  out["prefix_cache_hit_rate"] = cached / prompt if prompt and cached is not None else None
+  out["kda_prefix_cache_bytes_after"] = after.get("kda_prefix_cache_bytes")
+  return out
+
+
+def warm_note(url, before: dict) -> str:
+  """A one-line note when the server's prefix cache already holds something before this benchmark's
+  first request (an earlier run, or other clients): the measured prompts may find themselves cached."""
+  held, cached = before.get("kda_prefix_cache_bytes") or 0, before.get("kda_cached_prompt_tokens_total") or 0
+  if held <= 0:
+    return ""
+  return (f"note: the server at {url} is already warm: its prefix cache holds {held:.0f} bytes before this run "
+          f"({cached:.0f} prompt tokens served from it so far); a repeated run (same --seed) finds its own "
+          f"prompts cached, so its TTFT is measured warm. Restart the server (or change --seed) for a cold run.")
+
+
 def measure(args, url, label, requests, warmup, prefix_len=None) -> dict:
+  """One configuration against the server at `url`: the warm-up, then the measured workload; the row
+  holds the client's figures and the server's counters over the measured requests (`metrics_delta`)."""
   with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
     model = json.loads(r.read())["data"][0]["id"]
-  warm = args.concurrency if args.warmup is None else args.warmup
+  warm = warmup_count(args)
   if warm:  # other prompts (another seed): the measured ones must not find themselves in the prefix cache
     # One request alone first, so that in shared_prefix the rest (sharing its prefix) find it cached:
     # concurrent first requests all miss.
     asyncio.run(_run(url, model, warmup[:1], 1, args.client))
     asyncio.run(_run(url, model, warmup[1:warm], args.concurrency, args.client))
+  before = _scrape_settled(url)
   results, wall = asyncio.run(_run(url, model, requests, args.concurrency, args.client))
-  row = {"config": label, "client": args.client, **summarize(results, wall, prefix_len), "server_metrics": _metrics(url),
-         "load_after": os.getloadavg()}
+  after = _scrape_settled(url)
+  row = {"config": label, "client": args.client, **summarize(results, wall, prefix_len),
+         "server_metrics": metrics_delta(before, after), "load_after": os.getloadavg()}
   print(f"[{label}] {row['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {row['ttft_p50_s']:.3f} s, "
         f"TPOT p50 {row['tpot_p50_s'] * 1e3:.1f} ms; load {row['load_after'][0]:.1f}", flush=True)
   return row
@@ -302,7 +372,7 @@ class _Replay:
 def replay(args, label, keys, requests, warmup, max_len, prefix_len=None) -> dict:
   """`measure` without the server: the same warm-up and workload on the engine in this process."""
   rep = _Replay(args, keys, max_len)
-  warm = args.concurrency if args.warmup is None else args.warmup
+  warm = warmup_count(args)
   if warm:
     rep.run(warmup[:1], 1)
     rep.run(warmup[1:warm], args.concurrency)
@@ -354,35 +424,181 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def warmup_count(args) -> int:
+  """Unmeasured requests before each configuration's workload (`--warmup`, default `--concurrency`)."""
+  return args.concurrency if args.warmup is None else args.warmup
+
+
+def _split(text: str) -> list[str]:
+  out = []
+  for item in (w.strip() for w in text.split(",")):
+    if item and item not in out:
+      out.append(item)
+  return out
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> tuple[list[str], list[str]]:
+  """Every flag's value, before anything starts (no server, no model, nothing written): one `error:` line
+  naming the flag and exit status 2 (`parser.error`) for the first bad one. Returns (workloads, engines).
+
+  With --url the server must answer GET /v1/models (nothing is sent to it otherwise); the sizes the
+  started servers would refuse (their `tools.serve` key checks) are refused here instead."""
+  bad = parser.error
+  if args.rounds < 1:
+    bad(f"--rounds must be >= 1, got {args.rounds}")
+  if args.url and args.rounds > 1:
+    bad("--rounds needs a fresh server per round (a running server's prefix cache already holds the "
+        "measured prompts after one round): drop --url, or --rounds")
+  if args.url and args.in_process:
+    bad("--url measures a running server and --in-process the engine in this process: give one of them")
+  kinds = _split(args.workloads)
+  unknown = [k for k in kinds if k not in WORKLOADS]
+  if unknown or not kinds:
+    bad(f"--workloads must be a comma-separated list of {', '.join(WORKLOADS)}; got {args.workloads!r}")
+  engines = _split(args.engines) if "mixed" in kinds and not args.url else []
+  if "mixed" in kinds and not args.url and (not engines or any(e not in ENGINES for e in engines)):
+    bad(f"--engines must be a comma-separated list of {', '.join(ENGINES)}; got {args.engines!r}")
+  for flag, value, low in (("--num-requests", args.num_requests, 1), ("--concurrency", args.concurrency, 1),
+                           ("--warmup", 0 if args.warmup is None else args.warmup, 0),
+                           ("--output-min", args.output_min, 1)):
+    if value < low:
+      bad(f"{flag} must be an integer >= {low}, got {value}")
+  pairs = [("--output-min", args.output_min, "--output-max", args.output_max)]
+  if "mixed" in kinds:
+    if args.prompt_min < 1:
+      bad(f"--prompt-min must be an integer >= 1, got {args.prompt_min}")
+    pairs.append(("--prompt-min", args.prompt_min, "--prompt-max", args.prompt_max))
+  if "shared_prefix" in kinds:
+    if args.prefix_len < 1:
+      bad(f"--prefix-len must be an integer >= 1, got {args.prefix_len}")
+    if args.suffix_min < 0:
+      bad(f"--suffix-min must be an integer >= 0, got {args.suffix_min}")
+    pairs.append(("--suffix-min", args.suffix_min, "--suffix-max", args.suffix_max))
+  for low_flag, low, high_flag, high in pairs:
+    if low > high:
+      bad(f"{low_flag} ({low}) must be <= {high_flag} ({high})")
+  longest = max([args.output_max + (args.prompt_max if k == "mixed" else args.prefix_len + args.suffix_max)
+                 for k in kinds])
+  if not args.url:   # the sizes of the servers (engines) this run starts: tools.serve's own checks
+    for flag, value, low in (("--max-num-seqs", args.max_num_seqs, 1),
+                             ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+                             ("--prefix-cache-bytes", args.prefix_cache_bytes, 0)):
+      if value < low:
+        bad(f"{flag} must be an integer >= {low}, got {value}")
+    if ("shared_prefix" in kinds or "continuous" in engines) and args.max_num_batched_tokens < args.max_num_seqs:
+      bad(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be >= --max-num-seqs "
+          f"({args.max_num_seqs}) for engine=continuous (every decoding request needs one token per step)")
+    if args.max_model_len < 0:
+      bad(f"--max-model-len must be 0 (fit the workload) or >= 2, got {args.max_model_len}")
+    if args.max_model_len and args.max_model_len < longest:
+      bad(f"--max-model-len ({args.max_model_len}) must be 0 (fit the workload) or hold the longest request the "
+          f"workload may draw: prompt + output up to {longest} tokens")
+    if args.start_timeout <= 0:
+      bad(f"--start-timeout must be > 0 seconds, got {args.start_timeout}")
+    for item in args.serve_arg:
+      if "=" not in item:
+        bad(f"--serve-arg takes key=value (a tools.serve key), got {item!r}")
+  if not (args.checkpoint / "config.json").is_file():
+    bad(f"--checkpoint {str(args.checkpoint)!r} has no config.json (a checkpoint directory: it gives the "
+        f"vocabulary of the prompts{', and the model served' if not args.url else ''})")
+  if args.json.is_dir():
+    bad(f"--json {str(args.json)!r} is a directory; expected a file path")
+  ancestor = args.json.parent
+  while not ancestor.exists() and ancestor != ancestor.parent:
+    ancestor = ancestor.parent
+  if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+    bad(f"--json {str(args.json)!r}: cannot write under {str(ancestor)!r}")
+  if args.url:
+    served = probe(parser, args.url)
+    limit = served.get("max_model_len")
+    if isinstance(limit, int) and longest > limit:
+      bad(f"the workload's longest request (prompt + output up to {longest} tokens: --prompt-max / --prefix-len "
+          f"+ --suffix-max, + --output-max) exceeds the max_model_len={limit} of the server at --url {args.url}")
+  return kinds, engines
+
+
+def probe(parser: argparse.ArgumentParser, url: str) -> dict:
+  """The model entry GET /v1/models of `url` answers (`parser.error` naming --url when none answers)."""
+  if not re.match(r"^https?://[^/]+", url):
+    parser.error(f"--url must be http://HOST:PORT (the server's address), got {url!r}")
+  try:
+    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=10) as r:
+      data = json.loads(r.read())
+    return data["data"][0]
+  except urllib.error.HTTPError as e:
+    parser.error(f"--url {url}: GET /v1/models answered HTTP {e.code}: not an OpenAI-compatible server (tools.serve)?")
+  except (urllib.error.URLError, OSError) as e:
+    reason = getattr(e, "reason", e)
+    parser.error(f"--url {url}: nothing answers there ({getattr(reason, 'strerror', None) or reason})")
+  except (ValueError, KeyError, IndexError, TypeError):
+    parser.error(f"--url {url}: GET /v1/models did not answer a model list: not an OpenAI-compatible server?")
+
+
+# The flags that apply to each mode, recorded (typed) in the JSON's "args".
+_COMMON = ("checkpoint", "workloads", "num_requests", "concurrency", "output_min", "output_max", "warmup", "seed",
+           "json")
+_WORKLOAD_FLAGS = {"mixed": ("prompt_min", "prompt_max"), "shared_prefix": ("prefix_len", "suffix_min", "suffix_max")}
+_SERVER_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "rounds")
+
+
+def recorded_args(args, kinds: list[str], engines: list[str], max_len: int) -> dict:
+  """The settings of this run that apply to its mode, as JSON values (numbers as numbers, lists as lists):
+  the mode ("url": a running server; "servers": a fresh server per configuration; "in_process"), the
+  workload flags of the workloads run, the server sizes where this run starts the servers or engines."""
+  mode = "url" if args.url else "in_process" if args.in_process else "servers"
+  names = list(_COMMON) + [f for k in kinds for f in _WORKLOAD_FLAGS[k]]
+  if mode != "url":
+    names += _SERVER_FLAGS
+    if "shared_prefix" in kinds or "continuous" in engines:
+      names.append("prefix_cache_bytes")
+  if mode != "in_process":
+    names.append("client")
+  if mode == "servers":
+    names += ["serve_arg", "start_timeout"]
+  out = {"mode": mode}
+  if mode == "url":
+    out["url"] = args.url
+  for name in names:
+    value = getattr(args, name)
+    out[name] = str(value) if isinstance(value, pathlib.Path) else value
+  out["workloads"] = kinds
+  out["warmup"] = warmup_count(args)
+  if mode != "url":
+    out["max_model_len"] = max_len
+    if "mixed" in kinds:
+      out["engines"] = engines
+  return out
+
+
 def main(argv) -> int:
   parser = _parser()
   args = parser.parse_args(argv)
-  if args.rounds < 1:
-    parser.error(f"--rounds must be >= 1, got {args.rounds}")
-  if args.url and args.rounds > 1:
-    parser.error("--rounds needs a fresh server per round (a running server's prefix cache already holds the "
-                 "measured prompts after one round): drop --url, or --rounds")
-  args.json.parent.mkdir(parents=True, exist_ok=True)
+  kinds, engines = check_args(parser, args)
   vocab = json.loads((args.checkpoint / "config.json").read_text())["vocab_size"]   # the served one's, with --url
-  kinds = [w for w in args.workloads.split(",") if w]
+  warm = warmup_count(args)
   loads = {k: workload(k, args, vocab, args.seed) for k in kinds}
-  warmups = {k: workload(k, args, vocab, args.seed + 1) for k in kinds}
+  warmups = {k: workload(k, args, vocab, args.seed + 1, max(args.num_requests, warm)) for k in kinds}
   if "shared_prefix" in kinds:  # the warm-up shares the measured prefix (a system prompt the server has seen)
     prefix = loads["shared_prefix"][0][0][:args.prefix_len]
     warmups["shared_prefix"] = [(prefix + ids[args.prefix_len:], n) for ids, n in warmups["shared_prefix"]]
   longest = max(len(ids) + n for reqs in (*loads.values(), *warmups.values()) for ids, n in reqs)
   max_len = args.max_model_len or longest
-  rows = []
+  args.json.parent.mkdir(parents=True, exist_ok=True)
+  rows, note = [], ""
   if args.url:
+    url = args.url.rstrip("/")
+    note = warm_note(url, scrape(url))
+    if note:
+      print(note, flush=True)
     for k in kinds:
-      rows.append({"workload": k, **measure(args, args.url.rstrip("/"), args.url, loads[k], warmups[k],
+      rows.append({"workload": k, **measure(args, url, args.url, loads[k], warmups[k],
                                             args.prefix_len if k == "shared_prefix" else None)})
   else:
     base = [f"max_num_seqs={args.max_num_seqs}", f"max_model_len={max_len}",
             f"max_num_batched_tokens={args.max_num_batched_tokens}"]
     configs = []
     if "mixed" in kinds:
-      for e in [e for e in args.engines.split(",") if e]:
+      for e in engines:
         keys = [f"engine={e}"] + ([f"prefix_cache_bytes={args.prefix_cache_bytes}"] if e == "continuous" else [])
         configs.append(("mixed", f"engine={e}", keys))
     if "shared_prefix" in kinds:
@@ -411,8 +627,10 @@ def main(argv) -> int:
   if ratio:
     print(ratio)
   result = {"what": "tools/benchmark_serving.py --online: tools.serve under concurrent streaming clients, CPU",
-            "cpu_count": os.cpu_count(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+            "cpu_count": os.cpu_count(), "args": recorded_args(args, kinds, engines, max_len), "rows": rows,
             "table": md, "prefix_cache_ratio": ratio}
+  if args.url:   # a running server: was its prefix cache warm before this run's first request?
+    result["server_warm_before_run"] = note or None
   tmp = args.json.with_suffix(".tmp")
   tmp.write_text(json.dumps(result, indent=1) + "\n")
   os.replace(tmp, args.json)

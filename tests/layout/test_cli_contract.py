@@ -75,6 +75,37 @@ TOOLS = {
 }
 CASES = [(tool, argv, key) for tool, (_, cases) in TOOLS.items() for argv, key in cases]
 
+# tools/benchmark_serving.py (a script: no console command, argparse flags): every flag is checked before a
+# server starts, a model loads or a file is written. "{JSON}" is a path under a directory that must still
+# not exist afterwards. (flags, the flag the error line must name)
+_ONLINE = ["--online", "--json", "{JSON}"]
+BENCHMARK_CASES = [
+    (_ONLINE + ["--concurrency", "0"], "--concurrency"),           # hung (a semaphore of 0)
+    (_ONLINE + ["--concurrency", "-1"], "--concurrency"),
+    (_ONLINE + ["--num-requests", "0"], "--num-requests"),         # IndexError
+    (_ONLINE + ["--warmup", "-2"], "--warmup"),
+    (_ONLINE + ["--suffix-min", "200", "--suffix-max", "100"], "--suffix-min"),
+    (_ONLINE + ["--prompt-min", "64", "--prompt-max", "32"], "--prompt-min"),
+    (_ONLINE + ["--output-min", "9", "--output-max", "8"], "--output-min"),
+    (_ONLINE + ["--output-min", "0"], "--output-min"),
+    (_ONLINE + ["--prefix-len", "0", "--workloads", "shared_prefix"], "--prefix-len"),
+    (_ONLINE + ["--workloads", "bogus"], "--workloads"),           # exited 1
+    (_ONLINE + ["--workloads", ","], "--workloads"),
+    (_ONLINE + ["--engines", "dynamic"], "--engines"),
+    (_ONLINE + ["--max-num-seqs", "0"], "--max-num-seqs"),
+    (_ONLINE + ["--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "--max-num-batched-tokens"),
+    (_ONLINE + ["--max-model-len", "100"], "--max-model-len"),    # the workload's requests are longer
+    (_ONLINE + ["--prefix-cache-bytes", "-1"], "--prefix-cache-bytes"),
+    (_ONLINE + ["--serve-arg", "engine"], "--serve-arg"),
+    (_ONLINE + ["--concurrency", "many"], "--concurrency"),
+    (_ONLINE + ["--checkpoint", MISSING], "--checkpoint"),
+    (_ONLINE + ["--url", "http://127.0.0.1:1"], "--url"),          # nothing listens: was a URLError traceback
+    (_ONLINE + ["--url", "127.0.0.1:8000"], "--url"),
+    (_ONLINE + ["--url", "http://127.0.0.1:1", "--in-process"], "--in-process"),
+    (_ONLINE + ["--url", "http://127.0.0.1:1", "--rounds", "2"], "--rounds"),
+    (["--runs", "0", "--json", "{JSON}"], "--runs"),                 # the offline mode
+]
+
 
 def _run(argv, cwd=REPO):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -94,6 +125,22 @@ def test_bad_argument_is_one_error_line(tool):
     assert "Traceback" not in res["stderr"] + res["stdout"], (argv, res["stderr"])
     assert len(errors) == 1 and errors[0].startswith("error: "), (argv, res["stderr"])
     assert key in errors[0], (argv, errors[0])
+
+
+def test_benchmark_serving_bad_flag_is_one_error_line_before_anything_starts(tmp_path):
+  out_dir = tmp_path / "not_created"
+  cases = [[a.replace("{JSON}", str(out_dir / "out.json")) for a in argv] for argv, _ in BENCHMARK_CASES]
+  r = _run([sys.executable, "-m", "tests.layout.tool_cases", "benchmark_serving", json.dumps(cases)])
+  assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+  results = json.loads(r.stdout.strip().splitlines()[-1])
+  assert [res["argv"] for res in results] == cases
+  for res, (argv, flag) in zip(results, BENCHMARK_CASES):
+    errors = [line for line in res["stderr"].splitlines() if "error:" in line]
+    assert res["code"] == 2, (argv, res)
+    assert "Traceback" not in res["stderr"] + res["stdout"] and res["stdout"] == "", (argv, res)
+    assert len(errors) == 1 and errors[0].startswith("error: ") and flag in errors[0], (argv, res["stderr"])
+    assert len(res["stderr"].splitlines()) == 1, (argv, res["stderr"])   # no usage dump around it
+  assert not out_dir.exists()   # nothing written: no JSON, no server log (a started server writes one)
 
 
 @pytest.mark.parametrize("tool", sorted(TOOLS))

@@ -49,3 +49,56 @@ def test_shared_prefix_ttft_is_split_at_a_block_of_suffix():
 def test_the_client_block_is_the_prefix_cache_block():
   from model.engine.prefix_cache import BLOCK
   assert serving_load.BLOCK == BLOCK
+
+
+def test_server_metrics_are_the_differences_over_the_measured_requests():
+  before = {"kda_num_compilations": 40.0, "kda_prompt_tokens_total": 1000.0, "kda_cached_prompt_tokens_total": 200.0,
+            "kda_generation_tokens_total": 5000.0, "kda_prefix_cache_bytes": 10.0, "kda_num_requests_running": 0.0}
+  after = {**before, "kda_prompt_tokens_total": 1800.0, "kda_cached_prompt_tokens_total": 800.0,
+           "kda_generation_tokens_total": 5640.0, "kda_prefix_cache_bytes": 99.0}
+  d = serving_load.metrics_delta(before, after)
+  assert (d["kda_num_compilations"], d["kda_prompt_tokens_total"], d["kda_cached_prompt_tokens_total"],
+          d["kda_generation_tokens_total"]) == (0.0, 800.0, 600.0, 640.0)
+  assert d["prefix_cache_hit_rate"] == 0.75 and d["kda_prefix_cache_bytes_after"] == 99.0
+  assert "differences" in d["scope"]
+  missing = serving_load.metrics_delta({**before, "kda_num_compilations": None}, after)
+  assert missing["kda_num_compilations"] is None and missing["kda_generation_tokens_total"] == 640.0
+  idle = serving_load.metrics_delta(before, before)
+  assert idle["prefix_cache_hit_rate"] is None and idle["kda_generation_tokens_total"] == 0.0
+
+
+def test_a_warm_server_gets_a_note():
+  cold = {"kda_prefix_cache_bytes": 0.0, "kda_cached_prompt_tokens_total": 0.0}
+  assert serving_load.warm_note("http://h:1", cold) == ""
+  assert serving_load.warm_note("http://h:1", {"kda_prefix_cache_bytes": None}) == ""
+  note = serving_load.warm_note("http://h:1", {"kda_prefix_cache_bytes": 4096.0, "kda_cached_prompt_tokens_total": 64.0})
+  assert note.startswith("note: the server at http://h:1 is already warm") and "4096 bytes" in note
+  assert "\n" not in note
+
+
+@pytest.mark.parametrize("argv, mode, present, absent", [
+    (["--url", "http://h:1", "--workloads", "shared_prefix"], "url", {"url": "http://h:1", "prefix_len": 512,
+                                                                      "client": "raw"},
+     {"max_num_seqs", "max_num_batched_tokens", "prefix_cache_bytes", "engines", "rounds", "serve_arg",
+      "start_timeout", "in_process", "prompt_min", "prompt_max"}),
+    (["--workloads", "mixed", "--engines", "static", "--concurrency", "4"], "servers",
+     {"engines": ["static"], "max_num_seqs": 32, "max_num_batched_tokens": 2048, "prompt_max": 1024,
+      "warmup": 4, "concurrency": 4, "rounds": 1, "start_timeout": 1200.0, "serve_arg": []},
+     {"url", "prefix_cache_bytes", "prefix_len", "suffix_min", "in_process"}),
+    (["--in-process", "--workloads", "mixed,shared_prefix"], "in_process",
+     {"engines": ["continuous", "static"], "prefix_cache_bytes": 1 << 30, "suffix_max": 128, "warmup": 32,
+      "workloads": ["mixed", "shared_prefix"]},
+     {"url", "client", "serve_arg", "start_timeout"}),
+])
+def test_the_json_records_typed_args_of_its_mode_only(argv, mode, present, absent):
+  args = serving_load._parser().parse_args(argv)
+  kinds = serving_load._split(args.workloads)
+  engines = serving_load._split(args.engines) if "mixed" in kinds and not args.url else []
+  rec = serving_load.recorded_args(args, kinds, engines, max_len=1300)
+  assert rec["mode"] == mode
+  for key, value in present.items():
+    assert rec[key] == value and type(rec[key]) is type(value), (key, rec.get(key))
+  assert not absent & set(rec), absent & set(rec)
+  assert isinstance(rec["num_requests"], int) and isinstance(rec["checkpoint"], str)
+  if mode != "url":
+    assert rec["max_model_len"] == 1300

@@ -318,6 +318,33 @@ def test_benchmark_clients_agree(server):
   assert again[0]["cached_tokens"] == (64 if ENGINE == "continuous" else 0)   # its last full block
 
 
+def test_benchmark_against_a_running_server_records_this_runs_counters(server, tmp_path, capsys):
+  """`benchmark_serving.py --online --url`: server_metrics are this run's differences (the counters match
+  the clients' own totals, not the totals since the server started), args are typed and of the url mode,
+  and a repeated run (same seed: its prompts are cached now) is said to be measured warm."""
+  from tools import serving_load
+  out = tmp_path / "bench.json"
+  argv = ["--url", server.url, "--workloads", "shared_prefix", "--num-requests", "4", "--concurrency", "2",
+          "--warmup", "2", "--prefix-len", "70", "--suffix-min", "3", "--suffix-max", "9", "--output-min", "2",
+          "--output-max", "4", "--json", str(out)]
+  for _ in range(2):
+    before = server.metric("kda_generation_tokens_total")
+    assert serving_load.main(argv) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    row, m = data["rows"][0], data["rows"][0]["server_metrics"]
+    assert row["requests"] == 4 and 8 <= row["output_tokens"] <= 16
+    assert m["kda_generation_tokens_total"] == row["output_tokens"] < server.metric("kda_generation_tokens_total")
+    assert server.metric("kda_generation_tokens_total") - before > row["output_tokens"]   # the warm-up's too
+    assert m["kda_prompt_tokens_total"] == row["prompt_tokens"]
+    assert m["kda_cached_prompt_tokens_total"] == row["cached_tokens"] and m["kda_num_compilations"] == 0
+  assert data["args"]["mode"] == "url" and data["args"]["num_requests"] == 4 and data["args"]["warmup"] == 2
+  assert "max_num_seqs" not in data["args"] and "engines" not in data["args"]
+  if ENGINE == "continuous":   # the first run's prompts are in the prefix cache now
+    assert "is already warm" in printed and data["server_warm_before_run"].startswith("note:")
+    assert row["cached_tokens"] >= 4 * 64
+
+
 def test_max_waiting_gives_503(server):
   body = json.dumps({"model": "demo", "prompt": [2, 7], "max_tokens": 2}).encode()
   n = MAX_WAITING + 3 * MAX_NUM_SEQS
