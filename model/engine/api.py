@@ -72,7 +72,7 @@ class EngineStats:
   num_running: int = 0          # requests holding a slot (prefilling or decoding)
   num_waiting: int = 0          # admitted to the queue, no slot yet
   num_free_slots: int = 0
-  num_compilations: int = 0     # compiled step functions so far (one per shape bucket)
+  num_compilations: int = 0     # compiled step functions so far (`ContinuousEngine.max_compilations` at most)
   prompt_tokens: int = 0        # prompt tokens of finished-prefill requests
   cached_prompt_tokens: int = 0 # of which served from the prefix cache
   generated_tokens: int = 0

@@ -12,8 +12,8 @@ Per `step`:
      cache on, a chunk that ends at a boundary continues past it in a second row, its tail);
   4. the bucket's compiled `model.engine.mixed_step` runs it and samples every emitting request;
   5. tokens are emitted; a request that hits a stop id or max_tokens frees its slot in this step;
-     a chunk that ended at a prefix-cache boundary has its state there copied into the cache (the
-     slot's, or, when a tail went on past it, the step's first-stage `mid` output).
+     then a chunk that ended at a prefix-cache boundary has its state there copied into the cache
+     (the slot's, or, when a tail went on past it, the step's first-stage `mid` output).
 Host-device traffic per step: the packed row and per-slot sampling arrays in, three [S] vectors out.
 
 Decode routing (`decode_path`), by measurement (README, "Which op runs when"): by default decode
@@ -22,7 +22,9 @@ prompt chunks is the decode-only executable; a step with them is the split step
 (`mixed_step.build_split_step`: the decode tokens through `decode`, the prompt chunks through
 `prefill` on a sub-pool of the P prefilling slots). `decode_path="mixed"` runs every step as one
 packed row through `prefill`, decode tokens as one-token segments (`kda_inference` solves chunks
-and single tokens in one call). Executables: one per row bucket, plus the decode-only one.
+and single tokens in one call). Executables: one per row bucket, plus the decode-only one; with
+the split step and P > 1, also a one-prompt variant (P = 1) of each bucket up to
+`SINGLE_PROMPT_MAX_BUCKET` tokens, which a step with a single prompt chunk runs (`max_compilations`).
 """
 
 from __future__ import annotations
@@ -43,10 +45,18 @@ from model.engine.scheduler import Sequence
 from model.engine.serving import GenerationError
 from model.engine.slots import SlotPool
 
-# Step executables per (graphdef, treedef, S, L, bucket, mesh, rules), shared by every engine in the
+# Step executables per (graphdef, treedef, S, L, mesh, rules, route, bucket, P), shared by every engine in the
 # process (an engine over the same model and sizes, e.g. with the prefix cache on and off, reuses
 # them). The cache keeps no parameters alive: the key holds only the graph and tree structure.
 _EXECUTABLES: dict = {}
+
+# Largest row bucket with a one-prompt (P = 1) variant of the split step. The prefill's per-slot work
+# (initial states, MLA prefix attention, final states) spans the sub-pool, so a step with a single
+# prompt chunk (the common case: a new request or a prefix-cache hit arriving alone) pays for P slots
+# on a P-slot sub-pool. Measured (demo model, 2-core CPU, one prefill stage): T = 16: 8.1 -> 5.8 ms,
+# T = 64: 13.5 -> 9.7 ms with P = 4 -> 1; at T >= 128 the row's own work dominates (21.4 vs 21.1 ms),
+# so the larger buckets keep one executable each.
+SINGLE_PROMPT_MAX_BUCKET = 64
 
 
 class ContinuousEngine:
@@ -73,6 +83,8 @@ class ContinuousEngine:
 
   Attributes:
     buckets: the row lengths of the compiled steps (`model.engine.scheduler.buckets`).
+    single_prompt_buckets: the buckets that also have a one-prompt (P = 1) split step, run by steps
+      with a single prompt chunk (empty with decode_path="mixed" or P = 1).
     last_top2: request_id -> the two largest log-probs (untempered) at the position of the token the
       last step emitted for it: lets a caller tell a near-tie from a real disagreement.
     compile_seconds: time this engine spent compiling step executables.
@@ -108,18 +120,20 @@ class ContinuousEngine:
     if not 1 <= self.vocab_limit <= self.vocab_size:
       raise GenerationError(f"vocab_limit must be in [1, {self.vocab_size}], got {vocab_limit}")
     self.buckets = scheduler.buckets(self.max_num_batched_tokens)
+    self.single_prompt_buckets = tuple(b for b in self.buckets if b <= SINGLE_PROMPT_MAX_BUCKET) \
+        if decode_path == "decode" and p > 1 else ()
     self.mesh, self._rules = mesh, rules
     graphdef, state = nnx.split(model)
     self._leaves, treedef = jax.tree.flatten(state)
-    self._step_fn = (mixed_step.build_split_step(graphdef, treedef, self.max_num_seqs, p) if decode_path == "decode"
-                     else mixed_step.build_step(graphdef, treedef, self.max_num_seqs))
+    self._step_fns = ({n: mixed_step.build_split_step(graphdef, treedef, self.max_num_seqs, n) for n in {1, p}}
+                      if decode_path == "decode" else {None: mixed_step.build_step(graphdef, treedef,
+                                                                                   self.max_num_seqs)})
     self._decode_fn = mixed_step.build_decode(graphdef, treedef)
     self._key = (graphdef, treedef, self.max_num_seqs, self.max_model_len, mesh,
-                 None if rules is None else repr(partitioning.as_rules(rules)), decode_path,
-                 p if decode_path == "decode" else None)
-    # bucket -> the AOT executable this engine steps with. An AOT executable never recompiles (a
+                 None if rules is None else repr(partitioning.as_rules(rules)), decode_path)
+    # (bucket, P) -> the AOT executable this engine steps with. An AOT executable never recompiles (a
     # shape or sharding mismatch raises), so len() of this is exactly the step compilations used.
-    self._compiled: dict[int, object] = {}
+    self._compiled: dict[tuple, object] = {}
     self.last_top2: dict[str, tuple[float, float]] = {}
     self.compile_seconds = 0.0
     self.pool = SlotPool(model, self.max_num_seqs, self.max_model_len, mesh=mesh, rules=rules)
@@ -212,16 +226,20 @@ class ContinuousEngine:
       return
     tok, logprob, top2, entries = self._run(plan)
     self.last_top2 = {}
+    # Snapshots are copied after the step's events are out: a prefix-cache hit's first token need not
+    # wait for its own snapshot transfers (each a device-to-host copy). The pool is not touched until
+    # the next step, so the slots still hold the states the snapshots need (a finished request's too).
+    saves = []
     for chunk in sorted(plan.chunks, key=lambda c: c.seq.slot):
       seq = chunk.seq
       if chunk.tokens and seq.prefilling:
         seq.num_computed += len(chunk.tokens)
         if chunk.snapshot_at is not None:
           # After a tail the slot is past the boundary: its state there is the step's `mid` output.
-          self._save(seq, chunk.snapshot_at, entry=entries[seq.slot] if chunk.tail else None)
+          saves.append((seq, seq.slot, chunk.snapshot_at, entries[seq.slot] if chunk.tail else None))
         seq.num_computed += len(chunk.tail)
         if chunk.tail_snapshot_at is not None:
-          self._save(seq, chunk.tail_snapshot_at)
+          saves.append((seq, seq.slot, chunk.tail_snapshot_at, None))
         if not seq.prefilling:
           self._stats.prompt_tokens += seq.prompt_length
           self._stats.cached_prompt_tokens += seq.cached_tokens
@@ -240,6 +258,8 @@ class ContinuousEngine:
       if reason is not None:
         self._finish(seq)
       emit(TokenEvent(seq.request.request_id, t, lp, reason, seq.cached_tokens))
+    for seq, slot, num_tokens, entry in saves:
+      self._save(seq, slot, num_tokens, entry)
 
   # --- internals --------------------------------------------------------------------------------------
   def _admit(self):
@@ -261,57 +281,74 @@ class ContinuousEngine:
     self._live.pop(seq.request.request_id, None)
     self.pool.release(seq.slot)
 
-  def _save(self, seq: Sequence, num_tokens: int, entry: int | None = None):
-    """Caches `seq`'s state after `num_tokens` prompt tokens: its slot's now, or, with `entry`, the
+  def _save(self, seq: Sequence, slot: int, num_tokens: int, entry: int | None = None):
+    """Caches `seq`'s state after `num_tokens` prompt tokens: slot `slot`'s now, or, with `entry`, the
     last split step's `mid` (sub-pool entry `entry`) with the slot's MLA latents."""
     key = seq.keys[num_tokens // 64 - 1]
-    snap = (self.pool.take(seq.slot, num_tokens) if entry is None
-            else self.pool.take_mid(self._mid, entry, seq.slot, num_tokens))
+    snap = (self.pool.take(slot, num_tokens) if entry is None
+            else self.pool.take_mid(self._mid, entry, slot, num_tokens))
     self.prefix_cache.insert(key, snap)
 
   def compile_all(self, progress=None) -> float:
-    """Compiles every step executable now (each row bucket, the decode-only step and, with the
-    prefix cache on, the slot snapshot transfers), so that no request ever waits for a compilation
-    (a server calls it before it listens). `progress`: optional `fn(iterable, total) -> iterable`
-    wrapping the loop over the step executables (e.g. tqdm). Returns the seconds it took; the pool
-    is not changed."""
+    """Compiles every step executable now (each row bucket, its one-prompt variant where it has one,
+    the decode-only step and, with the prefix cache on, the slot snapshot transfers), so that no
+    request ever waits for a compilation (a server calls it before it listens). `progress`: optional
+    `fn(iterable, total) -> iterable` wrapping the loop over the step executables (e.g. tqdm).
+    Returns the seconds it took; the pool is not changed."""
     t0 = time.perf_counter()
-    steps = self.buckets + ((None,) if self.decode_path == "decode" else ())
-    for bucket in (progress(steps, len(steps)) if progress is not None else steps):
-      self.compiled_step(bucket)
+    steps = self._step_shapes()
+    for bucket, num_prefill in (progress(steps, len(steps)) if progress is not None else steps):
+      self.compiled_step(bucket, num_prefill)
     if self.prefix_cache.enabled:
-      self.pool.compile_transfers(self._mid_example() if self.decode_path == "decode" else None)
+      sizes = sorted({n for _, n in steps if n is not None})
+      self.pool.compile_transfers([self._mid_example(n) for n in sizes])
     return time.perf_counter() - t0
 
-  def _mid_example(self):
-    """A zero `mid` of the split step's shape (compiles `SlotPool.take_mid` before any step ran)."""
-    if self._mid is None:
-      p = self.max_num_partial_prefills
-      return mixed_step.kda_fields(jax.tree.map(lambda x: jax.numpy.zeros((p,) + x.shape[1:], x.dtype),
-                                                self.pool.cache))
-    return self._mid
+  def _step_shapes(self) -> list[tuple]:
+    """(bucket, P) of every step executable: P None for the decode-only step and the mixed route."""
+    if self.decode_path != "decode":
+      return [(b, None) for b in self.buckets]
+    p = self.max_num_partial_prefills
+    return ([(b, p) for b in self.buckets] + [(b, 1) for b in self.single_prompt_buckets] + [(None, None)])
+
+  def _mid_example(self, num_prefill: int):
+    """A zero `mid` of the split step's shape for a P-slot sub-pool (compiles `SlotPool.take_mid`
+    before any step ran)."""
+    return mixed_step.kda_fields(jax.tree.map(lambda x: jax.numpy.zeros((num_prefill,) + x.shape[1:], x.dtype),
+                                              self.pool.cache))
 
   @property
   def max_compilations(self) -> int:
-    """Step executables this engine can ever need: one per row bucket, plus the decode-only step."""
-    return len(self.buckets) + (self.decode_path == "decode")
+    """Step executables this engine can ever need: one per row bucket, one per single-prompt bucket
+    (`single_prompt_buckets`), plus the decode-only step."""
+    return len(self._step_shapes())
 
-  def compiled_step(self, bucket: int | None):
+  def compiled_step(self, bucket: int | None, num_prefill: int | None = 0):
     """The executable for a row of `bucket` tokens, or the decode-only step for None (compiled on
-    first use, shared by engines of the same model and sizes)."""
-    if bucket not in self._compiled:
-      key = self._key + (bucket,)
+    first use, shared by engines of the same model and sizes). `num_prefill`: the split step's
+    sub-pool size P, 1 (a bucket in `single_prompt_buckets`) or, by default, `max_num_partial_prefills`;
+    ignored for the decode-only step and the mixed route.
+
+    Raises:
+      ValueError: a (bucket, P) this engine has no executable for.
+    """
+    split = bucket is not None and self.decode_path == "decode"
+    num_prefill = (num_prefill or self.max_num_partial_prefills) if split else None
+    shape = (bucket, num_prefill)
+    if shape not in self._compiled:
+      if shape not in self._step_shapes():
+        raise ValueError(f"no step executable for bucket={bucket}, num_prefill={num_prefill} "
+                         f"(this engine's: {self._step_shapes()})")
+      key = self._key + shape
       if key not in _EXECUTABLES:
         t0 = time.perf_counter()
-        fn = self._step_fn if bucket is not None else self._decode_fn
-        split = bucket is not None and self.decode_path == "decode"
+        fn = self._decode_fn if bucket is None else self._step_fns[num_prefill]
         _EXECUTABLES[key] = mixed_step.compile_step(fn, self._leaves, self.pool.cache, bucket,
                                                     self.max_num_seqs, mesh=self.mesh, rules=self._rules,
-                                                    pool_shardings=self.pool.shardings,
-                                                    num_prefill=self.max_num_partial_prefills if split else None)
+                                                    pool_shardings=self.pool.shardings, num_prefill=num_prefill)
         self.compile_seconds += time.perf_counter() - t0
-      self._compiled[bucket] = _EXECUTABLES[key]
-    return self._compiled[bucket]
+      self._compiled[shape] = _EXECUTABLES[key]
+    return self._compiled[shape]
 
   def _run(self, plan):
     s_count, t = self.max_num_seqs, plan.bucket
@@ -321,7 +358,8 @@ class ContinuousEngine:
     seg = np.zeros_like(ids)
     last = np.zeros(s_count, np.int32)      # each decoding slot's input token
     active = np.zeros(s_count, bool)        # the slots that decode (split and decode-only steps)
-    p_count = self.max_num_partial_prefills
+    n_prompts = sum(1 for c in plan.chunks if c.seq.prefilling)
+    p_count = 1 if n_prompts == 1 and t in self.single_prompt_buckets else self.max_num_partial_prefills
     sub_slots = np.full(p_count, s_count, np.int32)   # split step: sub-pool entry -> slot (S: unused)
     sub_fresh = np.zeros(p_count, bool)
     fresh = np.zeros(s_count, bool)
@@ -364,8 +402,8 @@ class ContinuousEngine:
     if decode_only:
       out = self.compiled_step(None)(self._leaves, self.pool.cache, last, active, *sampling)
     elif split:
-      *out, self._mid = self.compiled_step(t)(self._leaves, self.pool.cache, last, active, ids, seg, sub_slots,
-                                              sub_fresh, *sampling)
+      *out, self._mid = self.compiled_step(t, p_count)(self._leaves, self.pool.cache, last, active, ids, seg,
+                                                       sub_slots, sub_fresh, *sampling)
     else:
       out = self.compiled_step(t)(self._leaves, self.pool.cache, ids, seg, fresh, *sampling)
     tok, logprob, top2, self.pool.cache = out

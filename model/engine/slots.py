@@ -81,10 +81,10 @@ class SlotPool:
   def _context(self):
     return partitioning.mesh_context(self.mesh, self._rules) if self.mesh is not None else contextlib.nullcontext()
 
-  def compile_transfers(self, mid=None) -> None:
+  def compile_transfers(self, mids=()) -> None:
     """Compiles `take` and `put` now (each is one executable, whatever the snapshot's length) by
-    copying free slot 0's state out and back, and `take_mid` when an example `mid` (the split
-    step's output shape) is given; call it only while every slot is free.
+    copying free slot 0's state out and back, and `take_mid` for each example `mid` in `mids` (one
+    per shape of the split step's output); call it only while every slot is free.
 
     Raises:
       ValueError: a slot is in use.
@@ -92,7 +92,7 @@ class SlotPool:
     if self.num_free != self.num_slots:
       raise ValueError(f"compile_transfers needs every slot free ({self.num_free} of {self.num_slots} are)")
     self.put(0, self.take(0, 0))
-    if mid is not None:
+    for mid in mids:
       self.take_mid(mid, 0, 0, 0)
 
   def take(self, slot: int, num_tokens: int) -> Snapshot:
@@ -108,7 +108,8 @@ class SlotPool:
     """A host `Snapshot` of the first `num_tokens` tokens of slot `slot` whose KDA states and conv
     windows are entry `entry` of `mid` (`model.engine.mixed_step.build_split_step`'s first-stage
     output: the slot went on past `num_tokens` in the same step) and whose MLA latents are the
-    slot's first `num_tokens` rows (the second stage wrote only rows after them)."""
+    slot's first `num_tokens` rows (the second stage wrote only rows after them). One executable per
+    shape of `mid` (its sub-pool size)."""
     if self._take_mid is None:
       def take_mid(cache, mid, p, s):
         return tuple({f: getattr(m, f)[p] for f in _fields(m)} if m is not None

@@ -46,7 +46,7 @@ def serve(engine):
 
 
 def main():
-  sizes = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16)   # one bucket (+ the decode-only step)
+  sizes = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16)   # one bucket (+ its one-prompt variant, the decode-only step)
   loaded = loading.load(DEMO, MESH_KEYS)
   assert loaded.mesh is not None and loaded.mesh.size == 8, loaded.mesh
   mesh_engine = ContinuousEngine(loaded.model, mesh=loaded.mesh, rules=loaded.config, prefix_cache_bytes=1 << 24,

@@ -104,6 +104,48 @@ def test_absent_slots_are_bit_unchanged(engine):
       assert not np.array_equal(x[1], y[1])
 
 
+def test_single_prompt_variant_equals_the_p_slot_step(engine):
+  """A step with one prompt chunk runs the bucket's one-prompt executable (sub-pool of 1 slot); it
+  gives the tokens, log-probs (1e-5), pool and first-stage `mid` (1e-5) of the same step on the
+  P-slot executable, chunk and tail rows included, while 3 slots decode beside it."""
+  rng = np.random.default_rng(11)
+  s, p = SLOTS, engine.max_num_partial_prefills
+  assert engine.single_prompt_buckets == (16, 32, 64)
+  sampling = (np.ones(s, bool), np.ones(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
+              np.zeros(s, np.uint32), np.zeros(s, np.int32), np.int32(engine.vocab_limit))
+  # A pool where slots 0, 1, 3 hold 20-token prompts and slot 2 one of 9 tokens.
+  ids, seg = np.zeros((2, 64), np.int32), np.zeros((2, 64), np.int32)
+  ids[0, :60] = rng.integers(4, 1000, 60)
+  seg[0, :20], seg[0, 20:40], seg[0, 40:51], seg[0, 51:60] = 1, 2, 3, 4
+  pool = jax.tree.map(lambda a: jnp.array(a, copy=True), engine.pool.cache)
+  *_, pool, _ = engine.compiled_step(64)(engine._leaves, pool, np.zeros(s, np.int32), np.zeros(s, bool), ids, seg,
+                                          np.array([0, 1, 3, 2], np.int32), np.ones(p, bool), *sampling)
+  decode = (rng.integers(4, 1000, s).astype(np.int32), np.array([True, True, False, True]))
+  ids, seg = np.zeros((2, 64), np.int32), np.zeros((2, 64), np.int32)
+  ids[0, :55], seg[0, :55] = rng.integers(4, 1000, 55), 1     # slot 2 continues: a chunk, then a tail
+  ids[1, :30], seg[1, :30] = rng.integers(4, 1000, 30), 1
+  runs = []
+  for n in (1, p):
+    sub = np.full(n, s, np.int32)
+    sub[0] = 2
+    copy = jax.tree.map(lambda a: jnp.array(a, copy=True), pool)
+    runs.append(jax.device_get(engine.compiled_step(64, n)(engine._leaves, copy, *decode, ids, seg, sub,
+                                                           np.zeros(n, bool), *sampling)))
+  (tok1, lp1, _, pool1, mid1), (tokp, lpp, _, poolp, midp) = runs
+  np.testing.assert_array_equal(tok1, tokp)
+  np.testing.assert_allclose(lp1, lpp, atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(pool1.lengths, [21, 21, 9 + 55 + 30, 12])
+  np.testing.assert_array_equal(pool1.lengths, poolp.lengths)
+  for a, b in zip(jax.tree.leaves(pool1), jax.tree.leaves(poolp)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+  for a, b in zip(jax.tree.leaves(mid1), jax.tree.leaves(midp)):
+    assert a.shape[0] == 1 and b.shape[0] == p
+    np.testing.assert_allclose(a[0], b[0], atol=1e-5, rtol=0)
+    assert np.abs(a[0]).max() > 0
+  with pytest.raises(ValueError, match="no step executable for bucket=128, num_prefill=1"):
+    engine.compiled_step(128, 1)
+
+
 def test_decode_only_step_keeps_inactive_slots(engine):
   """The decode-only executable (`model.decode`) advances the active slots only: inactive slots keep
   their KDA states, conv windows and length bit for bit, and their valid MLA rows."""
@@ -224,6 +266,8 @@ def test_prefix_cache_hit_equals_cache_off(model, engine):
   assert tokens(hit["second"]) == tokens(off["second"])
   np.testing.assert_allclose(logprobs(hit["second"]), logprobs(off["second"]), atol=1e-5, rtol=0)
   assert on.stats().num_compilations <= on.max_compilations
+  # The steps with one prompt chunk of at most 64 tokens ran the one-prompt executables.
+  assert {(b, n) for b, n in on._compiled if b is not None and b <= 64} == {(64, 1)}
 
 
 def test_tail_after_a_snapshot_boundary_emits_in_the_same_step(model, engine):
@@ -332,7 +376,8 @@ def test_compilations_over_200_requests(model):
   executables exist: kept in make test)."""
   fresh = ContinuousEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, max_num_batched_tokens=BUDGET)
   stats = _random_run(fresh, 200, 9)
-  assert stats.num_compilations <= fresh.max_compilations == len(fresh.buckets) + 1
+  assert fresh.max_compilations == len(fresh.buckets) + len(fresh.single_prompt_buckets) + 1 == 8
+  assert stats.num_compilations <= fresh.max_compilations
   assert stats.generated_tokens > 200 and stats.num_free_slots == SLOTS
 
 
