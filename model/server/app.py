@@ -5,8 +5,13 @@ Routes:
   server-sent events, one `data: {chunk}` per text delta, then `data: [DONE]` (with
   `stream_options.include_usage`, a last chunk with `usage` and no choices comes before it).
   `usage` = prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details.cached_tokens.
-  `logprobs=1` (or 0) gives `tokens`, `token_logprobs` (the chosen token's natural-log probability,
-  null where the engine reports none: the static engine), `text_offset`; no alternatives.
+  `logprobs=1` (or 0) gives `tokens` (each token's text as it appears in the completion, so that
+  "".join(tokens) is the text: see `model.server.text` for byte pieces and stop token ids),
+  `token_logprobs` (the chosen token's natural-log probability, null where the engine reports none: the
+  static engine), `text_offset`; no alternatives. With a stop string, the tokens whose text starts at
+  or after the cut (the stop string's own tokens and any after it) are left out, as the text leaves the
+  stop string out; a token that straddles the cut is kept whole. In a stream a token's entry goes out
+  with the chunk that carries the start of its text. `token_ids` and `usage` count every generated id.
   `return_token_ids=true` adds the generated ids as `token_ids` to each choice (vLLM's field).
 - `POST /v1/chat/completions`: needs a tokenizer with a chat template; without one (this project's
   sentencepiece and ids-only tokenizers carry none) it answers 400 `chat_template_missing`.
@@ -69,8 +74,15 @@ class ServerState:
     self.metrics = ServerMetrics(lambda: loop.snapshot, loop.num_waiting)
 
 
+RETRY_AFTER_S = 1   # the Retry-After of a 503 max_waiting (a full server frees slots within seconds)
+
+
 def _error(e: ApiError) -> JSONResponse:
-  return JSONResponse(e.body(), status_code=e.status)
+  return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _plural(n: int, word: str) -> str:
+  return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 async def _read_body(request: fastapi.Request, limit: int) -> bytes:
@@ -91,11 +103,6 @@ async def _read_body(request: fastapi.Request, limit: int) -> bytes:
   return b"".join(chunks)
 
 
-def _piece(tokenizer, token_id: int) -> str:
-  piece = getattr(tokenizer, "id_to_piece", None)
-  return piece(int(token_id)) if piece is not None else str(int(token_id))
-
-
 class _Generation:
   """One admitted request: its queue of engine events and the response it builds from them."""
 
@@ -108,7 +115,7 @@ class _Generation:
     self.queue: asyncio.Queue = asyncio.Queue()
     self.token_ids: list[int] = []
     self.logprobs: list[float | None] = []
-    self.offsets: list[int] = []
+    self._lp_ready = 0   # tokens whose logprobs entries may go out (logprobs_ready)
     self.cached = 0
     self.finish: str | None = None
     self.arrival = time.perf_counter()
@@ -156,7 +163,6 @@ class _Generation:
       now = time.perf_counter()
       self.first = self.first if self.first is not None else now
       self.last = now
-      self.offsets.append(len(self.text.text))
       self.token_ids.append(int(event.token_id))
       self.logprobs.append(event.logprob)
       delta = self.text.add(event.token_id)
@@ -175,16 +181,29 @@ class _Generation:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": int(self.cached)}}
 
+  def logprobs_ready(self) -> int:
+    """How many tokens' logprobs entries may go out now: those whose text starts before the text sent so
+    far; once finished, those whose text starts before the end of the returned text (all of them unless
+    a stop string cut it: the stop string's tokens and any after it are left out)."""
+    spans = self.text.spans
+    if self.finish is not None and not self.text.stopped:
+      self._lp_ready = len(spans)
+    else:   # starts are nondecreasing and the bound only grows: walk on from the last count
+      bound = len(self.text.text) if self.finish is not None else self.text.sent
+      while self._lp_ready < len(spans) and spans[self._lp_ready][0] < bound:
+        self._lp_ready += 1
+    return self._lp_ready
+
   def logprobs_of(self, start: int, stop: int):
     if self.body.logprobs is None:
       return None
-    ids = self.token_ids[start:stop]
-    return {"tokens": [_piece(self.state.tokenizer, t) for t in ids],
-            "token_logprobs": list(self.logprobs[start:stop]),
-            "top_logprobs": None, "text_offset": list(self.offsets[start:stop])}
+    decoded, spans = self.text.decoded, self.text.spans[start:stop]
+    return {"tokens": [decoded[a:b] for a, b in spans], "token_logprobs": list(self.logprobs[start:stop]),
+            "top_logprobs": None, "text_offset": [a for a, _ in spans]}
 
-  def choice(self, text: str, start: int, stop: int, finish: str | None) -> dict:
-    out = {"index": 0, "text": text, "logprobs": self.logprobs_of(start, stop), "finish_reason": finish}
+  def choice(self, text: str, start: int, stop: int, finish: str | None, logprobs: tuple[int, int]) -> dict:
+    """One choice: `text`, the ids [start, stop) as `token_ids`, the logprobs entries [logprobs[0], logprobs[1])."""
+    out = {"index": 0, "text": text, "logprobs": self.logprobs_of(*logprobs), "finish_reason": finish}
     if self.body.return_token_ids:
       out["token_ids"] = self.token_ids[start:stop]
     return out
@@ -200,7 +219,7 @@ class _Generation:
 
 def _check_model(state: ServerState, name: str | None) -> None:
   if name is not None and name != state.model_name:
-    raise ApiError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+    raise ApiError(404, f"the model {protocol.short(name)} does not exist; this server serves {state.model_name!r}",
                    "model", "model_not_found")
 
 
@@ -211,6 +230,8 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[protocol.CompletionRequest
     raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
   except RecursionError:
     raise bad_request("the request body nests JSON arrays or objects too deeply", None, "invalid_json") from None
+  except ValueError as e:   # an integer of more digits than Python converts (4300)
+    raise bad_request(f"the request body holds a number the server cannot read: {e}", None, "invalid_json") from None
   if not isinstance(data, dict):
     raise bad_request("the request body must be a JSON object", None, "invalid_json")
   try:
@@ -232,8 +253,8 @@ def _admit(state: ServerState) -> None:
     raise ApiError(503, "the engine loop has stopped", None, "engine_stopped", type="service_unavailable")
   waiting = state.loop.num_waiting()
   if waiting >= state.max_waiting:
-    raise ApiError(503, f"{waiting} requests are waiting (max_waiting={state.max_waiting}); retry later", None,
-                   "max_waiting", type="service_unavailable")
+    raise ApiError(503, f"{_plural(waiting, 'request')} waiting (max_waiting={state.max_waiting}); retry later",
+                   None, "max_waiting", type="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def _until_done_or_gone(gen: _Generation, request: fastapi.Request) -> str:
@@ -285,8 +306,8 @@ def build_app(state: ServerState) -> fastapi.FastAPI:
   @app.exception_handler(StarletteHTTPException)
   async def _http(request, e: StarletteHTTPException):
     code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-    return _error(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None, code,
-                           type="invalid_request_error"))
+    return _error(ApiError(e.status_code, f"{request.method} {protocol.cut(request.url.path)}: {e.detail}", None,
+                           code, type="invalid_request_error"))
 
   @app.get("/health")
   async def health():
@@ -333,7 +354,8 @@ def build_app(state: ServerState) -> fastapi.FastAPI:
         if gen.finish is None:
           gen.cancel()
         gen.record()
-      return gen.envelope([gen.choice(text, 0, len(gen.token_ids), gen.finish)], gen.usage())
+      return gen.envelope([gen.choice(text, 0, len(gen.token_ids), gen.finish, (0, gen.logprobs_ready()))],
+                          gen.usage())
     try:   # the first event before the headers: a refusal is still an HTTP error status
       first = await gen.next_delta()
     except BaseException:
@@ -349,13 +371,15 @@ def build_app(state: ServerState) -> fastapi.FastAPI:
 async def _stream(gen: _Generation, first):
   include_usage = gen.body.stream_options is not None and gen.body.stream_options.include_usage
   try:
-    delta, done = first, 0
+    delta, done, done_lp = first, 0, 0
     while delta is not None:
       text, n = delta
       if text or gen.finish is not None or (n and gen.body.return_token_ids):
-        # Tokens whose text was held back (a partial stop string) go out with the next chunk that has text.
-        yield _sse(gen.envelope([gen.choice(text, done, len(gen.token_ids), gen.finish)], None))
-        done = len(gen.token_ids)
+        # Tokens whose text was held back (a partial stop string) go out with the next chunk that has text;
+        # their logprobs entries with the chunk that sends the start of their text (or never: past a stop).
+        ready = max(done_lp, gen.logprobs_ready())
+        yield _sse(gen.envelope([gen.choice(text, done, len(gen.token_ids), gen.finish, (done_lp, ready))], None))
+        done, done_lp = len(gen.token_ids), ready
       try:
         delta = await gen.next_delta()
       except ApiError as e:

@@ -8,7 +8,11 @@ builds the `model.engine.api.Request`. Every refusal is an `ApiError`, answered 
     {"error": {"message": ..., "type": ..., "param": <the field at fault or null>, "code": ...}}
 
 with the HTTP status it carries (400 invalid_request_error for bad input, 404 for an unknown model or
-route, 413 for an oversized body, 503 when the server is full or draining).
+route, 413 for an oversized body, 503 when the server is full or draining; the 503 of a full server
+carries `Retry-After`). A value echoed in a message is cut to ECHO_LIMIT characters ("..." marks the cut).
+
+Integer fields (max_tokens, n, logprobs, seed, top_k, the ids of a token-id prompt) accept an integral
+JSON float (1.0, as OpenAI and vLLM do) and refuse any other non-integer (1.5, "1", true).
 
 Sampling (how the OpenAI fields map to `model.engine.serving.SamplingParams`):
 - `temperature` absent or 0: greedy (argmax); `top_k` / `top_p` are then not used.
@@ -20,8 +24,11 @@ Sampling (how the OpenAI fields map to `model.engine.serving.SamplingParams`):
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
+from typing import Annotated
+
 import pydantic
 
 from model.engine.api import Request
@@ -32,9 +39,10 @@ class ApiError(Exception):
   """A refused request: the HTTP status and the fields of the OpenAI error body."""
 
   def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-               type: str = "invalid_request_error"):
+               type: str = "invalid_request_error", headers: dict[str, str] | None = None):
     super().__init__(message)
     self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+    self.headers = headers   # extra HTTP headers of the answer (Retry-After)
 
   def body(self) -> dict:
     return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -63,21 +71,71 @@ def from_validation_error(e: pydantic.ValidationError | list) -> ApiError:
   if first.get("type") == "missing":
     return bad_request(f"{param} is required", param, "missing_field")
   if first.get("type") == "extra_forbidden":   # the unknown key itself, under its parent ("stream_options.bogus")
-    unknown = ".".join(loc)
+    unknown = cut(".".join(loc))
     return bad_request(f"{unknown} is not a field this server accepts", unknown, "unknown_field")
   if param in _UNION_FIELDS:   # pydantic's message names only one of the union's members
     whole = min(errors, key=lambda err: len(err.get("loc", ()))).get("input")   # the value, not a member's part
-    return bad_request(f"{param} must be {_UNION_FIELDS[param]} (got {_short(whole)})", param, "invalid_value")
-  return bad_request(f"{param}: {first.get('msg')} (got {first.get('input')!r})", param, "invalid_value")
+    element = _bad_token_id(whole) if param == "prompt" else None
+    if element is not None:
+      return bad_request(element, param, "invalid_value")
+    return bad_request(f"{param} must be {_UNION_FIELDS[param]} (got {short(whole)})", param, "invalid_value")
+  return bad_request(f"{param}: {first.get('msg')} (got {short(first.get('input'))})", param, "invalid_value")
 
 
 _UNION_FIELDS = {"prompt": "a string, a list of integer token ids, or a list holding one of them",
                  "stop": "a string or a list of at most 4 strings"}
+ECHO_LIMIT = 100   # characters of a request's value quoted back in an error message
 
 
-def _short(value, limit: int = 80) -> str:
-  text = repr(value)
+def cut(text: str, limit: int = ECHO_LIMIT) -> str:
   return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def short(value, limit: int = ECHO_LIMIT) -> str:
+  """`repr(value)`, cut to `limit` characters (a 900 KB model name is not sent back whole)."""
+  if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** limit:
+    return f"an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits"   # (repr may refuse it)
+  return cut(repr(value), limit)
+
+
+def _is_id(value) -> bool:
+  return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+
+
+def _bad_token_id(prompt) -> str | None:
+  """'prompt[3] must be an integer token id, got str ...' for a token-id prompt (a list holding integers,
+  or one such list in a list) with one element of another type; None for any other shape."""
+  def first_bad(ids, path):
+    if not any(_is_id(t) for t in ids) or any(isinstance(t, list) for t in ids):
+      return None
+    i = next((i for i, t in enumerate(ids) if not _is_id(t)), None)
+    if i is None:
+      return None
+    return f"{path}[{i}] must be an integer token id, got {_json_type(ids[i])} {cut(json.dumps(ids[i]), 40)}"
+  if not isinstance(prompt, list):
+    return None
+  if len(prompt) == 1 and isinstance(prompt[0], list):
+    return first_bad(prompt[0], "prompt[0]")
+  return first_bad(prompt, "prompt")
+
+
+def _json_type(value) -> str:
+  for kind, name in ((bool, "boolean"), (str, "string"), (int, "integer"), (float, "number"), (list, "array"),
+                     (dict, "object")):
+    if isinstance(value, kind):
+      return name
+  return "null"
+
+
+def _integral(value):
+  """An integral JSON float (1.0) as the integer it is; anything else unchanged (the strict check decides)."""
+  if isinstance(value, float) and value.is_integer():
+    return int(value)
+  return value
+
+
+# An integer field: 1.0 accepted as 1 (OpenAI and vLLM accept it), 1.5 / "1" / true refused.
+Int = Annotated[int, pydantic.BeforeValidator(_integral)]
 
 
 # strict: a JSON value of the wrong type is refused (400 naming the field), never coerced ("16" is not 16,
@@ -90,6 +148,9 @@ class StreamOptions(pydantic.BaseModel):
   include_usage: bool = False
 
 
+DEFAULT_MAX_TOKENS = 16   # OpenAI's default, when a request gives no max_tokens (or null)
+
+
 class CompletionRequest(pydantic.BaseModel):
   """The body of POST /v1/completions (unknown fields are refused by name, not ignored; values of the
   wrong JSON type are refused, not coerced)."""
@@ -97,17 +158,17 @@ class CompletionRequest(pydantic.BaseModel):
   model_config = _STRICT
 
   model: str | None = None
-  prompt: str | list[int] | list[str] | list[list[int]]
-  max_tokens: int | None = 16           # OpenAI's default
+  prompt: str | list[Int] | list[str] | list[list[Int]]
+  max_tokens: Int | None = DEFAULT_MAX_TOKENS
   temperature: float | None = None
   top_p: float | None = None
-  top_k: int | None = None
+  top_k: Int | None = None
   stop: str | list[str] | None = None
-  seed: int | None = None
+  seed: Int | None = None
   stream: bool = False
   stream_options: StreamOptions | None = None
-  logprobs: int | None = None
-  n: int = 1
+  logprobs: Int | None = None
+  n: Int = 1
   echo: bool = False
   user: str | None = None
   presence_penalty: float | None = None  # accepted only at their neutral 0 (what many clients send by default)
@@ -161,9 +222,9 @@ def sampling_of(req: CompletionRequest, vocab_size: int) -> SamplingParams:
   if req.top_p is not None and not (math.isfinite(req.top_p) and 0.0 < req.top_p <= 1.0):
     raise bad_request(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
   if req.top_k is not None and req.top_k < -1:
-    raise bad_request(f"top_k must be -1 or 0 (off) or an integer >= 1, got {req.top_k}", "top_k")
+    raise bad_request(f"top_k must be -1 or 0 (off) or an integer >= 1, got {short(req.top_k)}", "top_k")
   if req.top_k is not None and req.top_k > vocab_size:
-    raise bad_request(f"top_k={req.top_k} exceeds the vocabulary size {vocab_size}", "top_k")
+    raise bad_request(f"top_k={short(req.top_k)} exceeds the vocabulary size {vocab_size}", "top_k")
   if t is None or t == 0:
     return SamplingParams("greedy")   # the canonical greedy params: one compiled function for every request
   top_k = req.top_k if req.top_k is not None and req.top_k >= 1 else None
@@ -223,7 +284,7 @@ def to_engine_request(req: CompletionRequest, *, request_id: str, tokenizer, voc
       max_model_len, and the sampling errors of `sampling_of`.
   """
   if req.n != 1:
-    raise bad_request(f"n must be 1, got {req.n}: send several requests instead", "n")
+    raise bad_request(f"n must be 1, got {short(req.n)}: send several requests instead", "n")
   if req.echo:
     raise bad_request("echo is not supported", "echo")
   for name in ("presence_penalty", "frequency_penalty"):
@@ -233,29 +294,32 @@ def to_engine_request(req: CompletionRequest, *, request_id: str, tokenizer, voc
   if req.stream_options is not None and not req.stream:
     raise bad_request("stream_options is only allowed when stream is true", "stream_options")
   if req.logprobs is not None and not 0 <= req.logprobs <= 1:
-    raise bad_request(f"logprobs must be 0 or 1 (the log-prob of the chosen token), got {req.logprobs}",
+    raise bad_request(f"logprobs must be 0 or 1 (the log-prob of the chosen token), got {short(req.logprobs)}",
                       "logprobs")
-  max_tokens = 16 if req.max_tokens is None else req.max_tokens
+  defaulted = req.max_tokens is None or "max_tokens" not in req.model_fields_set
+  max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
   if max_tokens <= 0:
-    raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    raise bad_request(f"max_tokens must be >= 1, got {short(max_tokens)}", "max_tokens")
   sampling = sampling_of(req, vocab_size)
   stop = _stop_strings(req.stop)
   ids, text = prompt_ids_of(req, tokenizer, add_bos=add_bos)
   bad = [t for t in ids if not 0 <= t < vocab_size]
   if bad:
-    raise bad_request(f"prompt holds token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}", "prompt",
+    raise bad_request(f"prompt holds token ids outside the vocabulary [0, {vocab_size}): {short(bad[:8])}", "prompt",
                       "token_id_out_of_range")
   if len(ids) >= max_model_len:
     raise bad_request(f"prompt has {len(ids)} tokens; max_model_len={max_model_len} leaves room for at most "
                       f"{max_model_len - 1} prompt tokens", "prompt", "context_length_exceeded")
   if len(ids) + max_tokens > max_model_len:
-    raise bad_request(f"prompt has {len(ids)} tokens; with max_tokens={max_tokens} it needs "
-                      f"{len(ids) + max_tokens} > max_model_len={max_model_len} tokens (lower max_tokens)",
-                      "max_tokens", "context_length_exceeded")
+    given = (f"max_tokens={DEFAULT_MAX_TOKENS} (the default: the request gives no max_tokens)" if defaulted
+             else f"max_tokens={short(max_tokens)}")
+    raise bad_request(f"prompt has {len(ids)} tokens; with {given} it needs {short(len(ids) + max_tokens)} > "
+                      f"max_model_len={max_model_len} tokens (pass a max_tokens of at most "
+                      f"{max_model_len - len(ids)})", "max_tokens", "context_length_exceeded")
   eos = getattr(tokenizer, "eos_id", None)
   stop_ids = frozenset() if req.ignore_eos or eos is None else frozenset({int(eos)})
   if req.seed is not None and not 0 <= req.seed < 2**32:
-    raise bad_request(f"seed must be in [0, 2**32), got {req.seed}", "seed")
+    raise bad_request(f"seed must be in [0, 2**32), got {short(req.seed)}", "seed")
   seed = req.seed if req.seed is not None else secrets.randbits(31)
   request = Request(request_id, tuple(ids), int(max_tokens), sampling, int(seed), stop_ids)
   return Prepared(request, stop, text)

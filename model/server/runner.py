@@ -22,6 +22,11 @@ from model.errors import UsageError
 CANCEL_GRACE_S = 5.0   # after cancel_all, how long the drain waits for the cancellations to land
 
 
+def requests(n: int) -> str:
+  """"1 request", "2 requests" (the drain's log lines)."""
+  return f"{n} request" if n == 1 else f"{n} requests"
+
+
 def bind(host: str, port: int) -> socket.socket:
   """A listening TCP socket on (host, port); port 0 picks a free one (read it from getsockname()).
 
@@ -62,7 +67,7 @@ class DrainingServer(uvicorn.Server):
       return
     self._draining = True
     self.state.draining = True
-    print(f"{signal.Signals(sig).name}: draining ({len(self.state.live)} requests running)", file=sys.stderr,
+    print(f"{signal.Signals(sig).name}: draining ({requests(len(self.state.live))} running)", file=sys.stderr,
           flush=True)
     if self._aloop is None:       # not started yet: nothing to drain
       self.should_exit = True
@@ -75,7 +80,7 @@ class DrainingServer(uvicorn.Server):
     while state.live and time.monotonic() < deadline:
       await asyncio.sleep(0.05)
     if state.live:
-      print(f"drain timeout ({self.drain_timeout_s:g} s): cancelling {len(state.live)} requests", file=sys.stderr,
+      print(f"drain timeout ({self.drain_timeout_s:g} s): cancelling {requests(len(state.live))}", file=sys.stderr,
             flush=True)
       state.loop.cancel_all()
       deadline = time.monotonic() + CANCEL_GRACE_S

@@ -15,6 +15,12 @@ pieces (the window does not move until the character completes), or (b) ends in 
 string (it may yet become one), so that streamed deltas concatenate to exactly the final text. A stop
 string ends the text before it (the stop string is not part of the output, as in the OpenAI API);
 stop token ids (EOS) are never shown.
+
+Each added id gets its span of the decoded text (`spans`, start and end in `decoded`): the text its
+decode added, so the spans tile the text and `decoded[a:b]` is the token as it appears there (with the
+leading space of a word-start piece, not sentencepiece's "▁"). Ids that decode only together (byte
+pieces spelling one character) get empty spans up to the one that completes the character, which
+gets it all; stop token ids get empty spans.
 """
 
 from __future__ import annotations
@@ -44,6 +50,13 @@ class TextStream:
     self.text = ""          # the final text so far (stop string cut off once found)
     self.sent = 0           # characters of `text` already handed out
     self.stopped = False    # a stop string was found
+    self.spans: list[list[int]] = []   # per added id: [start, end) of its text in `decoded`
+    self._last_shown: int | None = None   # index in `spans` of the last id that is not a stop token id
+
+  @property
+  def decoded(self) -> str:
+    """The whole decoded output so far (complete characters), stop string and beyond included."""
+    return self._decoded
 
   def _advance(self, final: bool = False) -> None:
     """Decodes the window; appends its new complete text to `_decoded` and moves the window on."""
@@ -74,10 +87,14 @@ class TextStream:
 
   def add(self, token_id: int) -> str:
     """Adds one generated id; returns the new text that may be sent ("" while held back or stopped)."""
+    at = len(self._decoded)
     if self.stopped or int(token_id) in self._hidden:
+      self.spans.append([at, at])
       return ""
     self._ids.append(int(token_id))
     self._advance()
+    self._last_shown = len(self.spans)
+    self.spans.append([at, len(self._decoded)])
     return self._release(self._update())
 
   def finish(self) -> str:
@@ -87,7 +104,13 @@ class TextStream:
     as the tokenizer decodes it (U+FFFD), as a whole-output decode shows it.
     """
     if not self.stopped:
+      at = len(self._decoded)
       self._advance(final=True)
+      end = len(self._decoded)
+      if end > at and self._last_shown is not None:   # an incomplete character: the last shown id's text
+        self.spans[self._last_shown][1] = end
+        for span in self.spans[self._last_shown + 1:]:   # stop token ids after it: empty, at the end
+          span[0] = span[1] = end
       self._update()
     return self._release(len(self.text))
 

@@ -74,14 +74,15 @@ class Server:
     with urllib.request.urlopen(self.url + path, timeout=30) as r:
       return r.status, r.read().decode()
 
-  def raw(self, method, path, body: bytes, headers=None):
-    """(status, parsed JSON body) of one raw request."""
+  def raw(self, method, path, body: bytes, headers=None, with_headers=False):
+    """(status, parsed JSON body[, response headers]) of one raw request."""
     conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
     try:
       conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
       r = conn.getresponse()
       data = r.read()
-      return r.status, json.loads(data) if data else None
+      out = r.status, json.loads(data) if data else None
+      return (*out, {k.lower(): v for k, v in r.getheaders()}) if with_headers else out
     finally:
       conn.close()
 
@@ -217,6 +218,15 @@ def test_text_prompt_stop_string_and_seeded_sampling(server):
                                                             stop=[stop], stream=True, extra_body={"ignore_eos": True})
                      if ch.choices)
   assert streamed == cut.choices[0].text
+  lp = c.create(model="demo", prompt="ROMEO:", max_tokens=24, temperature=0, stop=[stop], logprobs=1,
+                extra_body={"ignore_eos": True}).choices[0]
+  assert lp.text == cut.choices[0].text and bool(lp.logprobs.tokens) == bool(lp.text)   # cut where the text is
+  assert "".join(lp.logprobs.tokens).startswith(lp.text) and all(o < len(lp.text) for o in lp.logprobs.text_offset)
+  assert not any("\u2581" in t for t in lp.logprobs.tokens)
+  assert len(lp.logprobs.token_logprobs) == len(lp.logprobs.tokens) == len(lp.logprobs.text_offset)
+  whole = c.create(model="demo", prompt="ROMEO:", max_tokens=24.0, temperature=0, logprobs=1,   # 24.0: an integer
+                   extra_body={"ignore_eos": True}).choices[0]
+  assert "".join(whole.logprobs.tokens) == whole.text == text and len(whole.logprobs.tokens) == 24
   a, b = (c.create(model="demo", prompt="ROMEO:", max_tokens=10, temperature=0.8, seed=7,
                    extra_body={"top_k": 20, "ignore_eos": True, "return_token_ids": True}) for _ in range(2))
   assert _token_ids(a.choices[0]) == _token_ids(b.choices[0]) and len(_token_ids(a.choices[0])) == 10
@@ -265,6 +275,8 @@ def _bad_cases():
       ("malformed JSON", b'{"model": "demo", "prompt": [2, 3', 400, None),
       ("wrong type", j(max_tokens="many"), 400, "max_tokens"),
       ("number as a string", j(max_tokens="4"), 400, "max_tokens"),
+      ("max_tokens not integral", j(max_tokens=1.5), 400, "max_tokens"),
+      ("a token id of the wrong type", j(prompt=[2, 50, "x"]), 400, "prompt"),
       ("prompt of the wrong type", j(prompt=7), 400, "prompt"),
       ("unknown field", j(max_tokenz=3), 400, "max_tokenz"),
       ("unknown model", j(model="gpt-5"), 404, "model"),
@@ -286,6 +298,8 @@ def test_bad_input_is_refused_while_a_good_request_completes(server):
     err = data["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"], (name, data)
     assert err["param"] == param, (name, data)
+    if name == "a token id of the wrong type":
+      assert err["message"] == 'prompt[2] must be an integer token id, got string "x"', data
     if status == 400:
       assert err["type"] == "invalid_request_error", (name, data)
   with pytest.raises(openai.BadRequestError) as e:   # chat needs a chat template; the demo tokenizer has none
@@ -352,15 +366,16 @@ def test_max_waiting_gives_503(server):
 
   def one(_):
     barrier.wait()
-    return server.raw("POST", "/v1/completions", body)
+    return server.raw("POST", "/v1/completions", body, with_headers=True)
 
   with concurrent.futures.ThreadPoolExecutor(n) as pool:
     answers = list(pool.map(one, range(n)))
-  statuses = [s for s, _ in answers]
+  statuses = [s for s, _, _ in answers]
   assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
-  for s, data in answers:
+  for s, data, headers in answers:
     if s == 503:
       assert data["error"]["code"] == "max_waiting" and data["error"]["message"]
+      assert headers.get("retry-after") == "1", headers
   assert server.get("/health")[0] == 200
 
 

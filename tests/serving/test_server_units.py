@@ -152,7 +152,7 @@ def test_wrong_json_types_are_refused_naming_the_field(fields, param):
     protocol.CompletionRequest.model_validate(fields)
   err = protocol.from_validation_error(e.value)
   assert (err.status, err.param, err.code) == (400, param, "invalid_value"), err.body()
-  if param == "prompt":
+  if param == "prompt" and not isinstance(fields["prompt"], list):
     assert "a list of integer token ids" in err.message and repr(fields["prompt"]) in err.message, err.message
   if param == "stop":
     assert err.message == "stop must be a string or a list of at most 4 strings (got 5)", err.message
@@ -264,6 +264,10 @@ def test_incremental_text_equals_the_whole_output_decoded_with_the_demo_tokenize
     streamed = "".join(s.add(i) for i in ids) + s.finish()
     want = _whole_output_text(tok, prompt, ids, stop, {3})
     assert streamed == want == s.text, (trial, prompt, ids)
+    # each id's span of the decoded text: the spans tile it (the logprobs' tokens and text_offset)
+    assert len(s.spans) == len(ids) and [a for a, _ in s.spans[1:]] == [b for _, b in s.spans[:-1]]
+    assert s.spans[0][0] == 0 and (s.stopped or s.spans[-1][1] == len(s.decoded) and s.decoded == s.text)
+    assert all(a == b for (a, b), i in zip(s.spans, ids) if i == 3)   # EOS: no text
 
 
 class _DummyPrefixTokenizer(_CharTokenizer):
@@ -372,3 +376,193 @@ def test_an_unexpected_exception_still_answers_an_openai_error_body():
   assert r.status_code == 500
   err = r.json()["error"]
   assert (err["type"], err["code"]) == ("server_error", "internal_error") and "ZeroDivisionError: a bug" in err["message"]
+
+
+class _ScriptedLoop:
+  """An `EngineLoop` stand-in for the app: every request gets `ids` (logprob -(i+1)/10 for the i-th), the
+  last with finish_reason "length"; `waiting` is what num_waiting() reports."""
+
+  def __init__(self, ids, *, vocab=1024, max_model_len=256, waiting=0):
+    from types import SimpleNamespace
+    from model.engine.api import EngineStats
+    self.engine = SimpleNamespace(max_model_len=max_model_len, vocab_size=vocab)
+    self.snapshot, self.alive, self.ids, self.waiting = EngineStats(), True, list(ids), waiting
+    self.submitted, self.cancelled = [], []
+
+  def num_waiting(self):
+    return self.waiting
+
+  def submit(self, request, sink):
+    from model.engine.api import TokenEvent
+    self.submitted.append(request)
+    n = min(len(self.ids), request.max_tokens)
+    for i, t in enumerate(self.ids[:n]):
+      sink(TokenEvent(request.request_id, t, -(i + 1) / 10, "length" if i == n - 1 else None))
+
+  def cancel(self, request_id):
+    self.cancelled.append(request_id)
+
+
+def _app_client(ids, **kw):
+  from fastapi.testclient import TestClient
+  from model.data.tokenizer import SentencePieceTokenizer
+  from model.server.app import ServerState, build_app
+  from tools.demo import ASSETS
+  tok = SentencePieceTokenizer(ASSETS / "tokenizer.model")
+  loop = _ScriptedLoop(ids(tok) if callable(ids) else ids, **kw)
+  state = ServerState(loop, tok, model_name="demo", max_waiting=4)
+  return TestClient(build_app(state), raise_server_exceptions=False), tok, loop
+
+
+_OUT = "What light through yonder window breaks? It is the east"
+
+
+def _sse_chunks(text):
+  import json
+  return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_logprobs_tokens_are_the_text_of_each_token():
+  client, tok, _ = _app_client(lambda tok: tok.encode(_OUT))
+  r = client.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 40, "logprobs": 1})
+  choice = r.json()["choices"][0]
+  lp = choice["logprobs"]
+  n = len(tok.encode(_OUT))
+  assert choice["text"] == _OUT and "".join(lp["tokens"]) == _OUT
+  assert lp["tokens"][:4] == ["What", " li", "ght", " th"] and not any("\u2581" in t for t in lp["tokens"])
+  assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(n)]
+  assert lp["token_logprobs"] == [-(i + 1) / 10 for i in range(n)] and lp["top_logprobs"] is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stop, text, tokens", [
+    # " yonder window": six tokens (" y", "ond", "er", " w", "ind", "ow") spell the stop string: left out
+    (" yonder window", "What light through", ["What", " li", "ght", " th", "r", "ough"]),
+    # the stop string starts inside "ght": that token is kept whole, the rest left out
+    ("ht thr", "What lig", ["What", " li", "ght"]),
+])
+def test_logprobs_stop_where_the_text_stops(stream, stop, text, tokens):
+  client, tok, _ = _app_client(lambda tok: tok.encode(_OUT))
+  body = {"prompt": "ROMEO:", "max_tokens": 40, "logprobs": 1, "stop": stop, "return_token_ids": True}
+  if not stream:
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    got_text, lp, ids = choice["text"], choice["logprobs"], choice["token_ids"]
+  else:
+    chunks = [c["choices"][0] for c in _sse_chunks(client.post("/v1/completions", json={**body, "stream": True}).text)
+              if c.get("choices")]
+    got_text = "".join(c["text"] for c in chunks)
+    lp = {k: [v for c in chunks for v in c["logprobs"][k]] for k in ("tokens", "token_logprobs", "text_offset")}
+    ids = [t for c in chunks for t in c["token_ids"]]
+  assert got_text == text
+  assert lp["tokens"] == tokens
+  assert lp["token_logprobs"] == [-(i + 1) / 10 for i in range(len(tokens))]
+  assert lp["text_offset"] == [_OUT.index(t, sum(map(len, tokens[:i]))) for i, t in enumerate(tokens)]
+  assert all(offset < len(text) for offset in lp["text_offset"])
+  assert ids == tok.encode(_OUT)[:len(ids)] and len(ids) > len(tokens)   # token_ids: every generated id
+
+
+def test_echoed_values_are_cut_in_error_messages():
+  client, _, loop = _app_client([5, 6])
+  name = "m" * 900_000
+  r = client.post("/v1/completions", json={"model": name, "prompt": [2, 3]})
+  err = r.json()["error"]
+  assert r.status_code == 404 and (err["param"], err["code"]) == ("model", "model_not_found")
+  assert f"the model '{'m' * 96}... does not exist" in err["message"] and len(err["message"]) < 200
+  r = client.post("/v1/completions", json={"prompt": [2, 3], "k" * 500_000: 1})
+  err = r.json()["error"]
+  assert (r.status_code, err["code"]) == (400, "unknown_field") and len(err["message"]) < 200
+  assert err["param"] == "k" * 97 + "..."
+  r = client.post("/v1/completions", json={"prompt": [2, 3], "max_tokens": "x" * 500_000})
+  err = r.json()["error"]
+  assert (r.status_code, err["param"]) == (400, "max_tokens") and len(err["message"]) < 200
+  r = client.get("/v1/" + "p" * 30_000)
+  assert r.status_code == 404 and len(r.json()["error"]["message"]) < 200
+  assert loop.submitted == []
+
+
+def test_an_integer_of_too_many_digits_is_a_400_not_a_500():
+  client, _, _ = _app_client([5])
+  r = client.post("/v1/completions", content=b'{"prompt": [2, 3], "seed": ' + b"7" * 5000 + b"}",
+                  headers={"Content-Type": "application/json"})
+  assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([1, 2, 3, "x"], 'prompt[3] must be an integer token id, got string "x"'),
+    ([1, 2.5], "prompt[1] must be an integer token id, got number 2.5"),
+    ([7, True], "prompt[1] must be an integer token id, got boolean true"),
+    ([[5, 6, None]], "prompt[0][2] must be an integer token id, got null null"),
+])
+def test_a_bad_token_id_is_named_by_its_index(prompt, message):
+  import pydantic
+  with pytest.raises(pydantic.ValidationError) as e:
+    protocol.CompletionRequest.model_validate({"prompt": prompt})
+  err = protocol.from_validation_error(e.value)
+  assert (err.status, err.param, err.message) == (400, "prompt", message)
+
+
+@pytest.mark.parametrize("fields, want", [
+    ({"max_tokens": 1.0}, {"max_tokens": 1}), ({"seed": 7.0, "n": 1.0, "logprobs": 0.0}, {"seed": 7, "n": 1,
+                                                                                         "logprobs": 0}),
+    ({"top_k": 5.0}, {"top_k": 5}), ({"prompt": [1.0, 2.0]}, {"prompt": [1, 2]}),
+    ({"prompt": [[3.0, 4]]}, {"prompt": [[3, 4]]}),
+])
+def test_an_integral_float_is_an_integer(fields, want):
+  req = protocol.CompletionRequest.model_validate({"prompt": [1], **fields})
+  for key, value in want.items():
+    got = getattr(req, key)
+    assert got == value and repr(got) == repr(value), (key, got)   # repr: 1, not 1.0
+  p = _prepare(max_tokens=3.0, prompt=[1.0, 2.0])
+  assert p.request.max_tokens == 3 and p.request.prompt_ids == (1, 2)
+
+
+@pytest.mark.parametrize("fields, param", [({"max_tokens": 1.5}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
+                                           ({"seed": 1e-3}, "seed"), ({"n": float("inf")}, "n")])
+def test_a_non_integral_number_is_refused_for_an_integer_field(fields, param):
+  import pydantic
+  with pytest.raises(pydantic.ValidationError) as e:
+    protocol.CompletionRequest.model_validate({"prompt": [1], **fields})
+  err = protocol.from_validation_error(e.value)
+  assert (err.status, err.param, err.code) == (400, param, "invalid_value")
+
+
+def test_a_default_max_tokens_that_does_not_fit_says_it_was_the_default():
+  with pytest.raises(protocol.ApiError) as e:
+    _prepare(prompt=[1] * 10, max_model_len=20, max_tokens=None)
+  assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
+  assert "max_tokens=16 (the default: the request gives no max_tokens)" in e.value.message
+  assert "pass a max_tokens of at most 10" in e.value.message
+  req = protocol.CompletionRequest.model_validate({"prompt": [1] * 10})     # absent, not null
+  with pytest.raises(protocol.ApiError, match=r"max_tokens=16 \(the default"):
+    protocol.to_engine_request(req, request_id="r", tokenizer=_CharTokenizer(), vocab_size=26, max_model_len=20,
+                               add_bos=False)
+  with pytest.raises(protocol.ApiError) as e:
+    _prepare(prompt=[1] * 10, max_model_len=20, max_tokens=16)           # given: no "default"
+  assert "max_tokens=16 it needs 26" in e.value.message and "default" not in e.value.message
+
+
+@pytest.mark.parametrize("waiting, text", [(10, "10 requests waiting"), (4, "4 requests waiting")])
+def test_a_full_server_answers_503_with_retry_after(waiting, text):
+  client, _, loop = _app_client([5], waiting=waiting)
+  r = client.post("/v1/completions", json={"prompt": [2, 3]})
+  err = r.json()["error"]
+  assert (r.status_code, err["code"], r.headers.get("retry-after")) == (503, "max_waiting", "1")
+  assert err["message"].startswith(text) and loop.submitted == []
+  ok, _, _ = _app_client([5], waiting=3)
+  r = ok.post("/v1/completions", json={"prompt": [2, 3]})
+  assert r.status_code == 200 and "retry-after" not in r.headers
+
+
+@pytest.mark.parametrize("live, line", [(1, "SIGTERM: draining (1 request running)"),
+                                        (2, "SIGTERM: draining (2 requests running)"),
+                                        (0, "SIGTERM: draining (0 requests running)")])
+def test_the_drain_line_counts_requests_in_words(live, line, capsys):
+  import signal
+  import uvicorn
+  from types import SimpleNamespace
+  from model.server.runner import DrainingServer
+  state = SimpleNamespace(live={f"r{i}" for i in range(live)}, draining=False)
+  server = DrainingServer(uvicorn.Config(lambda scope, receive, send: None, log_config=None), state,
+                          drain_timeout_s=1)
+  server.handle_exit(signal.SIGTERM, None)
+  assert capsys.readouterr().err.strip() == line and state.draining and server.should_exit
