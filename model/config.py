@@ -3,8 +3,10 @@
 `load_config(["tiny", "hidden_size=64", "kda_layers=[1,3]"])` takes an optional model-config name
 (a module of the `configs` package, dashes read as underscores) or path (`.py` with `get_config()`,
 or `.json` written by `config_to_json`), then MaxText-style `key=value` overrides. Values are parsed
-against the type of the key's default: ints, floats, `true/false`, strings, lists `[a,b]` and `none`
-(only for the keys in `configs.base.NULLABLE`).
+against the type of the key's default: ints, floats, `true/false`, strings, lists `[a,b]` and `none`:
+None for the keys in `configs.base.NULLABLE`, "" (unset) for a string key whose default is ""
+(`tokenizer_path=none`, `output_json=none`), the word "none" for the other string keys (where it is a
+value: `remat_policy=none`, `split_long=none`); any other key refuses it.
 """
 
 from __future__ import annotations
@@ -75,11 +77,24 @@ def _expected_type(cfg, key):
   return type(cfg[key])
 
 
+def _unset_is_empty() -> frozenset[str]:
+  """The string keys whose unset value is "" (tokenizer_path, output_json, ...): `none` sets them to ""."""
+  global _UNSET_IS_EMPTY
+  if _UNSET_IS_EMPTY is None:
+    _UNSET_IS_EMPTY = frozenset(k for k, v in base.get_config().items() if v == "")
+  return _UNSET_IS_EMPTY
+
+
+_UNSET_IS_EMPTY: frozenset[str] | None = None
+
+
 def _parse_scalar(key: str, text: str, typ):
   low = text.strip().lower()
   if low == "none":
     if key in base.NULLABLE:
       return None
+    if typ is str:   # unset ("") where that is the key's default; else the word itself (remat_policy=none)
+      return "" if key in _unset_is_empty() else low
     raise ConfigError(f"{key} cannot be none; it expects {typ.__name__}")
   try:
     if typ is bool:

@@ -14,6 +14,8 @@ sampling rules: model/server/protocol.py.
 
 Keys (vLLM's names; none is written into a checkpoint):
   load_parameters_path    checkpoint directory (config.json + params/, tokenizer.model when it has one). Required.
+  tokenizer_path          sentencepiece .model for text prompts; default: the checkpoint's copy, if any;
+                          tokenizer_path=none (or empty): no tokenizer, prompts as token ids only.
   engine                  continuous (slot pool, mixed prefill + decode steps, chunked prefill, prefix cache)
                           or static (today's Generator: groups of up to max_num_seqs requests; the next group
                           starts when the whole group has ended; the benchmark's baseline).
@@ -24,7 +26,7 @@ Keys (vLLM's names; none is written into a checkpoint):
                           the prompt tokens of one group's prefill row).
   max_num_partial_prefills  continuous: prompts (whole or a chunk) prefilled in one step, in [1, max_num_seqs];
                           0 (the default) = min(4, max_num_seqs). The step prefills on a sub-pool of that many
-                          slots, so its cost grows with it (README, "Serving").
+                          slots, so its cost grows with it (docs/serving.md section 'Keys').
   max_waiting             waiting requests at which new ones get HTTP 503.
   prefix_cache_bytes      byte budget of the continuous engine's prefix cache (0 = off); engine=static has
                           none (giving it there is an error).

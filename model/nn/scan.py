@@ -26,7 +26,7 @@ slices of them, which the program never reads and XLA removes). Same operations,
 `remat_policy` (training only, i.e. mode "train"; jax.checkpoint around each scanned group and each
 unrolled layer): "none" (default: no rematerialisation, the forward's activations are kept),
 "full" (`jax.checkpoint_policies.nothing_saveable`: only layer inputs are kept, everything is
-recomputed in the backward), "minimal" (`checkpoint_dots_with_no_batch_dims`: the results of matmuls
+recomputed in the backward; "nothing_saveable" is the same policy under jax's name), "minimal" (`checkpoint_dots_with_no_batch_dims`: the results of matmuls
 against parameters are kept, the rest recomputed), "dots_saveable" (`dots_saveable`: every matmul
 result is kept).
 """

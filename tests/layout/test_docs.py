@@ -90,6 +90,29 @@ def test_doc_references_in_code_resolve():
   assert not bad, "\n".join(bad)
 
 
+def test_readme_sections_named_in_code_and_docs_exist():
+  """Every `README, "Title"` / `README section 'Title'` outside tests names a heading of README.md (tools'
+  --help texts point at README sections by title)."""
+  headings = {h.strip() for h in re.findall(r"^#+\s+(.+)$", (REPO / "README.md").read_text(), re.M)}
+  bad, seen = [], 0
+  for path in _outside_tests():
+    if path.suffix not in {".py", ".md"} or path.relative_to(REPO).as_posix().startswith("kda_plugin/ops/"):
+      continue
+    for title in re.findall(r"\bREADME(?:\.md)?(?:,|\s+section)\s+[\"']([^\"']+)[\"']", path.read_text()):
+      seen += 1
+      if " ".join(title.split()) not in headings:
+        bad.append(f"{path.relative_to(REPO)}: README.md has no section {title!r}")
+  assert seen and not bad, "\n".join(bad)
+
+
+def test_readme_lists_every_remat_policy():
+  """README's `remat_policy=a|b|...` is the set the config accepts (model.config.REMAT_POLICY_NAMES)."""
+  from model.config import REMAT_POLICY_NAMES
+  lists = [m for m in re.findall(r"`remat_policy=([\w|\s]+)`", (REPO / "README.md").read_text()) if "|" in m]
+  assert len(lists) == 1, f"README.md should list the remat_policy values once, as remat_policy=a|b|...: {lists}"
+  assert sorted("".join(lists[0].split()).split("|")) == sorted(REMAT_POLICY_NAMES)
+
+
 def test_paths_named_in_docs_exist():
   """Every project file a page of docs/ names in backticks (`model/loading.py`, ...) exists."""
   bad = []

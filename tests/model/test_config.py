@@ -22,6 +22,18 @@ def test_overrides_parse_every_type():
   assert ModelArgs.from_config(cfg).layer_types == ("kda", "kda", "kda", "mla")
 
 
+def test_none_on_a_string_key_is_unset_or_the_word_it_is_a_value_of():
+  """README: `none` for unset. A string key whose default is "" takes it as "" (tokenizer_path=none was
+  refused); where "none" is one of the key's values it is that value (remat_policy=none, the default, was
+  refused on the command line)."""
+  cfg = load_config(["tiny", "tokenizer_path=none", "output_json=None", "remat_policy=none", "split_long=none"])
+  assert (cfg.tokenizer_path, cfg.output_json, cfg.remat_policy, cfg.split_long) == ("", "", "none", "none")
+  for name in ("full", "nothing_saveable", "minimal", "dots_saveable"):   # README's list, alias included
+    assert load_config(["tiny", f"remat_policy={name}"]).remat_policy == name
+  with pytest.raises(ConfigError, match="remat_policy must be one of none, full, nothing_saveable"):
+    load_config(["tiny", "remat_policy=everything"])
+
+
 def test_real_layer_layout_is_one_indexed():
   a = ModelArgs.from_config(load_config(["kimi-linear-48b-a3b"]))
   assert [i for i, t in enumerate(a.layer_types) if t == "mla"] == [3, 7, 11, 15, 19, 23, 26]

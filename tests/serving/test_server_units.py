@@ -566,3 +566,16 @@ def test_the_drain_line_counts_requests_in_words(live, line, capsys):
                           drain_timeout_s=1)
   server.handle_exit(signal.SIGTERM, None)
   assert capsys.readouterr().err.strip() == line and state.draining and server.should_exit
+
+
+def test_tokenizer_path_none_serves_token_ids_only():
+  """serve's tokenizer_path=none (README: none = unset) is no tokenizer: token-id prompts only; without the
+  key the checkpoint's own copy is used."""
+  from tools import cli
+  from tools.demo import ASSETS
+  overrides, cfg = cli.parse_args([f"load_parameters_path={ASSETS}", "tokenizer_path=none"])
+  stored = cli.checkpoint_config(cfg, overrides)
+  assert stored.tokenizer_path == "" and cli.tokenizer_for(stored).ids_only
+  overrides, cfg = cli.parse_args([f"load_parameters_path={ASSETS}"])
+  stored = cli.checkpoint_config(cfg, overrides)
+  assert stored.tokenizer_path.endswith("tokenizer.model") and not getattr(cli.tokenizer_for(stored), "ids_only", False)
