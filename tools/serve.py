@@ -14,8 +14,6 @@ sampling rules: model/server/protocol.py.
 
 Keys (vLLM's names; none is written into a checkpoint):
   load_parameters_path    checkpoint directory (config.json + params/, tokenizer.model when it has one). Required.
-  tokenizer_path          sentencepiece .model for text prompts; default: the checkpoint's copy, if any;
-                          tokenizer_path=none (or empty): no tokenizer, prompts as token ids only.
   engine                  continuous (slot pool, mixed prefill + decode steps, chunked prefill, prefix cache)
                           or static (today's Generator: groups of up to max_num_seqs requests; the next group
                           starts when the whole group has ended; the benchmark's baseline).
@@ -33,6 +31,8 @@ Keys (vLLM's names; none is written into a checkpoint):
   host, port              where to listen (port=0: any free port). The line "listening on http://HOST:PORT"
                           goes to stdout once the server accepts requests.
   generate_add_bos        prepend BOS to text prompts (default true, as tools.generate).
+  tokenizer_path          (a model key) sentencepiece .model for text prompts; default: the checkpoint's copy,
+                          if any; tokenizer_path=none (or empty): no tokenizer, prompts as token ids only.
   ici_*_parallelism       with several devices: the mesh to serve on (model/partitioning.py).
 
 SIGTERM or Ctrl-C drains: new requests get 503, running ones finish (those still running after 30 s
