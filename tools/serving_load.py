@@ -437,6 +437,13 @@ def _split(text: str) -> list[str]:
   return out
 
 
+# tools.serve keys this tool sets on every server it starts, and the flag (or reason) that sets each.
+_OWN_SERVE_KEYS = {"load_parameters_path": "--checkpoint", "port": "a free port", "engine": "--engines / the workload",
+                   "max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len",
+                   "max_num_batched_tokens": "--max-num-batched-tokens",
+                   "prefix_cache_bytes": "--prefix-cache-bytes / the workload"}
+
+
 def check_args(parser: argparse.ArgumentParser, args) -> tuple[list[str], list[str]]:
   """Every flag's value, before anything starts (no server, no model, nothing written): one `error:` line
   naming the flag and exit status 2 (`parser.error`) for the first bad one. Returns (workloads, engines).
@@ -498,6 +505,9 @@ def check_args(parser: argparse.ArgumentParser, args) -> tuple[list[str], list[s
     for item in args.serve_arg:
       if "=" not in item:
         bad(f"--serve-arg takes key=value (a tools.serve key), got {item!r}")
+      key = item.split("=", 1)[0].strip().lstrip("-")
+      if key in _OWN_SERVE_KEYS:   # tools.serve would take the later value silently: the JSON would record the other
+        bad(f"--serve-arg {item!r}: {key} is set by this tool ({_OWN_SERVE_KEYS[key]}), not by --serve-arg")
   if not (args.checkpoint / "config.json").is_file():
     bad(f"--checkpoint {str(args.checkpoint)!r} has no config.json (a checkpoint directory: it gives the "
         f"vocabulary of the prompts{', and the model served' if not args.url else ''})")

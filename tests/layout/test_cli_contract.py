@@ -97,6 +97,7 @@ BENCHMARK_CASES = [
     (_ONLINE + ["--max-model-len", "100"], "--max-model-len"),    # the workload's requests are longer
     (_ONLINE + ["--prefix-cache-bytes", "-1"], "--prefix-cache-bytes"),
     (_ONLINE + ["--serve-arg", "engine"], "--serve-arg"),
+    (_ONLINE + ["--serve-arg", "max_num_seqs=4"], "--max-num-seqs"),   # set by the tool: would override silently
     (_ONLINE + ["--concurrency", "many"], "--concurrency"),
     (_ONLINE + ["--checkpoint", MISSING], "--checkpoint"),
     (_ONLINE + ["--url", "http://127.0.0.1:1"], "--url"),          # nothing listens: was a URLError traceback
