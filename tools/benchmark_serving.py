@@ -90,7 +90,7 @@ REF_SCRIPT = REPO / "tools" / "reference" / "bench_transformers.py"
 
 def _run_reference(args, extra: list[str], json_path: pathlib.Path) -> dict:
   if not REF_PY.exists():
-    sys.exit(f"{REF_PY} is missing: create the reference venv (tests/fixtures/README.md)")
+    sys.exit(f"error: {REF_PY} is missing: create the reference venv (tests/fixtures/README.md)")
   cmd = [str(REF_PY), str(REF_SCRIPT), "--json", str(json_path), "--prefill-tokens", str(args.prefill_tokens),
          "--decode-tokens", str(args.decode_tokens), "--runs", str(args.runs), "--threads", str(args.threads)] + extra
   print("$ " + " ".join(cmd), flush=True)
