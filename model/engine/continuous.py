@@ -314,8 +314,13 @@ class ContinuousEngine:
   def _mid_example(self, num_prefill: int):
     """A zero `mid` of the split step's shape for a P-slot sub-pool (compiles `SlotPool.take_mid`
     before any step ran)."""
-    return mixed_step.kda_fields(jax.tree.map(lambda x: jax.numpy.zeros((num_prefill,) + x.shape[1:], x.dtype),
-                                              self.pool.cache))
+    zeros = mixed_step.kda_fields(jax.tree.map(lambda x: jax.numpy.zeros((num_prefill,) + x.shape[1:], x.dtype),
+                                               self.pool.cache))
+    # Placed as the step returns it (replicated on a mesh), so that the executable compiled here is
+    # the one the step's real output uses.
+    where = (jax.devices()[0] if self.mesh is None
+             else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+    return jax.device_put(zeros, where)
 
   @property
   def max_compilations(self) -> int:

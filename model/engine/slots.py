@@ -52,11 +52,14 @@ class SlotPool:
     # Distinct buffers per leaf: init_cache shares one zero array between the three conv windows,
     # and the step donates every leaf.
     cache = jax.tree.map(lambda a: jnp.array(a, copy=True), model.init_cache(1, self.num_slots, self.cache_length))
+    # Committed to its device(s), as every step's output pool is: the transfers (`take`, `put`), compiled
+    # against this pool by `compile_transfers`, would otherwise compile again for the first committed one.
     if mesh is not None:
       self.shardings = cache_lib.shardings(cache, mesh, rules)
       cache = jax.device_put(cache, self.shardings)
     else:
       self.shardings = None
+      cache = jax.device_put(cache, jax.devices()[0])
     self.cache = cache
     self._free = list(range(self.num_slots))
     self._take = self._put = self._take_mid = None

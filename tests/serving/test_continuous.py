@@ -393,3 +393,25 @@ def test_compile_all_compiles_every_executable_and_changes_no_slot(model):
   assert fresh.pool._take is not None and fresh.pool._put is not None and fresh.pool._take_mid is not None
   for a, b in zip(before, jax.tree.leaves(fresh.pool.cache)):
     np.testing.assert_array_equal(np.asarray(b), a)
+  # Then requests with snapshots, hits and tails compile nothing, no XLA compilation at all: a 200-token
+  # prompt, two sharing its 192-token prefix in one step (one crossing the next boundary: a tail on
+  # the 4-slot sub-pool), then a third alone (a tail on the one-prompt executable).
+  compiles = []
+
+  def listen(event, seconds, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(seconds)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    rng = np.random.default_rng(13)
+    first = _prompt(rng, 200)
+    run(fresh, [Request("first", first, 3)])
+    hits, _ = run(fresh, [Request("hit", first[:192] + _prompt(rng, 20), 3),
+                          Request("tail", first[:192] + _prompt(rng, 90), 3)])
+    alone, _ = run(fresh, [Request("alone", first[:192] + _prompt(rng, 100), 3)])
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert hits["hit"][-1].cached_tokens == hits["tail"][-1].cached_tokens == alone["alone"][-1].cached_tokens == 192
+  # Snapshots: the first prompt's last full block (192), then 256 of "tail" and of "alone" (each from a
+  # step's `mid`: their chunks went on past it).
+  assert len(fresh.prefix_cache) == 3 and compiles == []
