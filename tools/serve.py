@@ -36,12 +36,13 @@ Keys (vLLM's names; none is written into a checkpoint):
   ici_*_parallelism       with several devices: the mesh to serve on (model/partitioning.py).
 
 SIGTERM or Ctrl-C drains: new requests get 503, running ones finish (those still running after 30 s
-are cancelled), then the server exits with status 0. A bad key or value, a missing checkpoint or an
+are cancelled), then the server exits with status 0 (a SIGTERM before it listens: status 0 as well). A bad key or value, a missing checkpoint or an
 address in use prints one `error:` line and exits with status 2 before serving.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -91,8 +92,29 @@ def warm_up(engine, progress: bool = True) -> float:
   return time.perf_counter() - t0
 
 
+class _StopBeforeListening(Exception):
+  """SIGTERM arrived while the server was still loading or compiling (nothing to drain)."""
+
+
+def _stop_before_listening(signum, frame):
+  raise _StopBeforeListening(signal.Signals(signum).name)
+
+
 def run(argv: list[str]) -> int:
   """Serves as the `key=value` arguments say (see the module docstring); raises on bad input."""
+  # Until uvicorn installs its draining handlers, SIGTERM (e.g. a supervisor stopping a server that is
+  # still compiling) ends start-up with a line and status 0, as a drain would, not by the signal.
+  previous = signal.signal(signal.SIGTERM, _stop_before_listening)
+  try:
+    return _run(argv)
+  except _StopBeforeListening as e:
+    print(f"{e}: stopped before listening (nothing was served); exiting", file=sys.stderr, flush=True)
+    return 0
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _run(argv: list[str]) -> int:
   overrides, cfg = common.parse_args(argv)
   check_keys(cfg)
   given = common.given_keys(argv)

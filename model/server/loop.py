@@ -66,9 +66,12 @@ class EngineLoop:
     self._commands.put(("cancel_all",))
 
   def num_waiting(self) -> int:
-    """Requests waiting for a slot, those queued to the loop but not yet added included."""
+    """Requests that will wait for a slot: those the engine holds without one and those queued to
+    the loop but not yet added, beyond the free slots they take at the next step (a burst on an
+    idle server is not waiting: it fills the slots first)."""
     with self._lock:
-      return self.snapshot.num_waiting + self._pending_adds
+      s = self.snapshot
+      return max(0, s.num_waiting + self._pending_adds - s.num_free_slots)
 
   def stop(self, timeout: float | None = 10.0) -> None:
     """Stops the thread after its current step (live requests get no more events)."""

@@ -21,6 +21,8 @@ Names follow vLLM's where one exists (prefix `kda_`, as vLLM's is `vllm:`):
 
 from __future__ import annotations
 
+import dataclasses
+
 import prometheus_client as prom
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
@@ -40,7 +42,7 @@ class _EngineCounter(Collector):
     self._m = metrics
 
   def collect(self):
-    s = self._m.stats()
+    s = self._m.served()
     for name, doc, value in (
         ("kda_prompt_tokens", "Prompt tokens of requests that finished prefill.", s.prompt_tokens),
         ("kda_cached_prompt_tokens", "Prompt tokens restored from the prefix cache.", s.cached_prompt_tokens),
@@ -52,10 +54,13 @@ class _EngineCounter(Collector):
 
 class ServerMetrics:
   """Metrics of one server. `stats` returns the engine's current `EngineStats` (the loop's snapshot);
-  `waiting` the waiting count the server reports (the loop's, queued requests included)."""
+  `waiting` the waiting count the server reports (the loop's, queued requests included). The token
+  counters count from this object's creation: the engine's counters then (the start-up warm-up
+  request's tokens) are subtracted, as the request counters and histograms never saw it."""
 
   def __init__(self, stats, waiting):
     self.stats, self._waiting = stats, waiting
+    self._base = stats()
     self.registry = prom.CollectorRegistry()
     r = self.registry
     self.running = prom.Gauge("kda_num_requests_running", "Requests holding a slot.", registry=r)
@@ -85,9 +90,16 @@ class ServerMetrics:
       if tokens > 1 and first is not None:
         self.tpot.observe((last - first) / (tokens - 1))
 
+  def served(self) -> EngineStats:
+    """The engine's current stats with the token counters counted since this object was created."""
+    s, b = self.stats(), self._base
+    return dataclasses.replace(s, prompt_tokens=s.prompt_tokens - b.prompt_tokens,
+                               cached_prompt_tokens=s.cached_prompt_tokens - b.cached_prompt_tokens,
+                               generated_tokens=s.generated_tokens - b.generated_tokens)
+
   def render(self) -> bytes:
     """The Prometheus text exposition, gauges refreshed from the engine now."""
-    s: EngineStats = self.stats()
+    s: EngineStats = self.served()
     self.running.set(s.num_running)
     self.waiting.set(self._waiting())
     self.free_slots.set(s.num_free_slots)

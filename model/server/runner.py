@@ -67,7 +67,7 @@ class DrainingServer(uvicorn.Server):
       return
     self._draining = True
     self.state.draining = True
-    print(f"{signal.Signals(sig).name}: draining ({requests(len(self.state.live))} running)", file=sys.stderr,
+    print(f"{signal.Signals(sig).name}: draining ({requests(len(self.state.live))} in flight)", file=sys.stderr,
           flush=True)
     if self._aloop is None:       # not started yet: nothing to drain
       self.should_exit = True

@@ -372,6 +372,8 @@ def test_max_waiting_gives_503(server):
     answers = list(pool.map(one, range(n)))
   statuses = [s for s, _, _ in answers]
   assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
+  # The free slots take their requests first: only those beyond them count as waiting.
+  assert statuses.count(200) >= MAX_NUM_SEQS + MAX_WAITING, statuses
   for s, data, headers in answers:
     if s == 503:
       assert data["error"]["code"] == "max_waiting" and data["error"]["message"]

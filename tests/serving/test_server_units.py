@@ -3,6 +3,9 @@ incremental text with stop strings, the serve tool's key checks (all before any 
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import pytest
 
 from model.config import load_config
@@ -12,6 +15,8 @@ from model.server import protocol
 from model.server.engines import build_engine
 from tools.serve import check_keys
 from model.server.text import TextStream
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 class _CharTokenizer:
@@ -553,9 +558,9 @@ def test_a_full_server_answers_503_with_retry_after(waiting, text):
   assert r.status_code == 200 and "retry-after" not in r.headers
 
 
-@pytest.mark.parametrize("live, line", [(1, "SIGTERM: draining (1 request running)"),
-                                        (2, "SIGTERM: draining (2 requests running)"),
-                                        (0, "SIGTERM: draining (0 requests running)")])
+@pytest.mark.parametrize("live, line", [(1, "SIGTERM: draining (1 request in flight)"),
+                                        (2, "SIGTERM: draining (2 requests in flight)"),
+                                        (0, "SIGTERM: draining (0 requests in flight)")])
 def test_the_drain_line_counts_requests_in_words(live, line, capsys):
   import signal
   import uvicorn
@@ -579,3 +584,72 @@ def test_tokenizer_path_none_serves_token_ids_only():
   overrides, cfg = cli.parse_args([f"load_parameters_path={ASSETS}"])
   stored = cli.checkpoint_config(cfg, overrides)
   assert stored.tokenizer_path.endswith("tokenizer.model") and not getattr(cli.tokenizer_for(stored), "ids_only", False)
+
+
+class _StatsEngine:
+  """The least of an engine an `EngineLoop` needs before it starts: `stats()` (set `.stats_now`)."""
+
+  def __init__(self, stats):
+    self.stats_now = stats
+
+  def stats(self):
+    return self.stats_now
+
+
+@pytest.mark.parametrize("engine_waiting, free, submitted, want", [
+    (0, 8, 8, 0),     # a burst of 8 on an idle 8-slot server: all take slots at the next step
+    (0, 8, 12, 4),    # 4 beyond the free slots wait
+    (3, 0, 2, 5),     # every slot busy: the engine's waiting and the queued ones
+    (5, 2, 0, 3),     # the engine's waiting beyond the slots freed since
+])
+def test_num_waiting_counts_requests_beyond_the_free_slots(engine_waiting, free, submitted, want):
+  """`EngineLoop.num_waiting` (what max_waiting is compared with, and the waiting gauge): requests that
+  will wait for a slot, not those a free slot takes at the next step (max_waiting=4 refused 4 of a
+  burst of 8 on an idle 8-slot server)."""
+  from model.engine.api import EngineStats, Request
+  from model.server.loop import EngineLoop
+  loop = EngineLoop(_StatsEngine(EngineStats(num_waiting=engine_waiting, num_free_slots=free)))
+  for i in range(submitted):
+    loop.submit(Request(f"r{i}", (2, 3), 1), lambda event: None)
+  assert loop.num_waiting() == want
+
+
+def test_token_counters_count_from_the_server_start():
+  """The token counters of /metrics leave out what the engine counted before the server started (the
+  warm-up request), as the request counters and histograms do."""
+  from model.engine.api import EngineStats
+  from model.server.metrics import ServerMetrics
+  now = {"s": EngineStats(prompt_tokens=1, generated_tokens=1)}
+  metrics = ServerMetrics(lambda: now["s"], lambda: 0)
+  text = metrics.render().decode()
+  assert "kda_prompt_tokens_total 0.0" in text and "kda_generation_tokens_total 0.0" in text
+  now["s"] = EngineStats(prompt_tokens=601, cached_prompt_tokens=512, generated_tokens=21)
+  text = metrics.render().decode()
+  assert "kda_prompt_tokens_total 600.0" in text and "kda_cached_prompt_tokens_total 512.0" in text
+  assert "kda_generation_tokens_total 20.0" in text
+  assert re.search(r"^kda_prefix_cache_hit_rate 0\.853", text, re.M)
+
+
+def test_sigterm_while_starting_exits_zero_with_a_line(tmp_path):
+  """SIGTERM while the server still loads and compiles (before it listens): one line, status 0, as the
+  drain after start-up ends (it used to end the process by the signal, status -15 / 143)."""
+  import signal
+  import subprocess
+  import sys
+  import time
+  from tools.demo import ASSETS
+  proc = subprocess.Popen([sys.executable, "-m", "tools.serve", f"load_parameters_path={ASSETS}", "port=0",
+                           "max_num_seqs=2", "max_model_len=64", "max_num_batched_tokens=16"],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 120
+    line = ""
+    while "loading" not in line and time.monotonic() < deadline:   # past the key checks, into the load
+      line = proc.stderr.readline()
+    assert "loading" in line, line
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 0, err[-3000:]
+  assert "SIGTERM: stopped before listening (nothing was served); exiting" in err and "listening on" not in out
