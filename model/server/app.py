@@ -315,10 +315,18 @@ def build_app(state: ServerState) -> fastapi.FastAPI:
       return JSONResponse({"status": "draining" if state.draining else "engine_stopped"}, status_code=503)
     return {"status": "ok"}
 
+  def model_card():
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kda_plugin",
+            "max_model_len": state.max_model_len}
+
   @app.get("/v1/models")
   async def models():
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                        "owned_by": "kda_plugin", "max_model_len": state.max_model_len}]}
+    return {"object": "list", "data": [model_card()]}
+
+  @app.get("/v1/models/{model:path}")
+  async def model(model: str):   # the openai client's models.retrieve
+    _check_model(state, model)
+    return model_card()
 
   @app.get("/metrics")
   async def metrics():

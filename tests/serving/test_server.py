@@ -175,6 +175,10 @@ def test_models_health_and_metrics(server):
   assert server.get("/health") == (200, json.dumps({"status": "ok"}, separators=(",", ":")))
   models = server.client.models.list().data
   assert [m.id for m in models] == ["demo"]
+  assert server.client.models.retrieve("demo").id == "demo"
+  with pytest.raises(openai.NotFoundError) as e:
+    server.client.models.retrieve("other")
+  assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
   _, text = server.get("/metrics")
   for name in ("kda_num_requests_running", "kda_num_requests_waiting", "kda_num_free_slots",
                "kda_prompt_tokens_total", "kda_generation_tokens_total", "kda_prefix_cache_hit_rate",
