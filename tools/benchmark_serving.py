@@ -33,12 +33,16 @@ generated, prompt and cached prompt tokens, compilations; other clients' tokens 
 server keeps its prefix cache between runs: run again with the same `--seed` and the measured prompts
 are cached already, so TTFT is measured warm; a note says so when the server's prefix cache holds
 anything before the run (restart the server, or change `--seed`, for a cold measurement). The JSON's
-`args` holds the settings that apply to the mode run, as numbers and lists.
+`args` holds the settings that apply to the mode run, as numbers and lists; a figure with no value (e.g. the
+TTFT p50 of long suffixes when no request drew one) is null in the JSON and "-" in the table.
 
 Every flag is checked before anything starts (one `error:` line naming the flag, exit status 2): counts
->= 1, each min <= its max, the workloads and engines named, the sizes `tools.serve` would refuse, an
-`--url` that answers; a failure while running (a server that does not start, a refused request) is one
-`error:` line with status 1.
+>= 1, each min <= its max, `--seed` in [0, 2**32), the workloads and engines named, the sizes and
+`--serve-arg` keys `tools.serve` would refuse, a `--json` that can be written, an `--url` that answers,
+and with `--url` no flag that only configures the servers this tool would start (`--engines`, the
+sizes, `--serve-arg`, `--start-timeout`, `--rounds`); a failure while running (a server that does not
+start, a refused request such as a 503 when the server's queue is full) is one `error:` line with
+status 1, and nothing is written.
 
 `--online --in-process` replays the same configurations, warm-ups and workloads on the engine in this
 process (no server, no HTTP, no client library; `--concurrency` closed-loop clients, times taken at
@@ -148,7 +152,7 @@ def main(argv=None):
     from tools import serving_load  # the online client: only this mode needs openai and asyncio
     argv.remove("--online")
     return serving_load.main(argv)
-  from tools.serving_load import OneLineErrorParser   # one `error:` line, status 2 (no jax, no openai)
+  from tools.serving_load import SEED_LIMIT, OneLineErrorParser, check_json_writable  # no jax, no openai
   p = OneLineErrorParser(prog="benchmark_serving.py", description=__doc__.split("\n\n")[0],
                          formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
   p.add_argument("--hf-dir", type=pathlib.Path, default=REPO / "runs/reference/demo_hf")
@@ -167,9 +171,11 @@ def main(argv=None):
                       ("--runs", args.runs), ("--rounds", args.rounds), ("--threads", args.threads)):
     if value < 1:
       p.error(f"{flag} must be an integer >= 1, got {value}")
+  if not 0 <= args.seed < SEED_LIMIT:
+    p.error(f"--seed must be an integer in [0, 2**32), got {args.seed}")
   if args.json.is_dir():
     p.error(f"--json {str(args.json)!r} is a directory; expected a file path")
-  args.json.parent.mkdir(parents=True, exist_ok=True)
+  check_json_writable(p, args.json)   # creates its directory, as the run would
   ckpt = ensure_checkpoint(args)
   rounds = []
   for r in range(args.rounds):

@@ -18,6 +18,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -32,6 +33,25 @@ WORKLOADS = ("mixed", "shared_prefix")
 ENGINES = ("continuous", "static")   # model.server.engines.ENGINES (not imported: the client starts no jax)
 
 
+SEED_LIMIT = 2 ** 32   # --seed in [0, SEED_LIMIT): numpy refuses negative seeds
+
+
+class RequestFailed(Exception):
+  """A request of the workload failed (the server refused it, or the connection broke): raised inside the
+  client tasks, the others cancelled, printed by `main` as one `error:` line (exit status 1)."""
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """`(default: ...)` after each flag's help, except where there is no default to show (None, empty,
+  a switch off) or the help already says it."""
+
+  def _get_help_string(self, action):
+    default = action.default
+    if default is None or default is False or default in ("", []) or "default" in (action.help or ""):
+      return action.help
+    return super()._get_help_string(action)
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
   """argparse whose errors are the project's one `error:` line on stderr, exit status 2 (no usage dump)."""
 
@@ -41,8 +61,11 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = OneLineErrorParser(prog="benchmark_serving.py --online",
-                         description="Online serving benchmark (see tools/benchmark_serving.py).")
+  p = OneLineErrorParser(prog="benchmark_serving.py --online", formatter_class=DefaultsHelpFormatter,
+                         description="Online serving benchmark (see tools/benchmark_serving.py). The flags "
+                                     "that size the servers this tool starts (--engines, --max-num-seqs, "
+                                     "--max-model-len, --max-num-batched-tokens, --prefix-cache-bytes, "
+                                     "--serve-arg, --start-timeout, --rounds) are refused with --url.")
   p.add_argument("--url", default="",
                  help="an already running server: measure it (one configuration per workload) instead of "
                       "starting servers. Its /metrics are scraped before and after the measured requests and "
@@ -54,23 +77,26 @@ def _parser() -> argparse.ArgumentParser:
                       "with --url, give the served one's)")
   p.add_argument("--engines", default="continuous,static", help="engines of the mixed workload: continuous, static")
   p.add_argument("--workloads", default="mixed,shared_prefix", help="mixed, shared_prefix (comma-separated)")
-  p.add_argument("--num-requests", type=int, default=64)
+  p.add_argument("--num-requests", type=int, default=64, help="measured requests per configuration")
   p.add_argument("--concurrency", type=int, default=32, help="concurrent clients")
-  p.add_argument("--prompt-min", type=int, default=16)
-  p.add_argument("--prompt-max", type=int, default=1024)
-  p.add_argument("--output-min", type=int, default=16)
-  p.add_argument("--output-max", type=int, default=256)
+  p.add_argument("--prompt-min", type=int, default=16, help="mixed: prompt tokens, at least")
+  p.add_argument("--prompt-max", type=int, default=1024, help="mixed: prompt tokens, at most")
+  p.add_argument("--output-min", type=int, default=16, help="output tokens of a request, at least")
+  p.add_argument("--output-max", type=int, default=256, help="output tokens of a request, at most")
   p.add_argument("--prefix-len", type=int, default=512, help="shared_prefix: the common prefix")
-  p.add_argument("--suffix-min", type=int, default=16)
-  p.add_argument("--suffix-max", type=int, default=128)
+  p.add_argument("--suffix-min", type=int, default=16, help="shared_prefix: suffix tokens after the prefix, at least")
+  p.add_argument("--suffix-max", type=int, default=128, help="shared_prefix: suffix tokens after the prefix, at most")
   p.add_argument("--warmup", type=int, default=None, help="unmeasured requests first (default: --concurrency)")
-  p.add_argument("--max-num-seqs", type=int, default=32)
-  p.add_argument("--max-model-len", type=int, default=0, help="default: longest prompt + longest output")
-  p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+  p.add_argument("--max-num-seqs", type=int, default=32, help="the servers' max_num_seqs")
+  p.add_argument("--max-model-len", type=int, default=0,
+                 help="the servers' max_model_len; 0: the longest prompt + longest output the workload draws")
+  p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the servers' max_num_batched_tokens")
   p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, help="the 'prefix cache on' budget")
-  p.add_argument("--serve-arg", action="append", default=[], help="more key=value for tools.serve (repeatable)")
-  p.add_argument("--start-timeout", type=float, default=1200.0)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--serve-arg", action="append", default=[],
+                 help="more key=value for tools.serve (repeatable; configs/base.py keys)")
+  p.add_argument("--start-timeout", type=float, default=1200.0, help="seconds a server may take to listen")
+  p.add_argument("--seed", type=int, default=0, help=f"the workload's prompts (the warm-up's: --seed + 1); "
+                                                     f"in [0, 2**32)")
   p.add_argument("--rounds", type=int, default=1,
                  help="measure every configuration this many times, in interleaved rounds (each in a fresh "
                       "server or engine), and report each figure's median over the rounds: the cores are "
@@ -84,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="no server and no HTTP: the same workloads replayed on the engine in this process, "
                       "`--concurrency` closed-loop clients in engine steps (separates the engine's cost from "
                       "the HTTP path's and the clients')")
-  p.add_argument("--json", type=pathlib.Path, default=REPO / "runs/serving/benchmark_serving_online.json")
+  p.add_argument("--json", type=pathlib.Path, default=REPO / "runs/serving/benchmark_serving_online.json",
+                 help="where the results are written")
   return p
 
 
@@ -108,9 +135,15 @@ async def _one(client, model, ids, n, sem) -> dict:
     t0 = time.perf_counter()
     first = last = None
     tokens = cached = 0
-    stream = await client.completions.create(model=model, prompt=ids, max_tokens=n, temperature=0, stream=True,
-                                             stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    import openai
+    try:
+      stream = await client.completions.create(model=model, prompt=ids, max_tokens=n, temperature=0, stream=True,
+                                               stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True, "return_token_ids": True})
+    except openai.APIStatusError as e:
+      raise RequestFailed(f"the server answered {e.status_code}: {str(e.message)[:500]}") from None
+    except openai.APIError as e:
+      raise RequestFailed(f"a request failed: {e}") from None
     async for chunk in stream:
       now = time.perf_counter()
       if chunk.choices:
@@ -136,7 +169,7 @@ async def _one_raw(session, url, model, ids, n, sem) -> dict:
     tokens = cached = 0
     async with session.post(url + "/v1/completions", json=body) as response:
       if response.status != 200:
-        raise SystemExit(f"error: the server answered {response.status}: {(await response.text())[:500]}")
+        raise RequestFailed(f"the server answered {response.status}: {(await response.text())[:500]}")
       async for raw in response.content:
         line = raw.strip()
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -168,14 +201,51 @@ async def _run(url, model, requests, concurrency, client_kind="raw") -> tuple[li
     one = lambda ids, n: _one_raw(client, url, model, ids, n, sem)
   t0 = time.perf_counter()
   try:
-    results = await asyncio.gather(*(one(ids, n) for ids, n in requests))
+    results = await _all_or_first_failure([one(ids, n) for ids, n in requests], client_kind)
   finally:
     await client.close()
   return results, time.perf_counter() - t0
 
 
-def _pct(values, q):
-  return float(np.percentile(np.asarray(values, float), q)) if values else float("nan")
+async def _all_or_first_failure(coros, client_kind="raw") -> list:
+  """The results of `coros`, run concurrently; at the first failure the others are cancelled (and
+  awaited, so no task is left with an exception nobody retrieves) and that failure is raised, as
+  `RequestFailed` for a refused request or a broken connection."""
+  tasks = [asyncio.ensure_future(c) for c in coros]
+  try:
+    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
+  finally:
+    for t in tasks:
+      t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+  if failed is not None:
+    e = failed.exception()
+    if not isinstance(e, RequestFailed) and _is_client_error(e, client_kind):
+      raise RequestFailed(f"a request failed: {type(e).__name__}: {e}") from e
+    raise e
+  return [t.result() for t in tasks]
+
+
+def _is_client_error(e: BaseException, client_kind: str) -> bool:
+  """Whether `e` is the HTTP client's failure of a request (connection refused or dropped, timeout)."""
+  if isinstance(e, (OSError, asyncio.TimeoutError)):
+    return True
+  if client_kind == "openai":
+    import openai
+    return isinstance(e, openai.APIError)
+  import aiohttp
+  return isinstance(e, aiohttp.ClientError)
+
+
+def _pct(values, q) -> float | None:
+  """The `q`th percentile of `values`; None (JSON null) when there are none."""
+  return float(np.percentile(np.asarray(values, float), q)) if len(values) else None
+
+
+def _fmt(value, spec: str = ".3f", scale: float = 1.0) -> str:
+  """`value * scale` formatted, or "-" for a figure with no value (None: no requests to take it over)."""
+  return "-" if value is None else format(value * scale, spec)
 
 
 BLOCK = 64   # the prefix cache's block (model.engine.prefix_cache.BLOCK; not imported: no jax in the client)
@@ -306,8 +376,8 @@ def measure(args, url, label, requests, warmup, prefix_len=None) -> dict:
   after = _scrape_settled(url)
   row = {"config": label, "client": args.client, **summarize(results, wall, prefix_len),
          "server_metrics": metrics_delta(before, after), "load_after": os.getloadavg()}
-  print(f"[{label}] {row['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {row['ttft_p50_s']:.3f} s, "
-        f"TPOT p50 {row['tpot_p50_s'] * 1e3:.1f} ms; load {row['load_after'][0]:.1f}", flush=True)
+  print(f"[{label}] {row['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {_fmt(row['ttft_p50_s'])} s, "
+        f"TPOT p50 {_fmt(row['tpot_p50_s'], '.1f', 1e3)} ms; load {row['load_after'][0]:.1f}", flush=True)
   return row
 
 
@@ -379,8 +449,8 @@ def replay(args, label, keys, requests, warmup, max_len, prefix_len=None) -> dic
   results, wall = rep.run(requests, args.concurrency)
   row = {"config": label + " (in-process replay, no HTTP)", **summarize(results, wall, prefix_len),
          "load_after": os.getloadavg()}
-  print(f"[{row['config']}] {row['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {row['ttft_p50_s']:.3f} s, "
-        f"TPOT p50 {row['tpot_p50_s'] * 1e3:.1f} ms; load {row['load_after'][0]:.1f}", flush=True)
+  print(f"[{row['config']}] {row['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {_fmt(row['ttft_p50_s'])} s, "
+        f"TPOT p50 {_fmt(row['tpot_p50_s'], '.1f', 1e3)} ms; load {row['load_after'][0]:.1f}", flush=True)
   return row
 
 
@@ -392,8 +462,18 @@ def median_row(runs: list[dict]) -> dict:
   """One configuration's row: each figure the median over its rounds (`runs`, kept under "rounds")."""
   if len(runs) == 1:
     return {**runs[0], "rounds": 1}
-  row = {**runs[-1], **{k: statistics.median(r[k] for r in runs) for k in _FIGURES if k in runs[0]}}
+  row = {**runs[-1], **{k: _median([r[k] for r in runs]) for k in _FIGURES if k in runs[0]}}
   return {**row, "rounds": len(runs), "per_round": runs}
+
+
+def _median(values: list) -> float | None:
+  """The median of the rounds that have the figure (None: none has it)."""
+  values = [v for v in values if v is not None]
+  return statistics.median(values) if values else None
+
+
+def _ratio(off, on) -> float | None:
+  return off / on if off is not None and on else None
 
 
 def prefix_cache_ratio(rows: list[dict]) -> str:
@@ -402,14 +482,16 @@ def prefix_cache_ratio(rows: list[dict]) -> str:
   off = next((r for r in rows if r["workload"] == "shared_prefix" and "cache off" in r["config"]), None)
   if on is None or off is None:
     return ""
-  text = f"prefix cache TTFT p50 ratio (off / on, medians): {off['ttft_p50_s'] / on['ttft_p50_s']:.2f}x"
+  text = f"prefix cache TTFT p50 ratio (off / on, medians): {_fmt(_ratio(off['ttft_p50_s'], on['ttft_p50_s']), '.2f')}x"
   if on.get("rounds", 1) > 1:
-    each = [b["ttft_p50_s"] / a["ttft_p50_s"] for a, b in zip(on["per_round"], off["per_round"])]
-    text += " (each round: " + ", ".join(f"{x:.2f}x" for x in each) + ")"
+    each = [_ratio(b["ttft_p50_s"], a["ttft_p50_s"]) for a, b in zip(on["per_round"], off["per_round"])]
+    text += " (each round: " + ", ".join(f"{_fmt(x, '.2f')}x" for x in each) + ")"
   if "ttft_p50_suffix_under_block_s" in on:
     text += (f"; with the cache on, TTFT p50 of suffixes under {BLOCK} tokens "
-             f"{on['ttft_p50_suffix_under_block_s']:.3f} s, of {BLOCK} or more (a snapshot at their last full block) "
-             f"{on['ttft_p50_suffix_block_or_more_s']:.3f} s")
+             f"{_fmt(on['ttft_p50_suffix_under_block_s'])} s, of {BLOCK} or more (a snapshot at their last full "
+             f"block) {_fmt(on['ttft_p50_suffix_block_or_more_s'])} s")
+    if None in (on["ttft_p50_suffix_under_block_s"], on["ttft_p50_suffix_block_or_more_s"]):
+      text += " (-: no such request)"
   return text
 
 
@@ -419,8 +501,8 @@ def table(rows: list[dict]) -> str:
   for r in rows:
     lines.append(f"| {r['workload']} | {r['config']} | {r['requests']} | {r.get('rounds', 1)} | "
                  f"{r['output_tokens_per_s']:.1f} | "
-                 f"{r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['tpot_p50_s'] * 1e3:.1f} | "
-                 f"{r['tpot_p99_s'] * 1e3:.1f} | {r['cached_tokens']} |")
+                 f"{_fmt(r['ttft_p50_s'])} | {_fmt(r['ttft_p99_s'])} | {_fmt(r['tpot_p50_s'], '.1f', 1e3)} | "
+                 f"{_fmt(r['tpot_p99_s'], '.1f', 1e3)} | {r['cached_tokens']} |")
   return "\n".join(lines)
 
 
@@ -458,6 +540,15 @@ def check_args(parser: argparse.ArgumentParser, args) -> tuple[list[str], list[s
         "measured prompts after one round): drop --url, or --rounds")
   if args.url and args.in_process:
     bad("--url measures a running server and --in-process the engine in this process: give one of them")
+  if args.url or args.in_process:   # flags of the servers this tool would start: ignored silently otherwise
+    only = _SERVER_ONLY_FLAGS if args.url else ("--serve-arg", "--start-timeout")
+    for flag in only:
+      dest = flag.lstrip("-").replace("-", "_")
+      if getattr(args, dest) != parser.get_default(dest):
+        bad(f"{flag} configures the servers this tool starts, and "
+            f"{'--url measures a running one' if args.url else '--in-process starts none'}: drop {flag}")
+  if not 0 <= args.seed < SEED_LIMIT:
+    bad(f"--seed must be an integer in [0, 2**32), got {args.seed}")
   kinds = _split(args.workloads)
   unknown = [k for k in kinds if k not in WORKLOADS]
   if unknown or not kinds:
@@ -508,6 +599,10 @@ def check_args(parser: argparse.ArgumentParser, args) -> tuple[list[str], list[s
       key = item.split("=", 1)[0].strip().lstrip("-")
       if key in _OWN_SERVE_KEYS:   # tools.serve would take the later value silently: the JSON would record the other
         bad(f"--serve-arg {item!r}: {key} is set by this tool ({_OWN_SERVE_KEYS[key]}), not by --serve-arg")
+    if args.serve_arg:
+      problem = serve_arg_problem(args.serve_arg)
+      if problem:
+        bad(f"--serve-arg: {problem}")
   if not (args.checkpoint / "config.json").is_file():
     bad(f"--checkpoint {str(args.checkpoint)!r} has no config.json (a checkpoint directory: it gives the "
         f"vocabulary of the prompts{', and the model served' if not args.url else ''})")
@@ -524,7 +619,44 @@ def check_args(parser: argparse.ArgumentParser, args) -> tuple[list[str], list[s
     if isinstance(limit, int) and longest > limit:
       bad(f"the workload's longest request (prompt + output up to {longest} tokens: --prompt-max / --prefix-len "
           f"+ --suffix-max, + --output-max) exceeds the max_model_len={limit} of the server at --url {args.url}")
+  check_json_writable(parser, args.json)   # last: it creates the directory (the only thing a check writes)
   return kinds, engines
+
+
+def check_json_writable(parser: argparse.ArgumentParser, path: pathlib.Path) -> None:
+  """Creates `path`'s directory (as the run would) and a file in it, removed at once: `parser.error`
+  naming --json when either fails (os.access alone passes where root may write nothing, e.g. /proc),
+  the directories it created removed again."""
+  created = []
+  parent = path.parent
+  while not parent.exists() and parent != parent.parent:
+    created.append(parent)
+    parent = parent.parent
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
+      pass
+  except OSError as e:
+    for d in created:   # deepest first
+      try:
+        d.rmdir()
+      except OSError:
+        pass
+    parser.error(f"--json {str(path)!r}: cannot write a file there ({e.strerror or e})")
+
+
+def serve_arg_problem(items: list[str]) -> str:
+  """Why tools.serve would refuse these `key=value` (configs/base.py: an unknown key, a value of the wrong
+  type), "" when it would take them. The project's own parser (model.config.apply_overrides), imported
+  here only: it brings jax's modules (not its runtime) into this process, so only with --serve-arg."""
+  from configs import base
+  from model.config import apply_overrides
+  from model.errors import UserError
+  try:
+    apply_overrides(base.get_config(), list(items))
+  except UserError as e:
+    return str(e)
+  return ""
 
 
 def probe(parser: argparse.ArgumentParser, url: str) -> dict:
@@ -543,6 +675,10 @@ def probe(parser: argparse.ArgumentParser, url: str) -> dict:
   except (ValueError, KeyError, IndexError, TypeError):
     parser.error(f"--url {url}: GET /v1/models did not answer a model list: not an OpenAI-compatible server?")
 
+
+# The flags that configure the servers this tool starts: refused with --url when given other than default.
+_SERVER_ONLY_FLAGS = ("--engines", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+                      "--prefix-cache-bytes", "--serve-arg", "--start-timeout")
 
 # The flags that apply to each mode, recorded (typed) in the JSON's "args".
 _COMMON = ("checkpoint", "workloads", "num_requests", "concurrency", "output_min", "output_max", "warmup", "seed",
@@ -584,6 +720,14 @@ def main(argv) -> int:
   parser = _parser()
   args = parser.parse_args(argv)
   kinds, engines = check_args(parser, args)
+  try:
+    return _main(args, kinds, engines)
+  except RequestFailed as e:   # one line, status 1; nothing written (the JSON is written at the end only)
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+
+
+def _main(args, kinds: list[str], engines: list[str]) -> int:
   vocab = json.loads((args.checkpoint / "config.json").read_text())["vocab_size"]   # the served one's, with --url
   warm = warmup_count(args)
   loads = {k: workload(k, args, vocab, args.seed) for k in kinds}
@@ -642,7 +786,7 @@ def main(argv) -> int:
   if args.url:   # a running server: was its prefix cache warm before this run's first request?
     result["server_warm_before_run"] = note or None
   tmp = args.json.with_suffix(".tmp")
-  tmp.write_text(json.dumps(result, indent=1) + "\n")
+  tmp.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")   # no NaN (not JSON): figures without values are null
   os.replace(tmp, args.json)
   print(f"wrote {args.json}")
   return 0

@@ -104,7 +104,24 @@ BENCHMARK_CASES = [
     (_ONLINE + ["--url", "127.0.0.1:8000"], "--url"),
     (_ONLINE + ["--url", "http://127.0.0.1:1", "--in-process"], "--in-process"),
     (_ONLINE + ["--url", "http://127.0.0.1:1", "--rounds", "2"], "--rounds"),
+    (_ONLINE + ["--seed", "-1"], "--seed"),                          # was numpy's ValueError traceback
+    (_ONLINE + ["--seed", str(2 ** 32)], "--seed"),
+    (_ONLINE + ["--serve-arg", "bogus_key=1"], "--serve-arg"),      # started a server that failed, left a log
+    (_ONLINE + ["--serve-arg", "max_waiting=many"], "--serve-arg"),
+    # --url: the flags of the servers the tool would start were ignored silently
+    (_ONLINE + ["--url", "http://127.0.0.1:1", "--engines", "static"], "--engines"),
+    (_ONLINE + ["--url", "http://127.0.0.1:1", "--max-num-seqs", "4"], "--max-num-seqs"),
+    (_ONLINE + ["--url", "http://127.0.0.1:1", "--max-num-batched-tokens", "512"], "--max-num-batched-tokens"),
+    (_ONLINE + ["--url", "http://127.0.0.1:1", "--max-model-len", "4096"], "--max-model-len"),
+    (_ONLINE + ["--url", "http://127.0.0.1:1", "--prefix-cache-bytes", "0"], "--prefix-cache-bytes"),
+    (_ONLINE + ["--url", "http://127.0.0.1:1", "--serve-arg", "max_waiting=4"], "--serve-arg"),
+    (_ONLINE + ["--url", "http://127.0.0.1:1", "--start-timeout", "60"], "--start-timeout"),
+    (_ONLINE + ["--in-process", "--serve-arg", "max_waiting=4"], "--serve-arg"),
+    (["--online", "--json", "/proc/kda-benchmark-test/out.json"], "--json"),   # cannot be created
+    (["--online", "--json", "/proc/out.json"], "--json"),   # was a FileNotFoundError traceback after the run
     (["--runs", "0", "--json", "{JSON}"], "--runs"),                 # the offline mode
+    (["--seed", "-1", "--json", "{JSON}"], "--seed"),
+    (["--json", "/proc/out.json"], "--json"),
 ]
 
 

@@ -102,3 +102,186 @@ def test_the_json_records_typed_args_of_its_mode_only(argv, mode, present, absen
   assert isinstance(rec["num_requests"], int) and isinstance(rec["checkpoint"], str)
   if mode != "url":
     assert rec["max_model_len"] == 1300
+
+
+# --- the online mode against a fake server (no model): failures, JSON values, --help -------------------------
+
+import asyncio
+import http.server
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+class _FakeServer(http.server.ThreadingHTTPServer):
+  """Just what the benchmark reads of tools.serve: /v1/models, /metrics, and /v1/completions streamed,
+  one token per SSE event, with the usage at the end; with `refuse`, a request that comes while another
+  streams is answered 503 (as tools.serve does when max_waiting requests wait), and the streams are slow
+  (the refused request's client still has others in flight)."""
+
+  daemon_threads = True
+
+  def __init__(self, refuse: bool):
+    self.refuse = refuse
+    self.streaming = 0
+    self.lock = threading.Lock()
+    super().__init__(("127.0.0.1", 0), _Handler)
+    self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+  def log_message(self, *args):
+    pass
+
+  def _send(self, code, body: bytes, kind="application/json"):
+    self.send_response(code)
+    self.send_header("Content-Type", kind)
+    self.send_header("Content-Length", str(len(body)))
+    self.end_headers()
+    self.wfile.write(body)
+
+  def do_GET(self):
+    if self.path == "/v1/models":
+      self._send(200, json.dumps({"data": [{"id": "demo", "max_model_len": 100000}]}).encode())
+    elif self.path == "/metrics":
+      self._send(200, b"kda_num_requests_running 0\nkda_prefix_cache_bytes 0\n", "text/plain")
+    else:
+      self._send(404, b"{}")
+
+  def do_POST(self):
+    body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+    server = self.server
+    with server.lock:
+      busy = server.refuse and server.streaming > 0
+      server.streaming += not busy
+    if busy:
+      self._send(503, json.dumps({"error": {"message": "too many requests waiting (max_waiting=1)"}}).encode())
+      return
+    try:
+      self.send_response(200)
+      self.send_header("Content-Type", "text/event-stream")
+      self.end_headers()
+      n = body["max_tokens"]
+      for i in range(n):
+        self.wfile.write(b"data: " + json.dumps({"choices": [{"token_ids": [5 + i]}]}).encode() + b"\n\n")
+        self.wfile.flush()
+        if server.refuse:
+          time.sleep(0.2)
+      usage = {"completion_tokens": n, "prompt_tokens_details": {"cached_tokens": 0}}
+      self.wfile.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\ndata: [DONE]\n\n")
+    except OSError:   # the client went away (it stops at the first refusal)
+      pass
+    finally:
+      with server.lock:
+        server.streaming -= 1
+      self.close_connection = True
+
+
+@pytest.fixture
+def fake_server(request):
+  server = _FakeServer(refuse=request.param)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  yield server
+  server.shutdown()
+  server.server_close()
+
+
+def _benchmark(*flags):
+  return subprocess.run([sys.executable, "tools/benchmark_serving.py", "--online", *flags], capture_output=True,
+                        text=True, cwd=REPO, timeout=120)
+
+
+@pytest.mark.parametrize("fake_server", [True], indirect=True)
+def test_a_503_during_the_run_is_one_error_line_and_nothing_written(fake_server, tmp_path):
+  out = tmp_path / "out.json"
+  r = _benchmark("--url", fake_server.url, "--workloads", "mixed", "--num-requests", "8", "--concurrency", "4",
+                 "--prompt-max", "32", "--output-min", "2", "--output-max", "8", "--json", str(out))
+  assert r.returncode == 1, r.stderr
+  assert "Traceback" not in r.stderr and "never retrieved" not in r.stderr, r.stderr
+  assert r.stderr.splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: the server answered 503"), r.stderr
+  assert "max_waiting" in r.stderr
+  assert not out.exists() and not out.with_suffix(".tmp").exists()
+  assert list(tmp_path.iterdir()) == []   # the writability probe left nothing either
+
+
+@pytest.mark.parametrize("fake_server", [False], indirect=True)
+def test_a_figure_without_requests_is_null_in_strict_json(fake_server, tmp_path):
+  """No request draws a suffix of a block or more: its TTFT p50 is null (was NaN, which is not JSON)."""
+  out = tmp_path / "out.json"
+  r = _benchmark("--url", fake_server.url, "--workloads", "shared_prefix", "--num-requests", "6", "--concurrency",
+                 "3", "--prefix-len", "64", "--suffix-min", "1", "--suffix-max", "8", "--output-min", "2",
+                 "--output-max", "4", "--json", str(out))
+  assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+
+  def no_constants(name):
+    raise AssertionError(f"{name} in the JSON")
+
+  data = json.loads(out.read_text(), parse_constant=no_constants)
+  row = data["rows"][0]
+  assert row["requests"] == 6 and row["requests_suffix_under_block"] == 6
+  assert row["ttft_p50_suffix_block_or_more_s"] is None and row["ttft_p50_suffix_under_block_s"] > 0
+
+
+def test_empty_figures_are_none_and_every_report_copes():
+  assert serving_load._pct([], 50) is None and serving_load._pct([1.0, 3.0], 50) == 2.0
+  one_token = [{"prompt_tokens": 520, "output_tokens": 1, "cached_tokens": 512, "ttft_s": 0.02, "tpot_s": None}]
+  row = serving_load.summarize(one_token, 1.0, prefix_len=512)
+  assert row["tpot_p50_s"] is None and row["tpot_p99_s"] is None and row["ttft_p50_suffix_block_or_more_s"] is None
+  on = {"workload": "shared_prefix", **serving_load.median_row([{**row, "config": "cache on"}] * 2)}
+  off = {"workload": "shared_prefix", **serving_load.median_row([{**row, "config": "cache off"}] * 2)}
+  assert on["tpot_p50_s"] is None and on["ttft_p50_s"] == 0.02
+  assert "| - | - |" in serving_load.table([on, off])
+  text = serving_load.prefix_cache_ratio([on, off])
+  assert "1.00x" in text and "or more (a snapshot at their last full block) - s" in text
+  json.dumps([on, off], allow_nan=False)   # no NaN anywhere
+  assert not any(isinstance(v, float) and math.isnan(v) for v in row.values())
+
+
+def test_the_first_failed_request_cancels_the_others():
+  cancelled = []
+
+  async def fails():
+    await asyncio.sleep(0.01)
+    raise serving_load.RequestFailed("the server answered 503: full")
+
+  async def slow():
+    try:
+      await asyncio.sleep(60)
+    except asyncio.CancelledError:
+      cancelled.append(True)
+      raise
+
+  async def run():
+    return await serving_load._all_or_first_failure([slow(), fails(), fails(), slow()])
+
+  with pytest.raises(serving_load.RequestFailed, match="503"):
+    asyncio.run(asyncio.wait_for(run(), 10))
+  assert cancelled == [True, True]
+
+  async def fine():
+    return await serving_load._all_or_first_failure([asyncio.sleep(0, result=i) for i in range(3)])
+
+  assert asyncio.run(fine()) == [0, 1, 2]
+
+
+def test_online_help_shows_the_defaults():
+  text = serving_load._parser().format_help()
+  for flag, default in (("--output-min", 16), ("--num-requests", 64), ("--concurrency", 32), ("--seed", 0),
+                        ("--max-num-batched-tokens", 2048), ("--client", "raw")):
+    entry = text.split(f"  {flag} ", 1)[1].split("\n  --", 1)[0]
+    assert f"default: {default}" in " ".join(entry.split()) or f"{default} (default)" in entry, (flag, entry)
+
+
+def test_given_server_flags_are_refused_with_url_but_defaults_pass(capsys):
+  parser = serving_load._parser()
+  args = parser.parse_args(["--url", "http://127.0.0.1:1", "--max-num-seqs", "32"])   # the default: not refused
+  with pytest.raises(SystemExit) as e:
+    serving_load.check_args(parser, args)
+  assert e.value.code == 2 and "--url" in capsys.readouterr().err   # got as far as the --url probe
