@@ -135,7 +135,7 @@ async def _one(client, model, ids, n, sem) -> dict:
     t0 = time.perf_counter()
     first = last = None
     tokens = cached = 0
-    import openai
+    import openai   # the official client only for --client openai (not needed by the raw client)
     try:
       stream = await client.completions.create(model=model, prompt=ids, max_tokens=n, temperature=0, stream=True,
                                                stream_options={"include_usage": True},
@@ -232,9 +232,9 @@ def _is_client_error(e: BaseException, client_kind: str) -> bool:
   if isinstance(e, (OSError, asyncio.TimeoutError)):
     return True
   if client_kind == "openai":
-    import openai
+    import openai   # each client's own error type, for the client this run uses (the other may be absent)
     return isinstance(e, openai.APIError)
-  import aiohttp
+  import aiohttp   # as above
   return isinstance(e, aiohttp.ClientError)
 
 
@@ -649,6 +649,7 @@ def serve_arg_problem(items: list[str]) -> str:
   """Why tools.serve would refuse these `key=value` (configs/base.py: an unknown key, a value of the wrong
   type), "" when it would take them. The project's own parser (model.config.apply_overrides), imported
   here only: it brings jax's modules (not its runtime) into this process, so only with --serve-arg."""
+  # Here, not at the top: jax's modules are imported only when --serve-arg is given (see above).
   from configs import base
   from model.config import apply_overrides
   from model.errors import UserError
