@@ -81,10 +81,6 @@ def _error(e: ApiError) -> JSONResponse:
   return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def _plural(n: int, word: str) -> str:
-  return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
 async def _read_body(request: fastapi.Request, limit: int) -> bytes:
   length = request.headers.get("content-length")
   if length is not None and length.isdigit() and int(length) > limit:
@@ -253,7 +249,7 @@ def _admit(state: ServerState) -> None:
     raise ApiError(503, "the engine loop has stopped", None, "engine_stopped", type="service_unavailable")
   waiting = state.loop.num_waiting()
   if waiting >= state.max_waiting:
-    raise ApiError(503, f"{_plural(waiting, 'request')} waiting (max_waiting={state.max_waiting}); retry later",
+    raise ApiError(503, f"{protocol.plural(waiting, 'request')} waiting (max_waiting={state.max_waiting}); retry later",
                    None, "max_waiting", type="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 

@@ -5,7 +5,7 @@ Names follow vLLM's where one exists (prefix `kda_`, as vLLM's is `vllm:`):
 | metric | kind | meaning |
 |---|---|---|
 | `kda_num_requests_running` | gauge | requests holding a slot (engine stats at scrape time) |
-| `kda_num_requests_waiting` | gauge | requests waiting for a slot (queued to the engine loop included) |
+| `kda_num_requests_waiting` | gauge | requests beyond the free slots (queued to the engine loop included) |
 | `kda_num_free_slots` | gauge | slots a new request could take now |
 | `kda_num_compilations` | gauge | compiled step functions so far (one per shape bucket and variant) |
 | `kda_prompt_tokens_total` | counter | prompt tokens of requests that finished prefill |

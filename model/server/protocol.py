@@ -87,6 +87,11 @@ _UNION_FIELDS = {"prompt": "a string, a list of integer token ids, or a list hol
 ECHO_LIMIT = 100   # characters of a request's value quoted back in an error message
 
 
+def plural(n: int, word: str) -> str:
+  """"1 request", "2 requests" (counts in messages and log lines)."""
+  return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def cut(text: str, limit: int = ECHO_LIMIT) -> str:
   return text if len(text) <= limit else text[:limit - 3] + "..."
 

@@ -18,13 +18,9 @@ import time
 import uvicorn
 
 from model.errors import UsageError
+from model.server.protocol import plural
 
 CANCEL_GRACE_S = 5.0   # after cancel_all, how long the drain waits for the cancellations to land
-
-
-def requests(n: int) -> str:
-  """"1 request", "2 requests" (the drain's log lines)."""
-  return f"{n} request" if n == 1 else f"{n} requests"
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -67,8 +63,8 @@ class DrainingServer(uvicorn.Server):
       return
     self._draining = True
     self.state.draining = True
-    print(f"{signal.Signals(sig).name}: draining ({requests(len(self.state.live))} in flight)", file=sys.stderr,
-          flush=True)
+    print(f"{signal.Signals(sig).name}: draining ({plural(len(self.state.live), 'request')} in flight)",
+          file=sys.stderr, flush=True)
     if self._aloop is None:       # not started yet: nothing to drain
       self.should_exit = True
       return
@@ -80,8 +76,8 @@ class DrainingServer(uvicorn.Server):
     while state.live and time.monotonic() < deadline:
       await asyncio.sleep(0.05)
     if state.live:
-      print(f"drain timeout ({self.drain_timeout_s:g} s): cancelling {requests(len(state.live))}", file=sys.stderr,
-            flush=True)
+      print(f"drain timeout ({self.drain_timeout_s:g} s): cancelling {plural(len(state.live), 'request')}",
+            file=sys.stderr, flush=True)
       state.loop.cancel_all()
       deadline = time.monotonic() + CANCEL_GRACE_S
       while state.live and time.monotonic() < deadline:
