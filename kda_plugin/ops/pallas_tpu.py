@@ -349,7 +349,7 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
     if not heads_layout_ok(num_heads, kp, vp, q2.dtype):
       raise ValueError(f"head-major operands need H % 8 == 0 and K, V <= 128, got H={num_heads}, "
                        f"K={kp}, V={vp}")
-    if hg == num_heads:  # [B, T*H, D]: each head's rows strided (`_head_reader`)
+    if hg == num_heads and jnp.dtype(q2.dtype).itemsize == 4:  # [B, T*H, D]: strided rows
       q2, k2, v2, g2 = (x.reshape(bsz, tp * num_heads, x.shape[-1]) for x in (q2, k2, v2, g2))
       blk_k = pl.BlockSpec((None, C * hg, kp), lambda b, h, c: (b, c, 0))
       blk_v = pl.BlockSpec((None, C * hg, vp), lambda b, h, c: (b, c, 0))
