@@ -6,8 +6,11 @@ with masked reductions instead of dynamic slicing, and every exponent is masked 
 `exp` so that no factor can overflow. Math: docs/kda.md section 'Chunked form (WY/UT)' and
 docs/packing.md section 'Segment-native chunk algorithm' (the masked equations).
 
-Notation (one head, one chunk of C rows): `G` is the inclusive cumulative gate over the whole chunk
-(g = 0 on padding rows), `same[r, i]` says rows r and i hold the same document.
+Notation (one head, one chunk of C rows): `G` is the inclusive cumulative gate of each row's own
+document inside the chunk (`cumsum_rows_split` with the document mask): it restarts at every document's
+first row, so no gate difference of one document ever reads another document's decay (g = 0 on padding
+rows); `same[r, i]` says rows r and i hold the same document. Gate rows are raised to at least
+`MIN_LOG_DECAY` first (`clamp_gate`).
 """
 
 from __future__ import annotations
@@ -23,38 +26,13 @@ _SUB_SHIFT = 4  # log2(SUB): block index by shift (vector integer division is no
 NEG_INF = float("-inf")
 L2NORM_EPS = 1e-6
 _HI = lax.Precision.HIGHEST
+# Per-row log decays below this are raised to it (`clamp_gate`): exp(-20) ~ 2.1e-9 is below half a
+# float32 ulp (2**-24 ~ 6e-8) of the state it multiplies, so the result is the exact one to float32
+# rounding, and a chunk's cumulative gate stays within 64 * 20 in magnitude (bounded cancellation in
+# its differences; docs/kda.md section 'Precision').
+MIN_LOG_DECAY = -20.0
 
 
-
-class KernelRefs(NamedTuple):
-  """The operand refs both Pallas kernels receive, in `inference.py`'s operand order."""
-
-  q: object
-  k: object
-  v: object
-  g: object
-  beta: object
-  seg_col: object
-  seg_row: object
-  a_exp: object  # exp(A_log) per head, with the in-kernel gate only
-  dt_bias: object  # with the in-kernel gate only
-  h0: object  # per-slot initial states, when given
-  o: object
-  final: object  # per-slot final states, when requested
-  rest: tuple  # the kernel's own scratch refs
-
-
-def unpack_refs(refs, *, gate: bool, has_h0: bool, want_final: bool) -> KernelRefs:
-  """Splits a kernel's positional refs (inputs, outputs, scratch) by the options that add operands."""
-  it = iter(refs)
-  q, k, v, g, beta, seg_col, seg_row = (next(it) for _ in range(7))
-  a_exp, dt_bias = (next(it), next(it)) if gate else (None, None)
-  h0 = next(it) if has_h0 else None
-  if want_final and not has_h0:
-    next(it)  # the zeros aliased to the final states: never read
-  o = next(it)
-  final = next(it) if want_final else None
-  return KernelRefs(q, k, v, g, beta, seg_col, seg_row, a_exp, dt_bias, h0, o, final, tuple(it))
 
 class Dots(NamedTuple):
   """The matmul precision of one call: float32 at HIGHEST (six bf16 MXU passes), or bf16 operands
@@ -118,18 +96,6 @@ def dot(a, b):
                          preferred_element_type=jnp.float32)
 
 
-def dot_nt(a, b):
-  """a @ b.T in float32."""
-  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=(_HI, _HI),
-                         preferred_element_type=jnp.float32)
-
-
-def dot_tn(a, b):
-  """a.T @ b in float32."""
-  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=(_HI, _HI),
-                         preferred_element_type=jnp.float32)
-
-
 def row_at(x, idx):
   """Row `idx` of `x [R, D]` as `[1, D]` (zeros when no row matches, e.g. idx = -1)."""
   return jnp.sum(jnp.where(iota(x.shape, 0) == idx, x, 0.0), axis=0, keepdims=True)
@@ -173,8 +139,20 @@ def cumsum_rows(g):
   return dot(tril, g)
 
 
-def cumsum_rows_split(g):
+def clamp_gate(g):
+  """`max(g, MIN_LOG_DECAY)`: see `MIN_LOG_DECAY`."""
+  return jnp.maximum(g, MIN_LOG_DECAY)
+
+
+def same_document(seg_col, seg_row):
+  """`[C, C]` bool: rows r and i hold the same document (padding rows, label 0, belong to none)."""
+  return (seg_col == seg_row) & (seg_col != 0)
+
+
+def cumsum_rows_split(g, same=None):
   """`cumsum_rows` of float32 `g [C, D]` as ONE bf16 MXU product, as exact as the float32 one.
+  With `same` (`same_document`'s `[C, C]` mask) each row sums only its own document's rows: the
+  cumulative gate restarts at every document's first row.
 
   g = hi + mid + lo with three bf16 pieces (each the rounding of what the previous ones left, so
   together they carry g's 24 mantissa bits), and the 0/1 lower triangle is exact in bf16, so
@@ -188,16 +166,24 @@ def cumsum_rows_split(g):
   rest = g - hi.astype(jnp.float32)
   mid = rest.astype(bf)
   lo = (rest - mid.astype(jnp.float32)).astype(bf)
+  if same is not None:
+    # the document mask varies per column block, so the three pieces take three products (Mosaic
+    # lowers no lane concatenation of 64-wide masks)
+    tril = ((iota((c, c), 1) <= iota((c, c), 0)) & same).astype(bf)
+    mm = lambda x: lax.dot_general(tril, x, (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    return mm(hi) + (mm(mid) + mm(lo))
   tril3 = (jnp.bitwise_and(iota((c, 3 * c), 1), c - 1) <= iota((c, 3 * c), 0)).astype(bf)
   return lax.dot_general(tril3, jnp.concatenate([hi, mid, lo], axis=0), (((1,), (0,)), ((), ())),
                          preferred_element_type=jnp.float32)
 
 
-def _diag_scores(qb, kb, gb, row0, c):
+def _diag_scores(qb, kb, gb, segb, row0, c):
   """Elementwise scores of one diagonal row block: rows row0..row0+R-1 against the same columns.
 
   Returns `(akk, aqk)` `[R, C]`; entry (r, i) = sum_d {k,q}_r[d] k_i[d] exp(G_r[d] - G_i[d]) for
-  columns i in the block with i <= r, exact (one exponent per entry, masked before exp).
+  columns i in the block with i <= r of the same document (segb: the rows' float32 labels `[R, 1]`),
+  exact (one exponent per entry, masked before exp), 0 elsewhere.
   """
   r_, d = gb.shape
   rows = iota((r_, d), 0) + row0
@@ -206,7 +192,8 @@ def _diag_scores(qb, kb, gb, row0, c):
   def body(j, carry):
     akk, aqk = carry
     i = row0 + j
-    e = jnp.exp(jnp.where(rows >= i, gb - row_at(gb, j), NEG_INF)) * row_at(kb, j)
+    keep = (rows >= i) & (segb == row_at(segb, j))
+    e = jnp.exp(jnp.where(keep, gb - row_at(gb, j), NEG_INF)) * row_at(kb, j)
     akk = jnp.where(cols == i, jnp.sum(e * kb, axis=1, keepdims=True), akk)
     aqk = jnp.where(cols == i, jnp.sum(e * qb, axis=1, keepdims=True), aqk)
     return akk, aqk
@@ -254,12 +241,14 @@ def _diag_scores_all_blocks(q, k, G):
   return lax.fori_loop(0, SUB, body, (zero, zero))
 
 
-def _below_diag_scores(q, k, G, dots=F32):
+def _below_diag_scores(q, k, G, segf, dots=F32):
   """Scores of every entry below the diagonal 16x16 blocks, `(akk, aqk)` `[C, C]`, in ONE matmul.
 
   Column block `blk` against all rows below it, factored around the block's last row `p`:
-  exp(G_r - G_p) exp(G_p - G_i) with i <= p < r, so both factors are <= 1 and neither can
-  overflow (an underflowed factor only hides a product that is smaller still). The C/16 - 1 column
+  exp(G_r - G_p) exp(G_p - G_i) with i <= p < r. Both factors are masked to rows of p's document
+  (segf: float32 labels `[C, 1]`) before exp: within one document G is non-increasing, so both are
+  <= 1 and neither can overflow (an underflowed factor only hides a product that is smaller still);
+  a kept entry (r, i of one document) has p in that document too. The C/16 - 1 column
   blocks are stacked along the contraction (their key rows are disjoint, so the sum over the
   stacked channels is the sum over blocks) and the k and q rows along M: one `[2C, (C/16-1) K] x
   [C, (C/16-1) K]^T` product, one MXU round trip instead of 2 (C/16 - 1) (tools/tpu_cost.py: the
@@ -267,13 +256,15 @@ def _below_diag_scores(q, k, G, dots=F32):
   """
   c = G.shape[0]
   rows = iota(G.shape, 0)
+  seg_d = jnp.broadcast_to(segf, G.shape)
   # exp(G_p - G_i) for every row i against the last row p of its own block: one exponent per
   # (row, channel), shared by all column blocks (each one uses only its own rows)
-  k_inside = k * jnp.exp(block_row(G, SUB - 1) - G)
+  k_inside = k * jnp.exp(jnp.where(block_row(seg_d, SUB - 1) == seg_d, block_row(G, SUB - 1) - G,
+                                   NEG_INF))
   k_parts, q_parts, key_parts = [], [], []
   for blk in range(c // SUB - 1):
     p = blk * SUB + SUB - 1
-    below = jnp.exp(jnp.where(rows > p, G - row_at(G, p), NEG_INF))
+    below = jnp.exp(jnp.where((rows > p) & (seg_d == row_at(segf, p)), G - row_at(G, p), NEG_INF))
     k_parts.append(k * below)
     q_parts.append(q * below)
     key_parts.append(jnp.where((rows >= blk * SUB) & (rows <= p), k_inside, 0.0))
@@ -303,17 +294,20 @@ def factored_diagonal(lower_bound) -> bool:
   return lower_bound is not None and factored_shift(lower_bound) <= MAX_FACTORED_EXPONENT
 
 
-def _diag_scores_factored(q, k, G, lower_bound, dots):
+def _diag_scores_factored(q, k, G, segf, lower_bound, dots):
   """All diagonal 16x16 blocks of `(akk, aqk)` `[C, C]` in one `[2C, K] x [C, K]^T` matmul.
 
   exp(G_r - G_i) = exp(G_r - ref) exp(ref - G_i) with ref = G_first - d (`factored_shift`), G_first
-  the first row of the rows' own block: both factors lie in [exp(-d), exp(d)] (finite, no mask
-  before exp) and each kept term's rounding is relative to the term, as in `_below_diag_scores`. The
-  reference is a row at or before every row of its block, so no kept entry's rounding reads a later
-  row's gate. Products across blocks are garbage and set to 0 here (`where` never propagates them).
+  the first row of the rows' own block, or ref = -d for rows whose document starts inside the block
+  (G restarts at 0 there, segf: float32 labels `[C, 1]`): r and i of one document and block share
+  their ref, and both factors lie in [exp(-d), exp(d)] (finite, no mask before exp); each kept term's
+  rounding is relative to the term, as in `_below_diag_scores`. The reference is a row at or before
+  every row of its block, so no kept entry's rounding reads a later row's gate. Products across
+  blocks are garbage and set to 0 here (`where` never propagates them).
   """
   c = G.shape[0]
-  ref = block_row(G, 0) - factored_shift(lower_bound)
+  starts_inside = jnp.broadcast_to(block_row(jnp.broadcast_to(segf, G.shape), 0) != segf, G.shape)
+  ref = jnp.where(starts_inside, 0.0, block_row(G, 0)) - factored_shift(lower_bound)
   row_f = jnp.exp(G - ref)
   k_col = k * jnp.exp(ref - G)
   both = dots.nt(jnp.concatenate([k * row_f, q * row_f], axis=0), k_col)
@@ -322,10 +316,12 @@ def _diag_scores_factored(q, k, G, lower_bound, dots):
   return jnp.where(same_block, both[:c], 0.0), jnp.where(same_block, both[c:], 0.0)
 
 
-def intra_chunk_scores(q, k, G, *, blocked: bool, dots=F32, lower_bound=None):
-  """`Akk` and `Aqk` of the chunk before segment/causal masking (entries with r >= i are valid).
+def intra_chunk_scores(q, k, G, segf, *, blocked: bool, dots=F32, lower_bound=None):
+  """`Akk` and `Aqk` of the chunk before segment/causal masking (entries with r >= i of one document
+  are valid; the others may hold garbage, never read through `where`).
 
-  Args: q, k, G float32 `[C, K]` (C a multiple of 16). Returns `(akk, aqk)` float32 `[C, C]`.
+  Args: q, k, G float32 `[C, K]` (C a multiple of 16; G restarted per document), segf float32 `[C, 1]`
+  row labels. Returns `(akk, aqk)` float32 `[C, C]`.
   Entries strictly below the diagonal 16x16 blocks come from matmuls (`_below_diag_scores`); the
   diagonal blocks are exact elementwise sums with one masked exponent per entry. blocked=True
   (Mosaic) builds each diagonal block from its own 16-row slice; blocked=False (Triton, no value
@@ -337,16 +333,17 @@ def intra_chunk_scores(q, k, G, *, blocked: bool, dots=F32, lower_bound=None):
   """
   c = G.shape[0]
   if factored_diagonal(lower_bound):
-    akk, aqk = _diag_scores_factored(q, k, G, lower_bound, dots)
+    akk, aqk = _diag_scores_factored(q, k, G, segf, lower_bound, dots)
   elif not blocked:
     akk, aqk = _diag_scores_all_blocks(q, k, G)
   else:
     nb = c // SUB
     diag = [_diag_scores(q[i * SUB:(i + 1) * SUB], k[i * SUB:(i + 1) * SUB],
-                         G[i * SUB:(i + 1) * SUB], i * SUB, c) for i in range(nb)]
+                         G[i * SUB:(i + 1) * SUB], segf[i * SUB:(i + 1) * SUB], i * SUB, c)
+            for i in range(nb)]
     akk = jnp.concatenate([a for a, _ in diag], axis=0)
     aqk = jnp.concatenate([a for _, a in diag], axis=0)
-  below_kk, below_qk = _below_diag_scores(q, k, G, dots)
+  below_kk, below_qk = _below_diag_scores(q, k, G, segf, dots)
   return akk + below_kk, aqk + below_qk
 
 
@@ -436,15 +433,16 @@ def chunk_prep(q, k, g, beta, seg_col, seg_row, *, blocked: bool, cumulative: bo
   Args:
     q: float32 `[C, K]`, already normalised and scaled. k: float32 `[C, K]`.
     g: float32 `[C, K]` activated gate, 0 on padding rows (with `cumulative`, already its
-      inclusive cumulative sum G: the TPU kernel sums all of a step's heads in one matmul).
+      inclusive cumulative sum G per document: the TPU kernel sums all of a step's heads in one
+      matmul).
     beta: `[C, 1]`, 0 on padding rows.
     seg_col `[C, 1]`, seg_row `[1, C]`: int32 labels of the chunk's rows.
 
   Returns:
-    G `[C, K]` (cumulative gate), tinv `[C, C]` = (I + Diag(beta) Akk)^-1, aqk `[C, C]` (masked to
+    G `[C, K]` (cumulative gate, restarted per document), tinv `[C, C]` = (I + Diag(beta) Akk)^-1, aqk `[C, C]` (masked to
     same document and r >= i).
   """
-  G = g if cumulative else cumsum_rows(g)
+  G = g if cumulative else cumsum_rows_split(g, same_document(seg_col, seg_row))
   tinv, aqk = chunk_prep_heads([q], [k], [G], [beta], seg_col, seg_row, blocked=blocked, dots=dots,
                                lower_bound=lower_bound, vpu_block_shift=vpu_block_shift)[0]
   return G, tinv, aqk
@@ -459,8 +457,9 @@ def chunk_prep_heads(qs, ks, Gs, betas, seg_col, seg_row, *, blocked: bool, dots
   c = qs[0].shape[0]
   r = iota((c, c), 0)
   col = iota((c, c), 1)
-  same = (seg_col == seg_row) & (seg_col != 0)
-  scores = [intra_chunk_scores(q, k, G, blocked=blocked, dots=dots, lower_bound=lower_bound)
+  same = same_document(seg_col, seg_row)
+  segf = seg_col.astype(jnp.float32)
+  scores = [intra_chunk_scores(q, k, G, segf, blocked=blocked, dots=dots, lower_bound=lower_bound)
             for q, k, G in zip(qs, ks, Gs)]
   akks = [beta * jnp.where(same & (r > col), akk, 0.0) for beta, (akk, _) in zip(betas, scores)]
   aqks = [jnp.where(same & (r >= col), aqk, 0.0) for _, aqk in scores]
@@ -470,16 +469,15 @@ def chunk_prep_heads(qs, ks, Gs, betas, seg_col, seg_row, *, blocked: bool, dots
 def piece_with_state_heads(Gs, qs, ks, betas, tinvs, us, mask, first, last, s_ins, dots=F32):
   """Document pieces (rows `mask`, first row `first`, last row `last`) of several heads of one chunk
   with incoming states `s_ins` (lists per head). Per head: vnew `[C, V]` restricted to the piece,
-  o_add `[C, V]` = (q~ exp(G - G_a)) S_in, s_base `[K, V]` = Diag(exp(G_e - G_a)) S_in, with
-  a = first - 1 (G_a = 0 when first = 0). Stage by stage across the heads: every head's W and
+  o_add `[C, V]` = (q~ exp(G)) S_in, s_base `[K, V]` = Diag(exp(G_e)) S_in: G restarts at the
+  document's first row, so G_r is the decay since the state entered (the chunk start for a
+  continuing document, the document's first row otherwise). Stage by stage across the heads: every head's W and
   o_add matmuls, then every head's W S_in, so that independent matmuls are issued together. o_add = (q~ e) S_in is bf16x3 with bfloat16 inputs (`Dots.nn3`): with one
   pass the output of the nearly-parallel-keys case is at relative L2 4.9e-3 of its 5e-3 budget,
   4.3e-3 with it (tools/tpu_cost.py: no change to the TPU7x seed estimate, the piece loop is off the
   step's critical chain). Returns `[(vnew, o_add, s_base)]` per head."""
-  eg = []
-  for G in Gs:
-    ga = row_at(G, first - 1)
-    eg.append((ga, jnp.exp(jnp.where(mask, G - ga, NEG_INF))))
+  del first
+  eg = [(0.0, jnp.exp(jnp.where(mask, G, NEG_INF))) for G in Gs]
   ws = [dots.nn(tinv, beta * k * e) for tinv, beta, k, (_, e) in zip(tinvs, betas, ks, eg)]
   o_adds = [dots.nn3(q * e, s_in) for q, (_, e), s_in in zip(qs, eg, s_ins)]
   vnews = [jnp.where(mask, u - dots.nn(w, s_in), 0.0) for u, w, s_in in zip(us, ws, s_ins)]

@@ -190,8 +190,6 @@ def _kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref,
   def _():
     seg_row = cm.col_to_row(seg_col.astype(jnp.float32)).astype(jnp.int32)
     beta_all = beta_ref[...].astype(jnp.float32)
-    # every head's gate at once: the cumulative sum of the whole [C, HG*Kp] block is one matmul
-    # (one MXU round trip for the step instead of one per head)
     read_q, read_k, read_v, read_g = (_head_reader(r, hg, heads_layout)
                                       for r in (q_ref, k_ref, v_ref, g_ref))
     g_all = (jnp.concatenate([read_g(i) for i in range(hg)], axis=1) if heads_layout
@@ -202,7 +200,10 @@ def _kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref,
           [jnp.full((1, kp), alog_ref[hb * hg + i], jnp.float32) for i in range(hg)], axis=1))
       g_all = cm.activate_gate(g_all, a_exp, dtb_ref[...], lower_bound)
       g_all = jnp.where((cm.iota(g_all.shape, 1) & (kp - 1)) < key_dim, g_all, 0.0)  # padded lanes: g = 0
-    G_all = cm.cumsum_rows_split(jnp.where(valid_row, g_all, 0.0))
+    if not (gate and lower_bound is not None):  # the bounded gate is >= lower_bound >= -5 already
+      g_all = cm.clamp_gate(g_all)
+    # every head's gate summed per document (restarting at each document's first row) at once
+    G_all = cm.cumsum_rows_split(jnp.where(valid_row, g_all, 0.0), cm.same_document(seg_col, seg_row))
     # the heads are independent: each stage is issued for all of them before the next, so their
     # MXU latencies overlap (cm.chunk_prep_heads)
     qs, ks, betas = [], [], []

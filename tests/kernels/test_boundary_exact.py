@@ -16,6 +16,7 @@ pallas_tpu (interpret: the TPU's semantics on CPU; lane-dense [B, T, H*K] and he
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -33,9 +34,13 @@ KD = VD = 128
 CUT, T = 40, 128  # document 1: rows 0..39; document 2: rows 40..127 (starts inside chunk 0)
 
 # (implementation, layout, heads): head-major in place needs H % 8 == 0 on TPU
+# pallas_tpu_device: compiled for the TPU this runs on (tools/bench/tpu_device_check.sh), not interpreted
+ON_TPU = pytest.mark.skipif(jax.default_backend() != "tpu", reason="needs a TPU (tools/bench/tpu_device_check.sh)")
 IMPLS = [("reference", "heads", 2), ("chunked", "heads", 2), ("xla", "heads", 2),
-         ("pallas_tpu", "lane_dense", 2), ("pallas_tpu", "heads", 8), ("pallas_gpu", "heads", 2)]
-IMPL_IDS = [f"{i}-{l}" for i, l, _ in IMPLS]
+         ("pallas_tpu", "lane_dense", 2), ("pallas_tpu", "heads", 8), ("pallas_gpu", "heads", 2),
+         pytest.param("pallas_tpu_device", "lane_dense", 2, marks=ON_TPU),
+         pytest.param("pallas_tpu_device", "heads", 8, marks=ON_TPU)]
+IMPL_IDS = [f"{c.values[0]}-{c.values[1]}" if hasattr(c, "values") else f"{c[0]}-{c[1]}" for c in IMPLS]
 
 
 def _inputs(h, g, seed):
@@ -67,7 +72,9 @@ def _run(impl, layout, x, seg, h0, n, dtype):
       flat = lambda a: a.reshape(1, a.shape[1], -1)
       q, k, v, g = flat(q), flat(k), flat(v), flat(g)
       kw["num_heads"] = h
-    o, s = kda_inference(q, k, v, g, beta, implementation=impl, interpret=impl != "xla", **kw)
+    device = impl == "pallas_tpu_device"
+    o, s = kda_inference(q, k, v, g, beta, implementation="pallas_tpu" if device else impl,
+                         interpret=impl not in ("xla", "pallas_tpu_device"), **kw)
     o = o.reshape(1, o.shape[1], h, VD)
   return np.asarray(o, np.float64), np.asarray(s, np.float64)
 

@@ -76,9 +76,14 @@ def test_unit_lower_inverse_refuses_non_power_of_two():
 
 
 def _chunk_oracle(q, k, g, beta, seg):
-  """G, (I + Diag(beta) Akk)^-1 and Aqk of one chunk, float64, entry by entry (masked equations)."""
+  """G, (I + Diag(beta) Akk)^-1 and Aqk of one chunk, float64, entry by entry (masked equations).
+  G is each row's own document's inclusive cumulative gate (it restarts at every document's first
+  row; 0 on padding rows)."""
   q, k, g, beta = (np.asarray(x, np.float64) for x in (q, k, g, beta))
-  G = np.cumsum(g, axis=0)
+  G = np.zeros_like(g)
+  for r in range(C):
+    if seg[r] != 0:
+      G[r] = g[r] + (G[r - 1] if r > 0 and seg[r - 1] == seg[r] else 0.0)
   akk = np.zeros((C, C))
   aqk = np.zeros((C, C))
   for r in range(C):
@@ -207,13 +212,13 @@ def _count_ops(fn, *args):
 def test_chunk_prep_op_budget(blocked):
   """Per-chunk work of chunk_prep (C = 64, K = 128): 20 C*K exps (16 for the diagonal blocks, 4 for
   the blocks below), ONE score matmul [2C,3K]x[C,3K]^T for every entry below the diagonal blocks
-  of Akk and Aqk (was 6 [C,K]x[C,K]^T: one MXU round trip instead of six), the cumsum matmul and
-  10 [C,C] matmuls for the inverse. Was 22 C*K (TPU) / 64 C*K (GPU) exps and 21 inverse matmuls
-  before the restructuring."""
+  of Akk and Aqk, the per-document cumulative gate's three products and 10 [C,C] matmuls for the
+  inverse."""
   kd = 128
   x = jnp.zeros((C, kd), jnp.float32)
   exps, dots = _count_ops(lambda *a: cm.chunk_prep(*a, blocked=blocked), x, x, x,
                           jnp.zeros((C, 1)), jnp.zeros((C, 1), jnp.int32),
                           jnp.zeros((1, C), jnp.int32))
   assert exps == 20 * C * kd
-  assert dots == {((C, C), (C, kd)): 1, ((2 * C, 3 * kd), (C, 3 * kd)): 1, ((C, C), (C, C)): 10}
+  # the cumulative gate per document: three [C, C] x [C, K] products (bf16 pieces of g)
+  assert dots == {((C, C), (C, kd)): 3, ((2 * C, 3 * kd), (C, 3 * kd)): 1, ((C, C), (C, C)): 10}

@@ -33,6 +33,8 @@ BACKENDS = [
         not HAS_XLA_PATH, reason="kda_plugin.ops.inference_xla has not landed yet")),
     pytest.param(("pallas_gpu", False), id="pallas_gpu_device", marks=pytest.mark.skipif(
         not HAS_GPU, reason="needs a CUDA GPU (run tools/device_check.sh on a GPU machine)")),
+    pytest.param(("pallas_tpu", False), id="pallas_tpu_device", marks=pytest.mark.skipif(
+        jax.default_backend() != "tpu", reason="needs a TPU (tools/bench/tpu_device_check.sh)")),
 ]
 
 

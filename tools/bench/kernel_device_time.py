@@ -1,0 +1,216 @@
+"""Device time of the KDA kernels on the chip, beside their HBM and MXU floors, as JSON.
+
+Each case is timed as a loop inside one jit (`lax.fori_loop`, the output fed back as the next call's v,
+or the state as the next decode step's state), so the figure is device time: host dispatch is paid once
+per loop, not per call. A case runs `--repeats` loops (median and spread reported) of enough iterations
+to last about `--loop-ms`.
+
+Floors (v5e): HBM bytes (inputs, outputs and final states, each once) / 819 GB/s and model FLOPs
+/ 197 TFLOP/s (the chunked form's matmuls: 6CK + 4CV + 2C^2/3 + 6KV per token and head, C = 64);
+floor = the larger of the two.
+
+    python -m tools.bench.kernel_device_time --json out.json            # every case
+    python -m tools.bench.kernel_device_time --cases seed_bf16 decode_b32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+HBM_BYTES_PER_S = 819e9
+MXU_FLOPS_PER_S = 197e12
+C = 64
+A_LOG, DT_BIAS, LOWER_BOUND = 0.0, -2.0, -5.0
+
+
+def _docs(t, lengths):
+  seg = np.zeros(t, np.int32)
+  pos = 0
+  for i, n in enumerate(lengths):
+    seg[pos:pos + n] = i + 1
+    pos += n
+  return seg
+
+
+def _split(t, n, seed=0):
+  """n document lengths summing to t, not 64-aligned (seeded)."""
+  rng = np.random.default_rng(seed)
+  cuts = np.sort(rng.choice(np.arange(1, t), n - 1, replace=False))
+  return list(np.diff(np.concatenate([[0], cuts, [t]])))
+
+
+# name: (B, T, H, dtype, layout, document lengths per row, target ms)
+PREFILL = {
+    "seed_bf16": (1, 8192, 8, "bfloat16", "lane_dense", [4079, 4113], 0.35),
+    "seed_bf16_heads": (1, 8192, 8, "bfloat16", "heads", [4079, 4113], 0.35 * 1.1),
+    "seed_f32": (1, 8192, 8, "float32", "lane_dense", [4079, 4113], 0.70),
+    "seed_f32_heads": (1, 8192, 8, "float32", "heads", [4079, 4113], 0.70 * 1.1),
+    "t8192_h32_25docs": (1, 8192, 32, "bfloat16", "lane_dense", _split(8192, 25), 1.5),
+    "t8192_h24_8x1024": (1, 8192, 24, "bfloat16", "lane_dense", [1024] * 8, 1.0),
+    "t4096_h24_64x64": (1, 4096, 24, "bfloat16", "lane_dense", [64] * 64, 0.6),
+    "one_8_token_doc_h24": (1, 8, 24, "bfloat16", "lane_dense", [8], 0.05),
+    "b16_t2048_h8_4docs": (16, 2048, 8, "bfloat16", "lane_dense", [500, 530, 490, 528], 1.2),
+}
+# name: (B, H, target ms)
+DECODE = {"decode_h24_b32": (32, 24, 0.14), "decode_h24_b128": (128, 24, 0.60)}
+
+
+def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation="pallas_tpu"):
+  """(fn(v) -> (o, final), v, hbm_bytes, flops) for one kda_inference call (bounded in-kernel gate,
+  q/k L2 norm, final states: the seed's options)."""
+  from kda_plugin.ops.inference import kda_inference  # noqa: PLC0415  (after jax is configured)
+  rng = np.random.default_rng(0)
+  dt = jnp.dtype(dtype)
+  heads = layout == "heads"
+  shape = lambda d: (b, t, h, d) if heads else (b, t, h * d)
+  mk = lambda d: jnp.asarray(rng.standard_normal(shape(d)), dt)
+  q, k, v, g = mk(kd), mk(kd), mk(vd), mk(kd)
+  beta = jnp.asarray(rng.uniform(0, 1, (b, t, h)), dt)
+  seg = jnp.asarray(_docs(t, lengths))
+  n = len(lengths)
+  a_log = jnp.full((h,), A_LOG, jnp.float32)
+  dt_bias = jnp.full((h * kd,), DT_BIAS, jnp.float32)
+
+  def fn(v_):
+    return kda_inference(q, k, v_, g, beta, segment_ids=seg, output_final_state=True,
+                         max_num_segments=n, use_qk_l2norm=True, a_log=a_log, dt_bias=dt_bias,
+                         lower_bound=LOWER_BOUND, num_heads=None if heads else h,
+                         implementation=implementation)
+
+  item = dt.itemsize
+  hbm = b * t * h * (3 * kd + 2 * vd) * item + b * t * h * item + t * 4 + b * n * h * kd * vd * 4
+  flops = b * t * h * (6 * C * kd + 4 * C * vd + 2 * C * C / 3 + 6 * kd * vd)
+  return fn, v, hbm, flops
+
+
+def decode_case(b, h, kd=128, vd=128):
+  from kda_plugin.ops.decode import kda_decode_step  # noqa: PLC0415  (after jax is configured)
+  rng = np.random.default_rng(0)
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  q = jnp.asarray(unit(rng.standard_normal((b, h, kd))), jnp.bfloat16)
+  k = jnp.asarray(unit(rng.standard_normal((b, h, kd))), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((b, h, vd)), jnp.bfloat16)
+  g = jnp.asarray(-rng.uniform(0, 0.5, (b, h, kd)), jnp.float32)
+  beta = jnp.asarray(rng.uniform(0, 1, (b, h)), jnp.bfloat16)
+  state = jnp.asarray(rng.standard_normal((b, h, kd, vd)) * 0.1, jnp.float32)
+
+  def fn(s):
+    o, s2 = kda_decode_step(q, k, v, g, beta, s)
+    return s2, o
+
+  hbm = 2 * b * h * kd * vd * 4 + b * h * (3 * kd + 2 * vd) * 2 + b * h * kd * 4
+  return fn, state, hbm, 6 * b * h * kd * vd
+
+
+def _looped(fn, iters):
+  """jit of `iters` calls, each call's first output fed back as the next call's argument."""
+  def body(_, carry):
+    x, _aux = carry
+    out = fn(x)
+    return out[0].astype(x.dtype).reshape(x.shape), out[1]
+
+  @jax.jit
+  def run(x):
+    aux = jax.eval_shape(fn, x)[1]
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux)
+    return lax.fori_loop(0, iters, body, (x, zeros))
+  return run
+
+
+def time_case(fn, x, *, repeats, loop_ms):
+  """(per-call ms samples, iterations per loop, compile s)."""
+  t0 = time.perf_counter()
+  probe = _looped(fn, 4)
+  jax.block_until_ready(probe(x))
+  compile_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  jax.block_until_ready(probe(x))
+  est = (time.perf_counter() - t0) / 4 * 1e3
+  iters = int(min(2000, max(8, loop_ms / max(est, 1e-3))))
+  run = _looped(fn, iters)
+  jax.block_until_ready(run(x))
+  samples = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(x))
+    samples.append((time.perf_counter() - t0) * 1e3 / iters)
+  return samples, iters, compile_s
+
+
+def _commit() -> str:
+  """KDA_COMMIT when set (a copied tree's git may not be the one measured), else git's HEAD."""
+  if os.environ.get("KDA_COMMIT"):
+    return os.environ["KDA_COMMIT"]
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--cases", nargs="*", default=None,
+                  help=f"case names (default: all): {', '.join([*PREFILL, *DECODE])}")
+  ap.add_argument("--repeats", type=int, default=7, help="timed loops per case (median and spread)")
+  ap.add_argument("--loop-ms", type=float, default=60.0, help="about how long one timed loop runs")
+  ap.add_argument("--json", default=None, help="write the results here")
+  args = ap.parse_args(argv)
+  names = args.cases or [*PREFILL, *DECODE]
+  unknown = [n for n in names if n not in PREFILL and n not in DECODE]
+  if unknown:
+    ap.error(f"--cases: unknown {unknown}; expected names from {[*PREFILL, *DECODE]}")
+  if args.repeats < 1:
+    ap.error("--repeats must be at least 1")
+  dev = jax.devices()[0]
+  results = []
+  for name in names:
+    if name in PREFILL:
+      b, t, h, dtype, layout, lengths, target = PREFILL[name]
+      fn, x, hbm, flops = prefill_case(b, t, h, dtype, layout, lengths)
+      shape = dict(batch=b, seq_len=t, heads=h, dtype=dtype, layout=layout, documents=len(lengths))
+    else:
+      b, h, target = DECODE[name]
+      fn, x, hbm, flops = decode_case(b, h)
+      shape = dict(batch=b, heads=h, state="float32", inputs="bfloat16")
+    try:
+      samples, iters, compile_s = time_case(fn, x, repeats=args.repeats, loop_ms=args.loop_ms)
+    except Exception as e:  # noqa: BLE001  (a case that fails is recorded, the others still run)
+      results.append(dict(name=name, **shape, error=f"{type(e).__name__}: {str(e)[:400]}"))
+      print(f"{name:24s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+      continue
+    med = statistics.median(samples)
+    hbm_ms, mxu_ms = hbm / HBM_BYTES_PER_S * 1e3, flops / MXU_FLOPS_PER_S * 1e3
+    floor = max(hbm_ms, mxu_ms)
+    row = dict(name=name, **shape, median_ms=round(med, 4), min_ms=round(min(samples), 4),
+               max_ms=round(max(samples), 4), repeats=len(samples), iters_per_loop=iters,
+               compile_s=round(compile_s, 1), hbm_floor_ms=round(hbm_ms, 4),
+               mxu_floor_ms=round(mxu_ms, 4), floor_ms=round(floor, 4),
+               x_floor=round(med / floor, 2), target_ms=target, meets_target=med <= target)
+    results.append(row)
+    print(f"{name:24s} {med:8.4f} ms  [{min(samples):.4f}, {max(samples):.4f}]  floor {floor:.4f} "
+          f"({med / floor:.1f}x)  target {target}  {'ok' if med <= target else 'MISSED'}", flush=True)
+  out = dict(tool="tools.bench.kernel_device_time", commit=_commit(), jax=jax.__version__,
+             device=dev.device_kind, platform=dev.platform,
+             date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), method=(
+                 "lax.fori_loop of iters_per_loop calls in one jit, output fed back; per-call ms = "
+                 "loop time / iters; median and min/max over repeats"), cases=results)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(out, f, indent=1)
+  return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
