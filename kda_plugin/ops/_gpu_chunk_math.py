@@ -6,14 +6,18 @@ exponent is masked to -inf *before* `exp`, so no factor can overflow whatever th
 the tensor cores in TF32 (one pass) or TF32x3 (three passes, close to float32) through `Dots`.
 
 Math: docs/kda.md section 'Chunked form (WY/UT)' and docs/packing.md section 'Segment-native chunk algorithm' (the masked chunk
-equations; documents are contiguous runs, so `G_r - G_i` of two rows of one document is that
-document's decay from i to r even though `G` runs over the whole chunk).
+equations). The cumulative gate `G` restarts at each document's first row, inside the chunk too, and
+skips rows whose decay underflows (`document_gates`): `G_r - G_i` of two rows of one run is then a
+difference of sums of that document's own non-cut gates only, and pairs across a run boundary get decay 0
+by masking the exponent to -inf before `exp`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -102,42 +106,81 @@ def l2norm_scale(x):
   return lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2NORM_EPS)
 
 
-def run_boundary_gates(G, starts, ends, n_starts, n_ends=None):
-  """Per-row reference gates of the row's document inside the chunk, `(Ga, Ge)` `[C, K]`.
+# A row whose log decay is at most CUT_LOG multiplies the state by exp(g) <= exp(-104) < 2**-150, which
+# float32 rounds to 0 (as the token recurrence does): every decay across such a row is exactly 0 in
+# float32, so the cumulative gate may restart after it (a "cut") without changing any float32 result.
+CUT_LOG = -104.0
 
-  `Ga[r] = G[a(r)]`, the cumulative gate just before the first row of r's document in this chunk
-  (0 when the document entered the chunk at row 0); `Ge[r] = G[e(r)]` at the last row of r's document
-  in this chunk (None when ends is None). starts/ends: int32 `[C, 1]` flags, n_starts/n_ends their
-  counts (scalars) (a document's first row at row > 0 / its last row
-  in the chunk). One masked row pick per boundary: the loops run once per document boundary in the
-  chunk (usually zero or one start, one end), not once per row.
+
+def _next_flagged(flag, after):
+  """The first row > after (a `[1, 1]` tile) where flag `[C, 1]` is set, or C, as a `[1, 1]` tile.
+
+  Row indices stay [1, 1] tiles (keepdims reductions): a reduction to a scalar trips jax's sharding
+  check under an explicit abstract mesh (ahead-of-time export); the trip counts come in as scalars."""
+  c = flag.shape[0]
+  rows = iota((c, 1), 0)
+  return jnp.min(jnp.where(flag & (rows > after), rows, c), axis=0, keepdims=True)
+
+
+class DocumentGates(NamedTuple):
+  """The gate sums of one chunk's key channels: G restarts at every document's first row, and a run
+  also ends at each cut.
+
+  All `[C, K]` float32. Two rows i <= r of one document have decay exp(G[r] - G[i]) when
+  run[r] == run[i] and exactly 0 (float32's value) when not: a run ends at a document's first row or at
+  a cut row (`CUT_LOG`), which adds nothing to G. G is a cumulative sum of the non-cut gates of r's
+  own document only, so no other document's decay and no underflowing row enters its rounding; the
+  rounding of G[r] - G[i] is about |G| * 2^-24, |G| being that document's non-cut decay since its
+  first row in the chunk.
   """
-  c = G.shape[0]
+
+  G: jax.Array       # sum of the non-cut gates of r's document from its first row in the chunk to r
+  run: jax.Array     # run label (exact small integers): cuts plus document starts at rows <= r
+  entered: jax.Array  # 1 where no cut lies between r's document's first row in the chunk and r, else 0
+
+
+def document_gates(g, starts, n_starts):
+  """`DocumentGates` of `g [C, K]` (log decay, 0 on padding); starts: int32 `[C, 1]` flags of a
+  document's first row at chunk row > 0, n_starts their count (a scalar).
+
+  One fresh cumulative sum per document start in the chunk (the loop runs once per start, usually
+  zero or one times): each document's G is a direct sum of its own gates, never a difference.
+  """
+  c = g.shape[0]
   rows = iota((c, 1), 0)
   is_start = starts != 0
-  is_end = None if ends is None else ends != 0
-
-  # Row indices stay [1, 1] tiles (keepdims reductions): a reduction to a scalar trips jax's sharding
-  # check under an explicit abstract mesh (ahead-of-time export); the trip counts come in as scalars.
-  def next_flagged(flag, after):
-    return jnp.min(jnp.where(flag & (rows > after), rows, c), axis=0, keepdims=True)
+  cut = g <= CUT_LOG
+  g = jnp.where(cut, 0.0, g)
+  cuts = jnp.cumsum(cut.astype(jnp.float32), axis=0)
+  run = cuts + jnp.cumsum(is_start.astype(jnp.float32), axis=0)
 
   def start_body(_, carry):
-    prev, ga = carry
-    s = next_flagged(is_start, prev)
-    return s, jnp.where(rows >= s, row_at(G, s - 1), ga)
+    prev, G, cuts_before = carry
+    s = _next_flagged(is_start, prev)
+    after = rows >= s
+    G = jnp.where(after, jnp.cumsum(jnp.where(after, g, 0.0), axis=0), G)
+    return s, G, jnp.where(after, row_at(cuts, s - 1), cuts_before)
+
+  init = (jnp.full((1, 1), -1, jnp.int32), jnp.cumsum(g, axis=0), jnp.zeros_like(g))
+  _, G, cuts_before = lax.fori_loop(0, n_starts, start_body, init)
+  return DocumentGates(G, run, (cuts == cuts_before).astype(jnp.float32))
+
+
+def at_document_ends(x, ends, n_ends):
+  """`x [C, D]` at the last row of each row's document in the chunk, `[C, D]`; ends: int32 `[C, 1]`
+  flags of a document's last row in the chunk (the chunk's last row included), n_ends their count.
+  One masked row pick per document end (usually one)."""
+  c = x.shape[0]
+  rows = iota((c, 1), 0)
+  is_end = ends != 0
 
   def end_body(_, carry):
-    prev, ge = carry
-    e = next_flagged(is_end, prev)
-    return e, jnp.where((rows > prev) & (rows <= e), row_at(G, e), ge)
+    prev, xe = carry
+    e = _next_flagged(is_end, prev)
+    return e, jnp.where((rows > prev) & (rows <= e), row_at(x, e), xe)
 
-  zero = jnp.zeros_like(G)
-  _, ga = lax.fori_loop(0, n_starts, start_body, (jnp.full((1, 1), -1, jnp.int32), zero))
-  if ends is None:
-    return ga, None
-  _, ge = lax.fori_loop(0, n_ends, end_body, (jnp.full((1, 1), -1, jnp.int32), zero))
-  return ga, ge
+  _, xe = lax.fori_loop(0, n_ends, end_body, (jnp.full((1, 1), -1, jnp.int32), jnp.zeros_like(x)))
+  return xe
 
 
 def _own_block_row(x, j):
@@ -170,26 +213,33 @@ def factored_diagonal(lower_bound) -> bool:
   return lower_bound is not None and _factored_shift(lower_bound) <= MAX_FACTORED_EXPONENT
 
 
-def chunk_scores(q, k, G, dots: Dots, *, lower_bound=None):
-  """`(Akk, Aqk)` `[C, C]`: sum_d {k, q}_r[d] k_i[d] exp(G_r[d] - G_i[d]) for i <= r, before masking.
+def chunk_scores(q, k, G, dots: Dots, *, lower_bound=None, run=None):
+  """`(Akk, Aqk)` `[C, C]`: sum_d {k, q}_r[d] k_i[d] exp(G_r[d] - G_i[d]) for i <= r in one run
+  (0 for a pair of two runs), before masking.
 
+  G, run: `[C, K]` float32 as `DocumentGates` (run None: the whole chunk is one run, G one cumulative
+  sum). Every exponent that pairs rows of two runs is masked to -inf before `exp`: with G restarting
+  at each run, such an exponent could be large and positive, and an inf factor times a 0 in a matmul
+  would put NaN into a kept entry.
   lower_bound: the bounded gate's static bound when every per-row log decay lies in [lower_bound, 0]
-  (then `factored_diagonal` may hold), else None.
+  (then `factored_diagonal` may hold, and no row is a cut), else None.
   Entries inside the diagonal 16x16 blocks, two ways:
   - factored (`factored_diagonal(lower_bound)`): exp(G_r - G_i) = exp(G_r - C) exp(C - G_i) with
-    C = G_first - d (`_factored_shift`), G_first the block's first row: both factors lie in
-    [exp(-d), exp(d)], finite without masking; one tensor-core matmul per score for all four blocks
-    (2 C K exponents instead of 16 C K). The products across blocks are discarded by `where` (which
-    never reads them: they may overflow). The reference is a row at or before every row of its block,
-    so no entry's rounding depends on a later row's gate (fla's bounded-gate path documents that
+    C = G_first - d (`_factored_shift`), G_first the block's first row, for the rows of the block
+    first row's run; C = -d for the rows of a document that starts inside the block (its G restarts
+    there, so it lies in [-15 |lower_bound|, 0]). Both factors lie in [exp(-d), exp(d)], finite without
+    masking; one tensor-core matmul per score for all four blocks (2 C K exponents instead of
+    16 C K). The products across blocks, and across documents, are discarded by the caller's `where`
+    (which never reads them: they may overflow). The reference is a row at or before every row of its
+    block, so no entry's rounding depends on a later row's gate (fla's bounded-gate path documents that
     leak for a middle-row reference and uses a shifted first row too). The factors' TF32 rounding is
     relative to each term, as for the blocks below the diagonal.
   - elementwise (any gate): one masked exponent per (row, channel) in 16 iterations that fill column
     `16 * (r // 16) + j` of every row at once (the exponent is shared by Akk and Aqk).
   Entries below them: for row block R, the exponent is split around the block's first row n = 16 R
-  (i < n <= r), so that both factors exp(G_r - G_n) and exp(G_n - G_i) are <= 1, and each product is
-  one tensor-core matmul per block (3 for C = 64). Entries above the diagonal are finite and masked by
-  the caller.
+  (i < n <= r; a pair of one run has n in that run too), so that both factors exp(G_r - G_n) and
+  exp(G_n - G_i) are <= 1, and each product is one tensor-core matmul per block (3 for C = 64).
+  Entries above the diagonal are finite and masked by the caller.
   """
   c, d = G.shape
   rows = iota((c, d), 0)
@@ -197,8 +247,11 @@ def chunk_scores(q, k, G, dots: Dots, *, lower_bound=None):
   cols = iota((c, c), 1)
   col_block_first = jnp.left_shift(jnp.right_shift(iota((c, c), 0), _SUB_SHIFT), _SUB_SHIFT)
 
+  if run is None:
+    run = jnp.zeros_like(G)
   if lower_bound is not None and factored_diagonal(lower_bound):
-    ref = _own_block_row(G, 0) - _factored_shift(lower_bound)
+    shift = _factored_shift(lower_bound)
+    ref = jnp.where(run == _own_block_row(run, 0), _own_block_row(G, 0) - shift, -shift)
     row_f = jnp.exp(G - ref)
     k_col = k * jnp.exp(ref - G)
     same_block = jnp.right_shift(cols, _SUB_SHIFT) == jnp.right_shift(iota((c, c), 0), _SUB_SHIFT)
@@ -207,7 +260,8 @@ def chunk_scores(q, k, G, dots: Dots, *, lower_bound=None):
   else:
     def diag_body(j, acc):
       akk, aqk = acc
-      f = jnp.exp(jnp.where(rows >= block_first + j, G - _own_block_row(G, j), NEG_INF))
+      mine = (rows >= block_first + j) & (run == _own_block_row(run, j))
+      f = jnp.exp(jnp.where(mine, G - _own_block_row(G, j), NEG_INF))
       f = f * _own_block_row(k, j)
       hit = cols == col_block_first + j
       return (jnp.where(hit, jnp.sum(f * k, axis=1, keepdims=True), akk),
@@ -220,9 +274,9 @@ def chunk_scores(q, k, G, dots: Dots, *, lower_bound=None):
   def below_body(blk, acc):
     akk, aqk = acc
     n = blk * SUB
-    gn = row_at(G, n)
-    row_f = jnp.exp(jnp.where(row_block == blk, G - gn, NEG_INF))
-    k_col = k * jnp.exp(jnp.where(rows < n, gn - G, NEG_INF))
+    gn, rn = row_at(G, n), row_at(run, n)
+    row_f = jnp.exp(jnp.where((row_block == blk) & (run == rn), G - gn, NEG_INF))
+    k_col = k * jnp.exp(jnp.where((rows < n) & (run == rn), gn - G, NEG_INF))
     return akk + dots.nt(k * row_f, k_col), aqk + dots.nt(q * row_f, k_col)
 
   # A loop, not unrolled: one block's operands live at a time (unrolled, the independent matmuls are

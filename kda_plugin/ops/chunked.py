@@ -23,13 +23,18 @@ closes, and keeps the deltas of the (at most N) chunks where documents end. Per-
 (documents that start inside a chunk) and per-slot final states are handled before / after the scan
 with one gathered chunk per slot: a few `C x K x V` products each.
 
-Numerics: the score matrices are built from exponential factors that cannot overflow: one
-factorisation per chunk around its midpoint when the chunk decays by at most `FACTOR_LIMIT` nats
-per channel (checked per chunk at run time), else 16-row sub-blocks whose off-diagonal blocks are
-factored at their boundary (factors <= 1) and whose diagonal blocks are factored around their
-midpoint (bounded gates) or built elementwise with the exponent masked before `exp` (double
-`where`), so outputs and gradients stay finite under any decay. Cumulative gates are kept per 16-row
-sub-block (and per document run) so that no exponent is a difference of two large, nearly equal sums.
+Numerics: the cumulative gate restarts at each document's first row, inside a chunk too, and every
+exponent is a direct sum of the gates of the rows it spans (all <= 0), never a difference of two
+cumulative sums: neither another document's decay nor a steep row outside the span enters its
+rounding, and a span over a row whose decay underflows gives exactly 0, as float32 does in the token
+recurrence. The score matrices are built from exponential factors that cannot overflow: one
+factorisation per chunk around the midpoint of its documents' decay when no document decays by more
+than `FACTOR_LIMIT` nats in any channel (checked per chunk at run time; each factor's exponent is then
+at most FACTOR_LIMIT / 2 in size, so a score's relative rounding stays below ~FACTOR_LIMIT * 2^-24),
+else 16-row sub-blocks whose off-diagonal blocks are factored at their boundary into three direct
+sums (factors <= 1) and whose diagonal blocks are built elementwise from direct sums (any decay) or,
+for a bounded gate (`diag_mode="factor"`), factored around the sub-block's midpoint (exponents at
+most 8 |lower_bound| in size). Outputs and gradients stay finite under any decay.
 """
 
 from __future__ import annotations
@@ -72,32 +77,35 @@ def _between(tb):
   return jnp.einsum("xyz,...zk->...xyk", sel, tb, precision=_HI)
 
 
-def _decay_to_row(gb, ce, tb, e):
-  """exp(G_e - G_i) for rows i <= e of a chunk (0 for i > e), from per-sub-block cumulative gates.
+def _decay_to_row(g, e):
+  """exp(sum_{i < z <= e} g_z) for rows i <= e of a chunk (0 for i > e): the decay from after row i to
+  row e.
 
   Args:
-    gb: `[..., NB, SUB, K]` inclusive cumulative gate inside each sub-block.
-    ce: `[..., NB, SUB, K]` decay from after row i to the end of its sub-block (`Tb - gb`, <= 0).
-    tb: `[..., NB, K]` total decay of each sub-block.
-    e: int array broadcastable to `gb.shape[:-3]`: the target row in [0, C).
+    g: `[..., C, K]` the chunk's per-row log decay (<= 0).
+    e: int array broadcastable to `g.shape[:-2]`: the target row in [0, C).
 
   Returns:
-    `[..., C, K]`. Every exponent is a sum of non-positive terms, never a difference of large sums.
+    `[..., C, K]`. Each exponent is a suffix sum of the gates of rows i+1..e themselves (a sum of
+    non-positive terms, never a difference of cumulative sums), so neither a steep row before i nor
+    another document's decay enters its rounding; a row whose decay underflows makes it exactly 0.
   """
-  nb, sub, kd = gb.shape[-3:]
-  e = jnp.asarray(e)[..., None, None, None]
-  be, re = e // sub, e % sub
-  blk = jnp.arange(nb)[:, None, None]
-  row = blk * sub + jnp.arange(sub)[None, :, None]
-  gb_e = jnp.take_along_axis(jnp.take_along_axis(gb, jnp.broadcast_to(be, gb.shape[:-3] + (1, sub, kd)), -3),
-                             jnp.broadcast_to(re, gb.shape[:-3] + (1, 1, kd)), -2)  # [..., 1, 1, K]
-  between = _between(tb)                                               # [..., NB(x), NB(y), K]
-  d_e = jnp.take_along_axis(between, jnp.broadcast_to(be, between.shape[:-3] + (1, nb, kd)), -3)
-  d_e = jnp.swapaxes(d_e, -3, -2)                                      # [..., NB(y), 1, K]
-  same_blk = blk == be
-  expo = jnp.where(same_blk, gb_e - gb, gb_e + d_e + ce)
-  out = _safe_exp(row <= e, expo)
-  return out.reshape(out.shape[:-3] + (nb * sub, kd))
+  c = g.shape[-2]
+  e = jnp.asarray(e)[..., None, None]
+  row = jnp.arange(c)[:, None]
+  return _safe_exp(row <= e, _suffix_after(jnp.where(row <= e, g, 0.0)))
+
+
+def _suffix_after(x):
+  """`sum_{z > i} x[z]` along axis -2 (exclusive, from the end), a direct sum for every row."""
+  incl = jnp.cumsum(x[..., ::-1, :], axis=-2)[..., ::-1, :]
+  return jnp.concatenate([incl[..., 1:, :], jnp.zeros_like(incl[..., :1, :])], axis=-2)
+
+
+def _prefix_before(x):
+  """`sum_{z < i} x[z]` along axis -2 (exclusive), a direct sum for every row."""
+  incl = jnp.cumsum(x, axis=-2)
+  return jnp.concatenate([jnp.zeros_like(incl[..., :1, :]), incl[..., :-1, :]], axis=-2)
 
 
 @jax.custom_jvp
@@ -120,38 +128,55 @@ def _exp_pair_jvp(primals, tangents):
   return (e, r), (e * dx, -r * dx)
 
 
-def _scores_chunk(q, k, gb, tb, ce):
-  """Raw `Aqk, Akk [..., C, C]` from one factorisation per chunk (needs |G_{C-1}| <= FACTOR_LIMIT),
-  and the decay factors `exp(G_r)`, `exp(G_{C-1} - G_r)` `[..., C, K]` (see `_scores`).
+class _Gates(NamedTuple):
+  """The gate sums of a chunk that its scores and decay factors are built from (head-major, float32).
 
-  exp(G_r - G_i) = exp(G_r - m) exp(m - G_i) with m = G_{C-1} / 2 per channel: every factor is at most
-  exp(FACTOR_LIMIT / 2), every product (masked entries included) at most exp(FACTOR_LIMIT). Entries
-  above the diagonal are finite garbage that the caller masks. The decay factors reuse the same two
-  exponentials (exp(G_r) = exp(G_r - m) exp(m), exp(G_{C-1} - G_r) = exp(m - G_r) exp(m), as
-  G_{C-1} = 2m exactly): exp is the costliest elementwise op of a chunk on CPU, so this halves them.
+  Every field is a direct sum of the gates of the rows it spans (all terms <= 0, so its rounding is
+  relative to itself), never a difference of two cumulative sums: a steep row or another document's
+  decay cannot cancel into an exponent that does not span it.
   """
-  del ce
-  g_full = _chunk_cumsum(gb, tb)
-  m = 0.5 * g_full[..., -1:, :]
-  em = jnp.exp(m)                                                      # one row per chunk
-  row_f, col_f = _exp_pair(g_full - m)
+
+  g: jax.Array      # [..., NB, SUB, K] per-row log decay (0 on padding)
+  gb: jax.Array     # [..., NB, SUB, K] sum over the sub-block's rows up to and including row r
+  ce: jax.Array     # [..., NB, SUB, K] sum over the sub-block's rows after row r (<= 0)
+  tb: jax.Array     # [..., NB, K] total decay of each sub-block
+  gc: jax.Array     # [..., C, K] sum over the rows of r's document from its first row in the chunk to r
+
+
+def _scores_chunk(q, k, gt):
+  """Raw `Aqk, Akk [..., C, C]` from one factorisation per chunk (needs every `gc >= -FACTOR_LIMIT`),
+  and the decay factors `exp(gc_r)`, `exp(gc_{C-1} - gc_r)` `[..., C, K]` (see `_scores`).
+
+  exp(gc_r - gc_i) = exp(gc_r - m) exp(m - gc_i) with m = min_r gc_r / 2 per channel: every factor is
+  at most exp(FACTOR_LIMIT / 2), every product (masked entries included, e.g. rows of two documents,
+  whose `gc` restart at each document's first row) at most exp(FACTOR_LIMIT). For two rows of one
+  document, the product is that document's decay from i to r, each factor's exponent rounded
+  relative to at most FACTOR_LIMIT / 2 nats of that document's own decay. The decay factors reuse the same two exponentials
+  (exp is the costliest elementwise op of a chunk on CPU). m is a constant of the factorisation
+  (the products do not depend on it), hence `stop_gradient`.
+  """
+  gc = gt.gc
+  m = lax.stop_gradient(0.5 * jnp.min(gc, axis=-2, keepdims=True))
+  row_f, col_f = _exp_pair(gc - m)
   col = k * col_f
   # NT products (contracting the last axis of both): no element-level transpose is materialised.
   c = q.shape[-2]
   a = _mm("...rk,...ik->...ri", jnp.concatenate([q * row_f, k * row_f], axis=-2), col)
-  return a[..., :c, :], a[..., c:, :], row_f * em, col_f * em
+  return a[..., :c, :], a[..., c:, :], row_f * jnp.exp(m), col_f * row_f[..., -1:, :]
 
 
-def _scores_blocked(q, k, gb, tb, ce, *, exact):
+def _scores_blocked(q, k, gt, *, exact):
   """Raw `Aqk, Akk [..., C, C]` built from 16-row sub-blocks (row block x, column block y <= x).
 
-  Off-diagonal blocks (y < x) factor exp(G_r - G_i) at the boundary between them, so both factors are
-  <= 1 for any decay. Diagonal blocks are factored around their midpoint Tb / 2 (needs
-  |Tb| <= FACTOR_LIMIT) or, with `exact`, built elementwise with the exponent masked before `exp`.
-  This is the fallback for chunks that decay too fast for `_scores_chunk`, so it is written for few
-  operations (compile time) rather than for speed: one product over all block pairs. The decay
-  factors of `_scores` are returned too, each from its own bounded exponent (no factorisation).
+  Off-diagonal blocks (y < x) factor exp(G_r - G_i) at the boundary between them into
+  exp(gb_r) exp(D[x, y]) exp(ce_i): three direct sums, each factor <= 1 for any decay. Diagonal blocks
+  are factored around their midpoint Tb / 2 (needs |Tb| <= FACTOR_LIMIT) or, with `exact`, built
+  elementwise from direct sums `sum_{i < z <= r} g_z` (`_diag_exact`). This is the fallback for chunks
+  that decay too fast for `_scores_chunk`, so it is written for few operations (compile time) rather
+  than for speed: one product over all block pairs. The decay factors of `_scores` are returned too,
+  each from its own direct sum (no factorisation).
   """
+  gb, tb, ce = gt.gb, gt.tb, gt.ce
   nb, sub, kd = gb.shape[-3:]
   c = nb * sub
   qb = q.reshape(q.shape[:-2] + (nb, sub, kd))
@@ -174,19 +199,27 @@ def _scores_blocked(q, k, gb, tb, ce, *, exact):
   a = _mm("...xrk,...xyik->...xryi", rows, cols)                      # [..., NB, 2SUB, NB, SUB]
   if exact:
     on_diag = jnp.eye(nb, dtype=bool)[:, None, :, None]                # [NB(x), 1, NB(y), 1]
-    a = a + jnp.where(on_diag, _diag_exact(qb, kb, gb)[..., :, :, None, :], 0.0)
+    a = a + jnp.where(on_diag, _diag_exact(qb, kb, gt.g)[..., :, :, None, :], 0.0)
   lead = a.shape[:-4]
   return (a[..., :, :sub, :, :].reshape(lead + (c, c)), a[..., :, sub:, :, :].reshape(lead + (c, c)),
-          jnp.exp(_chunk_cumsum(gb, tb)), _decay_to_end(gb, tb, ce))
+          jnp.exp(gt.gc), _decay_to_end(tb, ce))
 
 
 @jax.checkpoint
-def _diag_exact(qb, kb, gb):
-  # [..., NB, SUB(r), SUB(i), K] exponents masked before exp; XLA fuses this into the reduction, and
-  # the backward pass recomputes it rather than storing 16x the size of the inputs.
-  sub = gb.shape[-2]
+def _diag_exact(qb, kb, g):
+  # [..., NB, SUB(r), SUB(i), K] exponents sum_{i < z <= r} g_z, summed down the rows for every column
+  # at once (as many adds as a difference of cumulative gates would take, but no cancellation: a steep
+  # row z <= i cannot enter the exponent of the pair (r, i)); e <= 0, so exp needs no mask. XLA fuses
+  # this into the reduction, and the backward pass recomputes it rather than storing 16x the size of
+  # the inputs.
+  sub = g.shape[-2]
+  later = (jnp.arange(sub)[:, None] > jnp.arange(sub)[None, :])[:, :, None]
+  terms = jnp.where(later, g[..., :, None, :], 0.0)                   # g_r where r > i
+  acc = [terms[..., 0, :, :]]
+  for r in range(1, sub):
+    acc.append(acc[-1] + terms[..., r, :, :])
   causal = (jnp.arange(sub)[:, None] >= jnp.arange(sub)[None, :])[:, :, None]
-  e = _safe_exp(causal, gb[..., :, None, :] - gb[..., None, :, :])
+  e = jnp.where(causal, jnp.exp(jnp.stack(acc, axis=-3)), 0.0)
   ki = kb[..., None, :, :]
   aq = jnp.sum(qb[..., :, None, :] * ki * e, axis=-1)
   ak = jnp.sum(kb[..., :, None, :] * ki * e, axis=-1)
@@ -202,26 +235,36 @@ def _cumsum_rows(x):
   return jnp.stack(out, axis=-2)
 
 
+def _suffix_rows(x):
+  """`sum_{z > i} x[z]` along axis -2 by unrolled adds (exclusive, from the end; see `_cumsum_rows`)."""
+  n = x.shape[-2]
+  out = [jnp.zeros_like(x[..., 0, :])]
+  for i in range(n - 1, 0, -1):
+    out.append(out[-1] + x[..., i, :])
+  return jnp.stack(out[::-1], axis=-2)
+
+
 def _chunk_cumsum(gb, tb):
   """Inclusive cumulative gate over the chunk, `[..., NB, SUB, K] -> [..., C, K]`: the sub-block sums
   plus the totals of the earlier sub-blocks (all terms share a sign, so no cancellation)."""
   nb, sub, kd = gb.shape[-3:]
-  prefix = jnp.cumsum(tb, axis=-2) - tb                                # sum_{z < x} Tb[z]
-  return (gb + prefix[..., None, :]).reshape(gb.shape[:-3] + (nb * sub, kd))
+  return (gb + _prefix_before(tb)[..., None, :]).reshape(gb.shape[:-3] + (nb * sub, kd))
 
 
-def _scores(q, k, gb, tb, ce, diag_mode):
+def _scores(q, k, gt, diag_mode):
   """Score construction, chosen per chunk at run time from the chunk's decay (see `diag_mode` of
-  `kda_chunk_core`): one factorisation per chunk when its decay allows it, else sub-blocks.
+  `kda_chunk_core`): one factorisation per chunk when no document of it decays by more than
+  FACTOR_LIMIT nats in any channel, else sub-blocks.
 
-  Returns raw `Aqk, Akk [..., C, C]` and `exp(G_r)`, `exp(G_{C-1} - G_r)` `[..., C, K]` (the decay
-  from the chunk start to row r, and from row r to the chunk end).
+  Returns raw `Aqk, Akk [..., C, C]` and `exp(gc_r)`, `exp(gc_{C-1} - gc_r)` `[..., C, K]` (the decay
+  from the first row of r's document in the chunk to r, and, for the rows of the chunk's last
+  document, from after row r to the chunk end).
   """
-  whole = jnp.all(jnp.sum(tb, axis=-2) >= -FACTOR_LIMIT)
+  whole = jnp.all(jnp.min(gt.gc, axis=-2) >= -FACTOR_LIMIT)
   fallback = functools.partial(_scores_blocked, exact=diag_mode != "factor")
   if diag_mode == "exact":
-    return fallback(q, k, gb, tb, ce)
-  return lax.cond(whole, _scores_chunk, fallback, q, k, gb, tb, ce)
+    return fallback(q, k, gt)
+  return lax.cond(whole, _scores_chunk, fallback, q, k, gt)
 
 
 def _unit_lower_inverse(lmat):
@@ -263,12 +306,10 @@ class _ChunkPrep(NamedTuple):
   kh: jax.Array
   vh: jax.Array
   bh: jax.Array     # [..., H, C, 1] beta
-  gb: jax.Array     # [..., H, NB, SUB, K] inclusive cumulative gate inside each 16-row sub-block
-  tb: jax.Array     # [..., H, NB, K] total decay of each sub-block
-  ce: jax.Array     # [..., H, NB, SUB, K] decay from after row i to the end of its sub-block (<= 0)
-  egl: jax.Array    # [..., H, C, K] exp(G_r - G_a(r)): decay since the row's document entered the chunk
+  g: jax.Array      # [..., H, C, K] log decay (0 on padding)
+  egl: jax.Array    # [..., H, C, K] decay from the first row of r's document in the chunk to r (inclusive)
   same: jax.Array   # [..., C, C] rows r and i belong to the same document (not padding)
-  dte: jax.Array    # [..., H, C, K] exp(G_{C-1} - G_r): decay from row r to the end of the chunk
+  dte: jax.Array    # [..., H, C, K] decay from after row r to the chunk end (rows of its last document)
 
 
 def _chunk_prep(q, k, v, g, beta, seg, *, scale, prep=None, diag_mode="auto"):
@@ -291,18 +332,19 @@ def _chunk_prep(q, k, v, g, beta, seg, *, scale, prep=None, diag_mode="auto"):
   bh = jnp.swapaxes(jnp.where(valid[..., None], beta.astype(jnp.float32), 0.0), -1, -2)[..., None]
   same = (seg[..., :, None] == seg[..., None, :]) & valid[..., :, None]
   causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
-  gb = _cumsum_rows(gh.reshape(gh.shape[:-2] + (nb, SUB, kd)))
+  g_blocks = gh.reshape(gh.shape[:-2] + (nb, SUB, kd))
+  gb = _cumsum_rows(g_blocks)
   tb = gb[..., -1, :]
-  ce = tb[..., None, :] - gb
-  aqk, akk, eg, dte = _scores(qh, kh, gb, tb, ce, diag_mode)
-  # G_r - G_a(r): without a document start after row 0 this is the chunk cumulative gate (its
-  # exponential comes with the scores); otherwise a masked (same document, causal) sum, computed
-  # directly so that no large sums cancel.
+  # The cumulative gate restarts at each document's first row, inside the chunk too: with a document
+  # start after row 0 it is the masked (same document, causal) sum, else the chunk's cumulative sum.
+  # Either way a direct sum of the document's own gates, so no other document's decay enters it.
   starts_inside = jnp.any(seg[..., 1:] != seg[..., :-1])
-  egl = lax.cond(starts_inside,
-                 lambda: jnp.exp(hm(_mm("...ri,...ihk->...rhk", (same & causal).astype(jnp.float32), g))),
-                 lambda: eg)
-  return _ChunkPrep(qh, kh, vh, bh, gb, tb, ce, egl, same, dte), aqk, akk
+  gc = lax.cond(starts_inside,
+                lambda: hm(_mm("...ri,...ihk->...rhk", (same & causal).astype(jnp.float32), g)),
+                lambda: _chunk_cumsum(gb, tb))
+  gates = _Gates(g_blocks, gb, _suffix_rows(g_blocks), tb, gc)
+  aqk, akk, egl, dte = _scores(qh, kh, gates, diag_mode)
+  return _ChunkPrep(qh, kh, vh, bh, gh, egl, same, dte), aqk, akk
 
 
 def _mask_and_inverse(cp, aqk, akk):
@@ -316,10 +358,10 @@ def _mask_and_inverse(cp, aqk, akk):
   return aqk, _unit_lower_inverse(jnp.eye(c, dtype=jnp.float32) + cp.bh * akk)
 
 
-def _decay_to_end(gb, tb, ce):
-  """exp(G_{C-1} - G_i) for every row of the chunk, `[..., C, K]` (sums of sub-block totals)."""
-  suffix = jnp.cumsum(tb[..., ::-1, :], axis=-2)[..., ::-1, :] - tb             # sum_{z > x} Tb[z]
-  return jnp.exp(ce + suffix[..., None, :]).reshape(gb.shape[:-3] + (-1, gb.shape[-1]))
+def _decay_to_end(tb, ce):
+  """exp(sum_{z > i} g_z) over the chunk for every row i, `[..., C, K]`: the row's own sub-block suffix
+  `ce` plus the totals of the later sub-blocks (direct sums)."""
+  return jnp.exp(ce + _suffix_after(tb)[..., None, :]).reshape(ce.shape[:-3] + (-1, ce.shape[-1]))
 
 
 def _slot_spans(seg, n_slots):
@@ -520,7 +562,7 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   seg_e = gat(segc, c_e)
   pe = prep_at(c_e)
   e_b = jnp.broadcast_to(e_row[:, :, None], (b, n_slots, h))
-  kd_n = jnp.where(rows_of(seg_e)[:, :, None, :, None], pe.kh * _decay_to_row(pe.gb, pe.ce, pe.tb, e_b), 0.0)
+  kd_n = jnp.where(rows_of(seg_e)[:, :, None, :, None], pe.kh * _decay_to_row(pe.g, e_b), 0.0)
   dec_n = jnp.take_along_axis(pe.egl, e_b[..., None, None], axis=-2)[..., 0, :]   # [B, N, H, K]
   s_base = jnp.where((first < c_e * c)[:, :, None, None, None], sbuf, init)
   vnew_n = vbuf[bidx[:, None], jnp.take_along_axis(keep_idx, c_e, axis=1)]      # [B, N, H, C, V]
@@ -543,6 +585,14 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
   docs/packing.md section 'Segment-native chunk algorithm' (no re-alignment, no per-token loop). State and
   accumulation are float32 whatever the input dtype; outputs and gradients stay finite under any
   decay (exponents are masked before `exp`).
+
+  Boundaries and steep gates: the cumulative gate restarts at every document's first row, inside a
+  chunk too, and every decay exponent is a direct sum of the gates it spans, so a document's output
+  and final state do not depend on the decay of the documents packed before it (beyond float32
+  rounding of its own terms), and a gate steep enough to underflow (log decay <= -104) beside mild
+  ones costs no precision (no exponent is a difference of large sums), at any head dim. The one
+  factorisation left (`_scores_chunk`, chunks whose documents decay by at most FACTOR_LIMIT nats)
+  rounds each score relative to at most FACTOR_LIMIT * 2^-24 (~5e-6).
 
   Args:
     q, k: `[B, T, H, K]` float32 or bfloat16 (any T; padded to a multiple of 64 internally).

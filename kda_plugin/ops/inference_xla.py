@@ -35,6 +35,12 @@ def kda_inference_xla(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
 
   Equal to `kda_reference` applied to the explicitly activated gate and normalised q, k.
 
+  Boundaries and steep gates: as `kda_chunked` (the same chunk core): the cumulative gate restarts
+  at every document's first row, inside a chunk too, and every decay exponent is a direct sum of the
+  gates it spans. With the bounded gate (`lower_bound`), the 16-row diagonal sub-blocks are instead
+  factored around the sub-block's midpoint (exponents at most 8 |lower_bound| <= 40 nats in size, a
+  relative rounding of at most ~80 * 2^-24 per score).
+
   Args:
     q, k: `[B, T, H, K]` float32 or bfloat16 (computed in float32, upcast once per chunk).
     v: `[B, T, H, V]`.

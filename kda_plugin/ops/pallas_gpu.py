@@ -3,11 +3,12 @@
 Two kernels, the structure of fla's chunk_kda with the segment masks of
 docs/packing.md section 'Segment-native chunk algorithm':
 1. `_chunk_kernel`, grid (chunks, B*H), all independent: gate activation, q/k L2 norm, the cumulative
-   gate, the segment-masked Akk/Aqk (any number of documents per chunk), the UT inverse
-   M = (I + Diag(beta) Akk)^-1 and, per row r of document s with reference row a(r) (the row before
-   s's first row in the chunk), the state-independent operands of the recurrence:
-   `w = M (beta k exp(G - G_a))`, `u = M (beta v)`, `qg = q~ exp(G - G_a)`, `kg = k exp(G_e - G)`,
-   `dec = exp(G_e - G_a)` (e = s's last row in the chunk) and `aqk`.
+   gate G (restarted at each document's first row in the chunk, cut rows skipped:
+   `_gpu_chunk_math.document_gates`), the segment-masked Akk/Aqk (any number of documents per
+   chunk), the UT inverse M = (I + Diag(beta) Akk)^-1 and, per row r of document s, the
+   state-independent operands of the recurrence: `w = M (beta k exp(G))`, `u = M (beta v)`,
+   `qg = q~ exp(G)`, `kg = k exp(G_e - G)`, `dec = exp(G)` (read at e, s's last row in the chunk) and
+   `aqk`; each factor is 0 where a cut (a row whose decay underflows) lies in its span.
 2. `_state_kernel`, grid (V blocks, B*H, documents): documents never share state, so each document is
    its own chain. A program walks the chunks its document touches, carrying that document's float32
    state `S [K, BV]` in registers: `vnew = u - w S` on its rows, `o = qg S + aqk vnew` (stored on its rows
@@ -100,15 +101,15 @@ def _chunk_kernel(count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, segr
   beta = jnp.where(valid, beta_ref[...].astype(jnp.float32), 0.0)
 
   def channel_block(jb):
-    """Gate, cumulative gate and normalised keys of key channels jb * KB .. (jb + 1) * KB."""
+    """Gate sums (`gm.DocumentGates`) and normalised keys of key channels jb * KB .. (jb + 1) * KB."""
     j0 = pl.multiple_of(jb * kb, kb)
     ch = pl.ds(j0, kb)
     g = g_ref[:, ch].astype(jnp.float32)
     if gate:
       g = gm.activate_gate(g, aexp_ref[:, ch], dtb_ref[:, ch], lower_bound)
       g = jnp.where(gm.iota(g.shape, 1) + j0 < key_dim, g, 0.0)
-    G = jnp.cumsum(jnp.where(valid, g, 0.0), axis=0)
-    return ch, G, k_ref[:, ch].astype(jnp.float32) * k_scale
+    dg = gm.document_gates(jnp.where(valid, g, 0.0), starts, n_starts)
+    return ch, dg, k_ref[:, ch].astype(jnp.float32) * k_scale
 
   # Two passes over the key channels, in blocks of KEY_BLOCK, each recomputing the (cheap,
   # elementwise) gates: the scores with the per-row operands; then, after the inverse, W. Scores are
@@ -117,13 +118,16 @@ def _chunk_kernel(count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, segr
   nb = kp // kb
 
   def scores_body(jb, acc):
-    ch, G, k = channel_block(jb)
+    ch, dg, k = channel_block(jb)
     q = q_ref[:, ch].astype(jnp.float32) * q_scale
-    ga, ge = gm.run_boundary_gates(G, starts, ends, n_starts, n_ends)
-    dec_ref[:, ch] = jnp.exp(jnp.where(valid, ge - ga, gm.NEG_INF))
-    qg_ref[:, ch] = (q * jnp.exp(jnp.where(valid, G - ga, gm.NEG_INF))).astype(store)
-    kg_ref[:, ch] = (k * jnp.exp(jnp.where(valid, ge - G, gm.NEG_INF))).astype(store)
-    a_kk, a_qk = gm.chunk_scores(q, k, G, dots, lower_bound=lower_bound if gate else None)
+    # Decay from the document's first row in the chunk to r (0 past a cut); at the document's last
+    # row in the chunk, this is the decay of its state across the chunk that the state pass reads.
+    dec = jnp.exp(jnp.where(valid & (dg.entered != 0), dg.G, gm.NEG_INF))
+    dec_ref[:, ch] = dec
+    qg_ref[:, ch] = (q * dec).astype(store)
+    ge, run_e = gm.at_document_ends(dg.G, ends, n_ends), gm.at_document_ends(dg.run, ends, n_ends)
+    kg_ref[:, ch] = (k * jnp.exp(jnp.where(valid & (run_e == dg.run), ge - dg.G, gm.NEG_INF))).astype(store)
+    a_kk, a_qk = gm.chunk_scores(q, k, dg.G, dots, lower_bound=lower_bound if gate else None, run=dg.run)
     return acc[0] + a_kk, acc[1] + a_qk
 
   zero = jnp.zeros((C, C), jnp.float32)
@@ -140,9 +144,9 @@ def _chunk_kernel(count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, segr
 
   @pl.loop(0, nb)
   def _(jb):
-    ch, G, k = channel_block(jb)
-    ga, _ = gm.run_boundary_gates(G, starts, None, n_starts)
-    w_ref[:, ch] = dots(m_inv, beta * k * jnp.exp(jnp.where(valid, G - ga, gm.NEG_INF))).astype(store)
+    ch, dg, k = channel_block(jb)
+    dec = jnp.exp(jnp.where(valid & (dg.entered != 0), dg.G, gm.NEG_INF))
+    w_ref[:, ch] = dots(m_inv, beta * k * dec).astype(store)
 
 
 def _state_kernel(range_ref, seg_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dec_ref, *refs, has_h0,
@@ -324,6 +328,15 @@ def kda_inference_gpu(q, k, v, g, beta, seg, h0, gate, *, num_segments, scale, l
   Returns:
     (o `[B, T, H, V]` in q's dtype (0 on padding), final float32 `[B, N, H, K, V]` or None; an absent
     label keeps its initial state).
+
+  Boundaries and steep gates: the cumulative gate restarts at every document's first row, inside a
+  chunk too, so a document's results do not depend on the decay of the documents before it; a row
+  whose log decay is <= -104 (exp underflows to 0 in float32) is a cut: the decay of every span over
+  it is exactly 0, as in the token recurrence, and adds nothing to the gate sums. The exponents left
+  are differences of G, the sum of one document's non-cut gates since its first row in the chunk, so
+  each is rounded relative to |G| (about |G| * 2^-24): negligible for mild gates, and at most
+  63 * 104 * 2^-24 (~4e-4) when rows decaying by nearly 104 nats each, without underflowing, precede
+  mild ones in one chunk.
 
   Raises:
     ValueError: a shape beyond `check_limits`.
