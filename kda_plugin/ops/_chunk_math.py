@@ -26,6 +26,9 @@ _SUB_SHIFT = 4  # log2(SUB): block index by shift (vector integer division is no
 NEG_INF = float("-inf")
 L2NORM_EPS = 1e-6
 _HI = lax.Precision.HIGHEST
+# bf16 operands name their precision: under a caller's `jax.default_matmul_precision("highest")` an
+# unnamed one becomes fp32 contract precision, which Mosaic refuses for bf16 operands ("Bad lhs type")
+_BF16_PASS = (lax.Precision.DEFAULT, lax.Precision.DEFAULT)
 # Per-row log decays below this are raised to it (`clamp_gate`): exp(-20) ~ 2.1e-9 is below half a
 # float32 ulp (2**-24 ~ 6e-8) of the state it multiplies, so the result is the exact one to float32
 # rounding, and a chunk's cumulative gate stays within 64 * 20 in magnitude (bounded cancellation in
@@ -53,7 +56,8 @@ class Dots(NamedTuple):
     ca, cb = dims[0][0], dims[1][0]
     lhs = jnp.concatenate([ah, ah, al], axis=ca)
     rhs = jnp.concatenate([bh, bl, bh], axis=cb)
-    return lax.dot_general(lhs, rhs, (dims, ((), ())), preferred_element_type=jnp.float32)
+    return lax.dot_general(lhs, rhs, (dims, ((), ())), precision=_BF16_PASS,
+                           preferred_element_type=jnp.float32)
 
   def nn3(self, a, b):
     """a @ b, bf16x3 when bf16."""
@@ -67,7 +71,7 @@ class Dots(NamedTuple):
     dn = (dims, ((), ()))
     if self.bf16:
       return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dn,
-                             preferred_element_type=jnp.float32)
+                             precision=_BF16_PASS, preferred_element_type=jnp.float32)
     return lax.dot_general(a, b, dn, precision=(_HI, _HI), preferred_element_type=jnp.float32)
 
   def nn(self, a, b):
@@ -170,12 +174,12 @@ def cumsum_rows_split(g, same=None):
     # the document mask varies per column block, so the three pieces take three products (Mosaic
     # lowers no lane concatenation of 64-wide masks)
     tril = ((iota((c, c), 1) <= iota((c, c), 0)) & same).astype(bf)
-    mm = lambda x: lax.dot_general(tril, x, (((1,), (0,)), ((), ())),
+    mm = lambda x: lax.dot_general(tril, x, (((1,), (0,)), ((), ())), precision=_BF16_PASS,
                                    preferred_element_type=jnp.float32)
     return mm(hi) + (mm(mid) + mm(lo))
   tril3 = (jnp.bitwise_and(iota((c, 3 * c), 1), c - 1) <= iota((c, 3 * c), 0)).astype(bf)
   return lax.dot_general(tril3, jnp.concatenate([hi, mid, lo], axis=0), (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
+                         precision=_BF16_PASS, preferred_element_type=jnp.float32)
 
 
 def _diag_scores(qb, kb, gb, segb, row0, c):

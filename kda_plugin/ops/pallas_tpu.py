@@ -69,10 +69,10 @@ def _head_reader(ref, hg, heads_layout):
   Lane-dense blocks `[C, HG*D]`: head i is its lanes. Head-major inputs `[B, T, H, D]` are read in
   place (no relayout copy before the call; on TPU `[B, T, H, D] -> [B, T, H*D]` moves every element,
   the (8, 128) tiles cover different dims): when a step takes all H heads, viewed as `[B, T*H, D]`
-  (a free bitcast), block `[C*H, D]`, head i every H-th row from row i (one strided load); else
-  block `[C, HG, D]`, head i its sublane i of every token (Mosaic gathers it with VPU shuffles:
-  tools/tpu_cost.py, TPU7x seed shape (ESTIMATE): 0.228 ms strided, 0.258 ms gathered). Mosaic
-  takes neither a dynamic strided start nor a strided store for bfloat16, so the head group is the
+  (a free bitcast), block `[C*H, D]`, head i every H-th row from row i (one strided load; Mosaic
+  strides 32-bit data only, so a bfloat16 block is first widened whole into a float32 VMEM copy,
+  which is then `ref`); else block `[C, HG, D]`, head i its sublane i of every token (Mosaic
+  gathers it with VPU shuffles). Mosaic takes neither a dynamic strided start nor a strided store for bfloat16, so the head group is the
   block's and the output stays lane-dense (`[B, T, H*V]`, one XLA relayout after the call).
   """
   if not heads_layout:
@@ -164,7 +164,7 @@ def _kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref,
   o_ref = next(it)
   fs_ref = next(it) if want_final else None
   (carry_ref, g_scr, q_scr, k_scr, tinv_scr, aqk_scr, u_scr, vacc_scr, oacc_scr,
-   beta_scr, state_scr, table_ref) = it  # each but the table with a leading dim: the step's heads
+   beta_scr, state_scr, table_ref, *wide) = it  # each but the table with a leading dim: the step's heads
   hg = heads_per_step
   kp, vp = carry_ref.shape[1], carry_ref.shape[2]
 
@@ -190,8 +190,12 @@ def _kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref,
   def _():
     seg_row = cm.col_to_row(seg_col.astype(jnp.float32)).astype(jnp.int32)
     beta_all = beta_ref[...].astype(jnp.float32)
-    read_q, read_k, read_v, read_g = (_head_reader(r, hg, heads_layout)
-                                      for r in (q_ref, k_ref, v_ref, g_ref))
+    srcs = (q_ref, k_ref, v_ref, g_ref)
+    if wide:  # bf16 [C*H, D] blocks widened to float32 copies for the strided per-head reads
+      for src, dst in zip(srcs, wide):
+        dst[...] = src[...].astype(jnp.float32)
+      srcs = wide
+    read_q, read_k, read_v, read_g = (_head_reader(r, hg, heads_layout) for r in srcs)
     g_all = (jnp.concatenate([read_g(i) for i in range(hg)], axis=1) if heads_layout
              else g_ref[...].astype(jnp.float32))
     if gate:
@@ -350,7 +354,7 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
     if not heads_layout_ok(num_heads, kp, vp, q2.dtype):
       raise ValueError(f"head-major operands need H % 8 == 0 and K, V <= 128, got H={num_heads}, "
                        f"K={kp}, V={vp}")
-    if hg == num_heads and jnp.dtype(q2.dtype).itemsize == 4:  # [B, T*H, D]: strided rows
+    if hg == num_heads:  # [B, T*H, D]: strided rows
       q2, k2, v2, g2 = (x.reshape(bsz, tp * num_heads, x.shape[-1]) for x in (q2, k2, v2, g2))
       blk_k = pl.BlockSpec((None, C * hg, kp), lambda b, h, c: (b, c, 0))
       blk_v = pl.BlockSpec((None, C * hg, vp), lambda b, h, c: (b, c, 0))
@@ -400,6 +404,8 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
              pltpu.VMEM((hg, C, 1), f32),  # beta column
              pltpu.VMEM((hg, kp, vp), f32),  # a final state on its way to HBM
              pltpu.SMEM((words,), jnp.int32)]  # this chunk's piece table
+  if heads_layout and hg == num_heads and jnp.dtype(q2.dtype).itemsize == 2:
+    scratch += [pltpu.VMEM((C * hg, kp), f32)] * 3 + [pltpu.VMEM((C * hg, vp), f32)]  # q k v g
   kernel = functools.partial(
       _kernel, heads_per_step=hg, scale=float(scale), use_l2norm=use_l2norm, gate=gate, lower_bound=lower_bound,
       has_h0=has_h0, want_final=want_final, key_dim=key_dim, out_dtype=q2.dtype,

@@ -23,6 +23,7 @@ kda_inference refuses the call while tracing (e.g. buffers larger than the devic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -58,6 +59,8 @@ def main(argv=None) -> int:
   ap.add_argument("--value-dim", type=int, default=128)
   ap.add_argument("--docs", type=int, default=2)
   ap.add_argument("--num-segments", type=int, default=None, help="state slots N (default: --docs)")
+  ap.add_argument("--matmul-precision", default=None,
+                  help="trace under jax.default_matmul_precision(VALUE), as a caller may (e.g. highest)")
   ap.add_argument("--layout", choices=["lane_dense", "heads"], default="lane_dense",
                   help="q, k, v, g as lane-dense [B, T, H*D] (num_heads given) or head-major [B, T, H, D]")
   args = ap.parse_args(argv)
@@ -98,7 +101,9 @@ def main(argv=None) -> int:
                          num_heads=None if heads else h, implementation="pallas_tpu", **gate_kw)
 
   start = time.perf_counter()
-  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+  precision = (jax.default_matmul_precision(args.matmul_precision) if args.matmul_precision
+               else contextlib.nullcontext())
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), precision:
     try:
       lowered = jax.jit(f).lower(*arrays)
     except ValueError as e:  # refused while tracing, before anything reaches the compiler

@@ -113,37 +113,37 @@ def decode_case(b, h, kd=128, vd=128):
   return fn, state, hbm, 6 * b * h * kd * vd
 
 
-def _looped(fn, iters):
-  """jit of `iters` calls, each call's first output fed back as the next call's argument."""
+def _looped(fn):
+  """One jit of `n` calls (n traced: one compile for every loop length), each call's first output
+  fed back as the next call's argument."""
   def body(_, carry):
     x, _aux = carry
     out = fn(x)
     return out[0].astype(x.dtype).reshape(x.shape), out[1]
 
   @jax.jit
-  def run(x):
+  def run(x, n):
     aux = jax.eval_shape(fn, x)[1]
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux)
-    return lax.fori_loop(0, iters, body, (x, zeros))
+    return lax.fori_loop(0, n, body, (x, zeros))
   return run
 
 
 def time_case(fn, x, *, repeats, loop_ms):
   """(per-call ms samples, iterations per loop, compile s)."""
+  run = _looped(fn)
   t0 = time.perf_counter()
-  probe = _looped(fn, 4)
-  jax.block_until_ready(probe(x))
+  jax.block_until_ready(run(x, 4))
   compile_s = time.perf_counter() - t0
   t0 = time.perf_counter()
-  jax.block_until_ready(probe(x))
+  jax.block_until_ready(run(x, 4))
   est = (time.perf_counter() - t0) / 4 * 1e3
   iters = int(min(2000, max(8, loop_ms / max(est, 1e-3))))
-  run = _looped(fn, iters)
-  jax.block_until_ready(run(x))
+  jax.block_until_ready(run(x, iters))
   samples = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    jax.block_until_ready(run(x))
+    jax.block_until_ready(run(x, iters))
     samples.append((time.perf_counter() - t0) * 1e3 / iters)
   return samples, iters, compile_s
 
