@@ -1,7 +1,7 @@
 r"""Peak host memory and throughput of tools.convert_checkpoint on a synthetic multi-GB checkpoint.
 
 Usage:
-  .venv/bin/python tools/benchmark_convert.py [layers=12] [runs=3] [workdir=/tmp] [to_hf=true] [keep=false]
+  .venv/bin/python tools/bench/benchmark_convert.py [layers=12] [runs=3] [workdir=/tmp] [to_hf=true] [keep=false]
 
 Writes a random bfloat16 Hugging Face Kimi-Linear checkpoint (config.json, shards of ~1 GB and
 model.safetensors.index.json; 2.3 GB with the default 12 layers: 64 experts of width 512 at
@@ -26,7 +26,7 @@ import tempfile
 import time
 
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULTS = {"layers": "12", "runs": "3", "workdir": tempfile.gettempdir(), "to_hf": "true", "keep": "false"}
 SHARD_BYTES = 10**9
 
@@ -157,7 +157,7 @@ def main(argv: list[str]) -> int:
   try:
     t = time.perf_counter()
     # Written by a child process: the random data must not inflate this process (see run_child).
-    code = (f"import json, pathlib, sys; sys.path.insert(0, {str(REPO)!r}); from tools import benchmark_convert as b; "
+    code = (f"import json, pathlib, sys; sys.path.insert(0, {str(REPO)!r}); from tools.bench import benchmark_convert as b; "
             f"print(json.dumps(b.write_checkpoint(pathlib.Path({str(work / 'hf')!r}), {layers})))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
