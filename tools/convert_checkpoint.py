@@ -70,7 +70,7 @@ from collections.abc import Sequence
 
 import jax
 
-from model.checkpoint.convert import DIRECTIONS, WEIGHT_DTYPES, ConversionError, ConvertArgs, hf_to_orbax, orbax_to_hf
+from model.hf.convert import DIRECTIONS, WEIGHT_DTYPES, ConversionError, ConvertArgs, hf_to_orbax, orbax_to_hf
 from tools import cli
 
 KEYS = ("direction", "hf_model_path", "load_parameters_path", "output_path", "weight_dtype", "overwrite",

@@ -19,10 +19,10 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from model import loading
-from model.checkpoint import convert as conversion
+from model.hf import convert as conversion
 from model.checkpoint import format as ck
 from tools import convert_checkpoint as cc
-from model.checkpoint import hf_names as hl
+from model.hf import names as hl
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"

@@ -55,7 +55,7 @@ def hf_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
   # Imported here, not at the top: the converter pulls in jax, flax and orbax, which the measuring
   # parent needs only for this table (its children are what is measured).
   import numpy as np
-  from model.checkpoint import convert as conversion, hf_names as hl
+  from model.hf import convert as conversion, names as hl
   pcfg, _ = hl.config_from_hf(cfg, weight_dtype="bfloat16")
   out = []
   for e in conversion.parameter_table(pcfg):
@@ -103,7 +103,7 @@ def write_checkpoint(root: pathlib.Path, layers: int, seed: int = 0) -> dict:
 
 
 def _largest_parameter(cfg: dict) -> int:
-  from model.checkpoint import convert as conversion, hf_names as hl  # as in hf_tensors: parent-side only
+  from model.hf import convert as conversion, names as hl  # as in hf_tensors: parent-side only
   pcfg, _ = hl.config_from_hf(cfg, weight_dtype="bfloat16")
   return max(e.nbytes for e in conversion.parameter_table(pcfg))
 
