@@ -11,8 +11,8 @@ PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || echo python3.12)
 PYTEST_WORKERS ?= 2
 # Whole test files per xdist worker, in collection order (tests/conftest.py puts the longest first and
 # the compile checks last): a module's fixtures (a server, a compiled engine, converted checkpoints)
-# are built once, not once per worker as with the default per-test `load` distribution. Measured on a
-# quiet 2-core host in fresh clones (venv installs included): pytest 783 -> 685 s, CPU 1386 -> 1237 s.
+# are built once, not once per worker as with the default per-test `load` distribution (faster:
+# docs/performance.md, "Demo and tools").
 # (`--dist loadgroup` would group by xdist_group marks, but with pytest 9.2 and xdist 3.8 it silently
 # groups nothing: xdist renames item._nodeid, which pytest 9.2 no longer reads.)
 PYTEST_DIST ?= --dist loadfile --no-loadscope-reorder
@@ -27,7 +27,7 @@ AOT_ENV := KDA_AOT_REQUIRED=1 KDA_AOT_TPU_PYTHON=$(CURDIR)/$(AOT_TPU_VENV)/bin/p
 
 # $(call venv_recipe,DIR,EXTRAS): create DIR with Python 3.12 and install the project with EXTRAS.
 # --no-compile: Python byte-compiles a module when it is first imported; compiling every file of
-# about 2 GB of wheels up front cost more CPU than the install itself (the TPU venv: 33.5 -> 14.8 s).
+# about 2 GB of wheels up front costs more CPU than the install itself.
 define venv_recipe
 	@test -x $(1)/bin/python || $(PYTHON312) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet --upgrade pip

@@ -1,31 +1,18 @@
 """Ahead-of-time compilation of a training step, a prefill or a decode step for a TPU topology.
 
-What MaxText's `train_compile.py` gives its users, for this model: jax's TPU compiler (libtpu) runs
-on a CPU host for any topology of `jax.experimental.topologies` (e.g. `v5e:2x2`, `v5p:4x4x4`,
-`tpu7x:2x2x1`), partitions the program over a mesh of that topology's devices and reports
-`memory_analysis()` per device, before anyone pays for the chips. Nothing is materialised: the
-parameters, optimizer state, caches and inputs are `jax.ShapeDtypeStruct`s that carry their
-`NamedSharding` on the topology's devices (`model.loading.abstract_state`, `model.nn.cache.shardings`,
-`model.partitioning.batch_sharding`).
+As MaxText's `train_compile.py`: libtpu compiles on a CPU host for a `jax.experimental.topologies`
+topology and reports `memory_analysis()` per jax device before anyone pays for the chips. Nothing is
+materialised: every argument is a `jax.ShapeDtypeStruct` carrying its `NamedSharding`.
 
-Programs (`MODES`); the shapes come from the config keys:
-- `train`: `model.training.steps.train_step_fn(...).step` (forward in mode "train", i.e. the backend's
-  differentiable op, AdamW update), jitted with the train state donated, on `[batch_size, seq_len]`
-  rows of `max_num_segments` packed documents.
-- `prefill`: `KimiLinearForCausalLM.prefill` on `[batch_size, seq_len]` rows of `max_num_segments`
-  documents, MLA caches of `max_cache_length`; returns the last-token logits `[B * N, vocab]` (what a
-  server samples from) and the cache. The KDA layers run `kda_inference` (the Mosaic kernel:
-  `kda_implementation=auto` means `pallas_tpu` here, as it would on the target chip).
-- `decode`: `KimiLinearForCausalLM.decode` of one token for `batch_size` sequences whose caches hold
-  `max_cache_length` tokens, the cache donated.
+Programs (`MODES`), shaped by the config keys: `train` (the AdamW train step on `[batch_size,
+seq_len]` packed rows, state donated), `prefill` (`KimiLinearForCausalLM.prefill`, MLA caches of
+`max_cache_length`; KDA runs the Mosaic kernel, as on the chip) and `decode` (one token for
+`batch_size` sequences, cache donated).
 
-Per device means per jax device: TPU7x exposes two devices per chip, v5e/v5p/v6e one.
-
-The fit verdict compares against the HBM libtpu says a program may use (`usable_hbm_bytes`), which is
-a little less than the chip's HBM (v5e: 15.75 GiB of 16): libtpu reports it in its compile-time
-out-of-memory error, so a probe compile of a 1 TiB program on one device of the topology reads it
-(1.5 s). A program libtpu itself refuses (RESOURCE_EXHAUSTED at compile) is a "does not fit" report
-with the bytes libtpu says it needed, not an error.
+The fit verdict compares against the HBM libtpu lets a program use (`usable_hbm_bytes`, read by a
+probe compile: a little less than the chip's). A program libtpu refuses at compile is a "does not
+fit" report with the bytes libtpu says it needed, not an error. Figures: docs/performance.md,
+"Kimi-Linear-48B-A3B on TPU slices (ahead of time)".
 
 Import only in a process whose jax has libtpu (`.venv-tpu-aot`): jax starts its backends at import.
 """
@@ -53,9 +40,8 @@ from model.training import steps
 
 MODES = ("train", "prefill", "decode")
 
-# Nominal HBM per jax device, GiB (Google Cloud TPU system architecture pages: v4 32 GiB, v5e 16 GiB,
-# v5p 95 GiB, v6e 32 GiB per chip; TPU7x 192 GiB per chip, exposed as two devices of 96 GiB). Reported
-# next to the usable figure; the verdict uses libtpu's usable HBM (`usable_hbm_bytes`).
+# Nominal HBM per jax device, GiB (Cloud TPU architecture pages; TPU7x: 192 per chip, two devices).
+# Reported beside libtpu's usable figure, which the verdict uses.
 HBM_GIB_BY_DEVICE_KIND = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95, "TPU v5p": 95,
                           "TPU v6 lite": 32, "TPU v6e": 32, "TPU7x": 96}
 
@@ -126,8 +112,8 @@ def usable_hbm_bytes(device) -> int:
   """The HBM per device that libtpu lets one program use on `device`'s kind (a topology device).
 
   Read from libtpu itself: a probe program that needs `PROBE_BYTES` (1 TiB) on one device is refused
-  with "exceeds available HBM (X)", and X is the figure (v5e 15.75 GiB, v5p 95.73, v6e 31.24, TPU7x
-  94.74 per device with libtpu 0.0.52). Abstract topology devices have no `memory_stats()`.
+  with "exceeds available HBM (X)", and X is the figure. Abstract topology devices have no
+  `memory_stats()`.
 
   Raises:
     RuntimeError: the probe compiled, or libtpu's message does not state the available HBM (a libtpu
@@ -212,9 +198,8 @@ def lower(cfg, mode: str, mesh, *, stacked_params: bool = True):
 
   With `stacked_params` and `scan_layers` on, prefill and decode take the scanned layers' parameters
   already stacked (`scan.split_stacked`: the arguments are `(rest, stacked)`, the same bytes) and run
-  under `scan.prestacked_groups`, so the program holds no second, stacked copy of them (the in-trace
-  `jnp.stack` is 20.25 GiB per device for the 48B model on 4 v5p chips, expert=4). Training keeps
-  the per-layer train state (checkpoints and optimizer state are per layer) and stacks in the trace.
+  under `scan.prestacked_groups`, so the program holds no second, stacked copy of them. Training
+  keeps the per-layer train state (checkpoints and optimizer state are per layer).
 
   Returns:
     `(lowered, info)`: info names the program's shapes (batch, seq_len, slots, cache_length).
@@ -296,9 +281,8 @@ def refused_report(e: BaseException, hbm_bytes: int) -> dict:
   required, available = oom_bytes(e)
   hbm = int(available if available is not None else hbm_bytes)
   text = str(e).strip()
-  # libtpu 0.0.52 words it "the total memory required for HLO temporaries (X)", but X is the whole
-  # program: arguments + outputs + temporaries (probed on v5e:1x1: a 12 GiB argument and a 6 GiB
-  # output with no temporaries is refused with "(18.00G)").
+  # libtpu says "memory required for HLO temporaries (X)", but X is the whole program (probe:
+  # docs/performance.md, "Kimi-Linear-48B-A3B on TPU slices (ahead of time)").
   return {"argument_bytes": None, "output_bytes": None, "alias_bytes": None, "temp_bytes": None,
           "generated_code_bytes": None, "total_bytes": required, "hbm_bytes": hbm, "fits": False,
           "margin_bytes": None if required is None else hbm - required, "refused_by_compiler": True,

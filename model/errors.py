@@ -24,6 +24,11 @@ class ConfigError(UserError):
   """A configuration that cannot be loaded or does not describe a valid model (or mesh)."""
 
 
+class CheckpointError(UserError):
+  """A checkpoint that is missing, incomplete, corrupt, or does not match the model; or an output
+  path that already exists. The message names the path (and the parameter, when one is at fault)."""
+
+
 def out_of_memory(e: BaseException) -> str | None:
   """The first line of `e` when it is XLA's RESOURCE_EXHAUSTED (an allocation the device, or the host
   on CPU, cannot make: e.g. "RESOURCE_EXHAUSTED: Out of memory allocating 2662825103120 bytes."),

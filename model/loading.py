@@ -1,24 +1,15 @@
 """The one place that builds or restores a Kimi-Linear model, on one device or on a device mesh.
 
-Every tool goes through here: `load(path, overrides)` for a checkpoint (generate, perplexity, the
-demo, training's `load_parameters_path`, the converter's read side uses `read_config`), `create(cfg)`
-for a random initialisation (training from scratch, forward_check). Above `model.nn` (the model),
-`model.checkpoint.format` (the files) and `model.partitioning` (mesh and logical axes), none of
-which imports this module or each other's model code, as MaxText's model creation sits above its
-sharding and checkpointing.
+Every tool goes through here: `load(path, overrides)` for a checkpoint, `create(cfg)` for a random
+initialisation. It sits above `model.nn`, `model.checkpoint` and `model.partitioning`, none of which
+imports it, as MaxText's model creation sits above its sharding and checkpointing.
 
-Before a model is allocated (random init or restore), `check_fits` compares its parameter bytes with
-the memory that will hold them (`model/memory.py`): a model larger than the machine is refused in
-one line (`allow_large_model=true` builds it anyway).
-
-One load reads `DIR/config.json` once and validates the resulting config once
-(`model.checkpoint.format.read_config`); pass `config=` when the caller already read it (e.g. to
-check a prompt against the vocabulary before the parameters load).
-
-On a mesh, `abstract_state` gives `jax.ShapeDtypeStruct`s that carry their `NamedSharding`: the
-target of a sharded random init (`init_sharded`, one jitted init whose outputs are born sharded) and
-of an Orbax restore (each device reads its own slices; no full host copy), whatever mesh the
-checkpoint was written under.
+Before a model is allocated, `check_fits` refuses in one line a model larger than the memory that
+will hold it (`model/memory.py`; `allow_large_model=true` builds it anyway). One load reads and
+validates `DIR/config.json` once; pass `config=` when the caller already read it. On a mesh,
+`abstract_state` gives `jax.ShapeDtypeStruct`s with their `NamedSharding`s: the target of a sharded
+random init (born sharded) and of an Orbax restore (each device reads its own slices), whatever
+mesh wrote the checkpoint.
 """
 
 from __future__ import annotations

@@ -1,44 +1,27 @@
-"""Device mesh, logical-axis sharding and multi-host start-up for the Kimi-Linear host.
+"""Device mesh, logical-axis sharding and multi-host start-up, mapping the config onto JAX's and
+Flax NNX's own machinery in the manner of MaxText.
 
-Everything here is JAX's own machinery (`jax.make_mesh`, `NamedSharding`, `jax.set_mesh`,
-`jax.shard_map`, `jax.lax.with_sharding_constraint`, `jax.distributed`) and Flax NNX's
-(`nnx.logical_axis_rules`, `nnx.get_partition_spec`, `nnx.eval_shape`); this module only maps the
-config onto it, in the manner of MaxText:
+- Mesh: axes `data`, `fsdp`, `expert`, `tensor` (outermost first), sized by the
+  `ici_*_parallelism` keys (-1 = the devices left). `jax.make_mesh` puts `tensor` on the fastest
+  links; across hosts devices are ordered by process, so `data` is the axis that crosses hosts.
+- Logical axes: the model names every parameter and activation axis (`model/nn/layers.py`); the
+  config's `logical_axis_rules` (`"logical:mesh+mesh"`) map names to mesh axes, a name left out is
+  replicated.
+- KDA per shard: the KDA mixer calls its kernels through `per_shard` (`jax.shard_map`) on its own
+  batch rows and heads. KDA heads never exchange data, so no collective is needed, and a Pallas
+  kernel, which GSPMD cannot partition, runs on a sharded model. Everything else is GSPMD's.
+- Multi-host: `initialize_distributed(cfg)` calls `jax.distributed.initialize` when
+  `distributed_init=true`; it must run in every process before anything touches a device.
 
-- **Mesh.** Four axes, outermost first: `data`, `fsdp`, `expert`, `tensor`, sized by the config
-  keys `ici_data_parallelism`, `ici_fsdp_parallelism`, `ici_expert_parallelism`,
-  `ici_tensor_parallelism` (-1 = every device left). `jax.make_mesh` lays them out on the physical
-  topology (tensor innermost, on the fastest links); on several hosts devices are ordered by
-  process, so the outer `data` axis is the one that crosses hosts.
-- **Logical axes.** The model names the axes of every parameter (`embed`, `heads`, `kv`, `mlp`,
-  `expert`, `vocab`; see `model/nn/layers.py`) and of its activations (`activation_batch`,
-  `activation_length`, `activation_embed`, `activation_heads`, `activation_vocab`). The config's
-  `logical_axis_rules` (strings `"logical:mesh+mesh"`) map each name to mesh axes; a name left out
-  is replicated. Defaults: batch on `data`+`fsdp`, parameters' `embed` on `fsdp` (ZeRO-3 style),
-  heads / FFN width / vocab on `tensor`, experts on `expert`.
-- **KDA per head shard.** Inside a mesh, the KDA mixer calls its backend's kernels through
-  `per_shard` (a `jax.shard_map`): each device runs the kernel on its batch rows and its heads only.
-  KDA heads never exchange data, so this needs no collective; it is also what lets a Pallas kernel,
-  which GSPMD cannot partition, run on a sharded model. Everything else is left to GSPMD.
-- **Parameters.** `param_shardings` maps an abstract model state (from `nnx.eval_shape`) to its
-  `NamedSharding`s; building and restoring a model on a mesh is `model/loading.py`'s job (this
-  module imports no model and no checkpoint code).
-- **Multi-host.** With `distributed_init=true`, `initialize_distributed(cfg)` calls
-  `jax.distributed.initialize` (explicit `coordinator_address`/`num_processes`/`process_id`, or
-  auto-detection on TPU pods, SLURM, Open MPI, ...). It must run in every process before anything
-  touches a device; then `jax.devices()` lists every host's devices and the mesh spans them all.
+This module imports no model and no checkpoint code (building on a mesh is `model/loading.py`'s)::
 
-Usage (one program for one device or many)::
-
-    cfg = load_config(argv)
     initialize_distributed(cfg)                  # no-op unless distributed_init=true
     mesh = create_mesh(cfg)                      # ConfigError on an impossible mesh
-    model = loading.create(cfg, mesh)            # or loading.load(path, mesh=mesh).model
+    model = loading.create(cfg, mesh)
     with mesh_context(mesh, cfg):                # jax.set_mesh + nnx.logical_axis_rules
       step = jax.jit(train_step, in_shardings=..., out_shardings=...)
 
-Functions that build or run the model must be traced inside `mesh_context` so that the KDA kernels
-run per shard and the activation constraints apply; outside a mesh every hook is the identity.
+Trace model code inside `mesh_context`; outside a mesh every hook is the identity.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # optimised HLO, the graph whose numerics the tests check, unchanged (dumped `after_optimizations` of
 # the prefill and decode programs diff empty); only machine-code optimisation is skipped.
 # KDA_TEST_XLA_OPT=default tests with XLA's default instead. Compile-venv subprocesses drop the flag
-# (tests/aot/runner.py): their TPU/GPU compiles and memory figures stay the real ones.
+# (tests/aot/helpers/runner.py): their TPU/GPU compiles and memory figures stay the real ones.
 TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
 if os.environ.get("KDA_TEST_XLA_OPT", "o0") != "default" and TEST_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()

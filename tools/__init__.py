@@ -1,7 +1,8 @@
 """The command-line tools (`kda-*` console commands, or `python -m tools.X` from a checkout).
 
-Every tool is thin: it parses `key=value` arguments (`tools/cli.py`), calls the library in `model/`
-and prints. Importing this package first checks that `model` and `configs` are this project's (a
+The root holds the console commands (pyproject `[project.scripts]`) and their shared helpers
+(`cli.py`); each parses `key=value` arguments, calls the library in `model/` and prints. The
+benchmarks and the serving load generator are scripts under `tools/bench/`. Importing this package first checks that `model` and `configs` are this project's (a
 package of the same name in the current directory would shadow them): one clear line instead of a
 `ModuleNotFoundError` deep inside.
 """

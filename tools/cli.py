@@ -33,7 +33,7 @@ from model import loading, registry
 from model.config import apply_overrides
 from model.data.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
 from model.errors import UsageError, UserError, out_of_memory, out_of_memory_message
-from tools.atomic_file import atomic_writer
+from model.atomic import atomic_writer
 
 __all__ = ["UsageError", "UserError", "checkpoint_config", "command", "load", "out_of_memory", "out_of_memory_message",
            "parse_args", "parse_key_values", "run_tool", "tool_main"]

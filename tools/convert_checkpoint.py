@@ -51,7 +51,7 @@ What a round trip (to_orbax, then to_hf, weight_dtype=auto) preserves:
 Memory: tensors are read one at a time from the memory-mapped safetensors (each file is opened only for
 the read, so its pages do not stay mapped) and written to Orbax in pieces of at most ~256 MB (one
 stacked expert array may be larger), so peak host memory is about the largest tensor plus that piece,
-independent of the model size (tools/benchmark_convert.py measures it). to_hf reads the Orbax
+independent of the model size (tools/bench/benchmark_convert.py measures it). to_hf reads the Orbax
 checkpoint piece by piece and streams each safetensors shard to disk the same way.
 
 Errors (a one-line message naming the tensor, file or key; exit status 2; nothing written): a missing or
@@ -70,7 +70,7 @@ from collections.abc import Sequence
 
 import jax
 
-from model.checkpoint.convert import DIRECTIONS, WEIGHT_DTYPES, ConversionError, ConvertArgs, hf_to_orbax, orbax_to_hf
+from model.hf.convert import DIRECTIONS, WEIGHT_DTYPES, ConversionError, ConvertArgs, hf_to_orbax, orbax_to_hf
 from tools import cli
 
 KEYS = ("direction", "hf_model_path", "load_parameters_path", "output_path", "weight_dtype", "overwrite",

@@ -42,7 +42,7 @@ import time
 import sentencepiece as spm
 
 from model.data.pipeline import DataFormatError, read_text_file, split_heldout
-from tools.atomic_file import atomic_writer
+from model.atomic import atomic_writer
 from model.errors import UsageError
 from tools import cli
 

@@ -1,1 +1,2 @@
-"""Checkpoints: the on-disk format (`format`), the Hugging Face name table (`hf_names`), conversion (`convert`)."""
+"""The project's checkpoint on disk: the format (`format`), its checksums (`checksums`) and the
+filtering of Orbax's log output (`orbax_logs`). Imports no model, loading or conversion code."""

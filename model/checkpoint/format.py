@@ -33,37 +33,29 @@ checkpoint loads with `weight_dtype=bfloat16`.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import pathlib
 import shutil
 import sys
-import tempfile
-import uuid
-import zlib
 from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 
-from model.errors import UserError
+from model.atomic import atomic_directory, check_writable, remove_tree
+from model.checkpoint.checksums import CHECKSUMS_FILE, checksum_entry, crc32, non_finite, read_checksums, write_checksums_file
+from model.checkpoint.orbax_logs import held_absl_warnings, quiet_orphaned_reads
+from model.errors import CheckpointError
 from model.config import ConfigError, apply_overrides, checkpoint_json, config_from_json, set_value, validate_config
 
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
 TOKENIZER_FILE = "tokenizer.model"
-CHECKSUMS_FILE = "checksums.json"
 # Chunks of at most this many bytes in the stored zarr arrays, so that a sharded restore reads
 # about its own shard rather than whole multi-GB tensors.
 _CHUNK_BYTES = 64 * 2**20
-
-
-class CheckpointError(UserError):
-  """A checkpoint that is missing, incomplete, corrupt, or does not match the model; or an output
-  path that already exists. The message names the path (and the parameter, when one is at fault)."""
 
 
 def _ocp():
@@ -206,7 +198,7 @@ class ParameterWriter:
   def __init__(self, path: str | os.PathLike, config, *, tokenizer_path: str | os.PathLike | None = None,
                overwrite: bool = False):
     self.path = pathlib.Path(path).absolute()
-    check_writable(self.path, overwrite)
+    check_writable(self.path, overwrite, is_checkpoint, "a checkpoint")
     self.overwrite = overwrite
     if tokenizer_path is None and config.get("tokenizer_path") and os.path.isfile(config.tokenizer_path):
       tokenizer_path = config.tokenizer_path
@@ -220,7 +212,8 @@ class ParameterWriter:
     self.bytes_written = 0
 
   def __enter__(self):
-    self._atomic = atomic_directory(self.path, overwrite=self.overwrite)
+    self._atomic = atomic_directory(self.path, overwrite=self.overwrite, replaceable=is_checkpoint,
+                                    what="a checkpoint")
     self.tmp = self._atomic.__enter__()
     try:
       stored = apply_overrides(self.config, ["load_parameters_path=",
@@ -274,80 +267,6 @@ class ParameterWriter:
     return self._atomic.__exit__(exc_type, exc, tb)
 
 
-def remove_tree(path: pathlib.Path | None) -> None:
-  """rm -rf `path` if it exists (no error when it does not)."""
-  if path is not None and (path.exists() or path.is_symlink()):
-    if path.is_dir() and not path.is_symlink():
-      shutil.rmtree(path, ignore_errors=True)
-    else:
-      path.unlink()
-
-
-def _check_creatable(path: pathlib.Path) -> None:
-  """CheckpointError unless a directory can be made where `path` will be (its nearest existing
-  ancestor is a directory in which a temporary directory can be created), before any work."""
-  ancestor = path.absolute().parent
-  while not ancestor.exists():
-    ancestor = ancestor.parent
-  if not ancestor.is_dir():
-    raise CheckpointError(f"output_path {os.fspath(path)!r}: {os.fspath(ancestor)!r} is a file, not a directory")
-  try:
-    os.rmdir(tempfile.mkdtemp(dir=ancestor, prefix=".kda-write-check-"))
-  except OSError as e:
-    raise CheckpointError(f"output_path {os.fspath(path)!r}: cannot create a directory in "
-                          f"{os.fspath(ancestor)!r} ({e.strerror or e})") from None
-
-
-def check_writable(path: str | os.PathLike, overwrite: bool, replaceable=is_checkpoint, what="a checkpoint") -> None:
-  """Raises CheckpointError unless `path` is absent, or overwrite is set and `path` is an empty
-  directory or one that `replaceable(path)` accepts (never a file or someone else's directory)."""
-  path = pathlib.Path(path)
-  if not path.exists() and not path.is_symlink():
-    _check_creatable(path)
-    return
-  if not overwrite:
-    raise CheckpointError(f"output_path {os.fspath(path)!r} already exists; pass overwrite=true to replace it")
-  if path.is_dir() and not path.is_symlink() and (not any(path.iterdir()) or replaceable(path)):
-    return
-  raise CheckpointError(f"output_path {os.fspath(path)!r} exists and is not {what} directory; refusing to "
-                        f"replace it even with overwrite (remove it yourself)")
-
-
-@contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False, replaceable=is_checkpoint,
-                     what: str = "a checkpoint"):
-  """Yields an empty temporary directory that becomes `path` when the block succeeds.
-
-  The temporary directory is a hidden sibling of `path` (same filesystem, so the final `os.rename`
-  is atomic). On any exception it is removed and `path` is untouched. With `overwrite`, an existing
-  `path` that `replaceable` accepts (or an empty directory) is moved aside, replaced, then deleted.
-
-  Raises:
-    CheckpointError: `path` exists and may not be replaced (checked before and after the block).
-  """
-  path = pathlib.Path(path).absolute()
-  check_writable(path, overwrite, replaceable, what)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
-  tmp.mkdir()
-  try:
-    yield tmp
-    old = None
-    if path.exists():
-      check_writable(path, overwrite, replaceable, what)  # someone may have created it meanwhile
-      old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
-      os.rename(path, old)
-    try:
-      os.rename(tmp, path)
-    except OSError:
-      if old is not None:
-        os.rename(old, path)
-      raise
-    remove_tree(old)
-  finally:
-    remove_tree(tmp)
-
-
 def save_parameters(path: str | os.PathLike, model, config, *, tokenizer_path: str | os.PathLike | None = None,
                     overwrite: bool = False) -> pathlib.Path:
   """Saves `model`'s parameters and `config` as a checkpoint directory (atomically).
@@ -376,26 +295,6 @@ def save_parameters(path: str | os.PathLike, model, config, *, tokenizer_path: s
 # Reading
 # ------------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _held_absl_warnings():
-  """Holds back the records Orbax logs through absl (logger 'absl') in the block and yields them as
-  a list: Orbax reports an unreadable array metadata as a multi-line WARNING (with the TensorStore
-  spec) and returns None; the caller turns that into one error line or passes the records on."""
-  held: list = []
-
-  class _Hold(logging.Filter):
-    def filter(self, record):
-      held.append(record)
-      return False
-
-  log, hold = logging.getLogger("absl"), _Hold()
-  log.addFilter(hold)
-  try:
-    yield held
-  finally:
-    log.removeFilter(hold)
-
-
 def stored_parameters(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
   """`{'model.layers.0.self_attn.q_proj.kernel': (shape, dtype), ...}` read from the metadata only.
 
@@ -406,7 +305,7 @@ def stored_parameters(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...
   """
   p = _check_dir(path)
   try:
-    with _quiet_orphaned_reads(p / PARAMS_DIR), _held_absl_warnings() as held:
+    with quiet_orphaned_reads(p / PARAMS_DIR), held_absl_warnings() as held:
       meta = _ocp().metadata(p / PARAMS_DIR).metadata
       if meta is None:
         # Orbax logs the reason (e.g. a truncated file holding the arrays' zarr.json) and returns None.
@@ -450,80 +349,15 @@ def _read_named(p: pathlib.Path, stored: dict, names: Sequence[str]) -> dict[str
   ctx = _context()
   ctx.pytree.loading.partial_load = True
   try:
-    with ctx, _quiet_orphaned_reads(p / PARAMS_DIR):
+    with ctx, quiet_orphaned_reads(p / PARAMS_DIR):
       out = _ocp().load(p / PARAMS_DIR, abstract)
   except Exception as e:
     raise _read_error(p, e) from None
   return {k: np.asarray(v) for k, v in flatten(out).items()}
 
 
-def non_finite(array) -> str | None:
-  """None when every value of `array` (a NumPy float array, bfloat16 included) is finite; else a
-  phrase for an error line: '3 non-finite value(s) (the first, nan, at index (0, 5))'."""
-  a = np.asarray(array)
-  bad = ~np.isfinite(a)
-  if not bad.any():
-    return None
-  first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), a.shape))
-  return f"{int(bad.sum())} non-finite value(s) (the first, {a[first]}, at index {first})"
-
-
 SCAN_PIECE_BYTES = 256 * 2**20  # parameters read per piece by `check_parameters` (bounded host memory)
 _noticed: set[str] = set()  # checkpoints whose missing checksums.json was already reported
-
-
-def _host_bytes(array) -> np.ndarray:
-  """The C-order bytes of `array` (NumPy or a jax.Array) as a flat uint8 view.
-
-  A jax.Array that spans devices of other processes (a multi-host training export) is first
-  gathered whole onto every process (`multihost_utils.process_allgather`, a collective: every
-  process writes the same parameters in the same order, as Orbax's multi-host save requires too),
-  one parameter at a time: the checksum is of the whole parameter's bytes, whatever the sharding,
-  so it matches what a one-host load reads back. Cost: each parameter crosses the network once more.
-  """
-  if isinstance(array, nnx.Variable):
-    array = array.get_value()
-  if isinstance(array, jax.Array) and not array.is_fully_addressable:
-    from jax.experimental import multihost_utils  # noqa: PLC0415 (multi-host only; keeps imports light)
-    array = multihost_utils.process_allgather(array, tiled=True)
-  return np.ascontiguousarray(np.asarray(array)).reshape(-1).view(np.uint8)
-
-
-def crc32(array) -> str:
-  """zlib's CRC-32 of `array`'s C-order bytes in its own dtype, as 8 hex digits."""
-  return f"{zlib.crc32(_host_bytes(array)) & 0xFFFFFFFF:08x}"
-
-
-def checksum_entry(array) -> dict:
-  """`{"crc32": ..., "dtype": ..., "shape": [...]}` of one parameter, as checksums.json stores it."""
-  a = array.get_value() if isinstance(array, nnx.Variable) else array
-  return {"crc32": crc32(a), "dtype": str(np.dtype(a.dtype)), "shape": [int(d) for d in a.shape]}
-
-
-def write_checksums_file(directory: pathlib.Path, entries: Mapping[str, dict]) -> None:
-  """Writes `directory/checksums.json` atomically (a temporary file renamed into place)."""
-  data = {"format": 1, "algorithm": "crc32", "parameters": dict(sorted(entries.items()))}
-  tmp = directory / f".{CHECKSUMS_FILE}.tmp-{uuid.uuid4().hex[:12]}"
-  tmp.write_text(json.dumps(data, indent=1) + "\n")
-  os.replace(tmp, directory / CHECKSUMS_FILE)
-
-
-def read_checksums(path: str | os.PathLike) -> dict[str, dict] | None:
-  """`{name: {"crc32", "dtype", "shape"}}` of checkpoint `path`, or None when it has no checksums.json.
-
-  Raises:
-    CheckpointError: a checksums.json that is not the format `write_checksums_file` writes.
-  """
-  f = pathlib.Path(path) / CHECKSUMS_FILE
-  if not f.is_file():
-    return None
-  try:
-    data = json.loads(f.read_text())
-    if data.get("algorithm") != "crc32" or not isinstance(data.get("parameters"), dict):
-      raise ValueError("expected {\"algorithm\": \"crc32\", \"parameters\": {...}}")
-    return data["parameters"]
-  except (ValueError, AttributeError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"{f}: not a valid checksums file ({type(e).__name__}: {e})") from None
 
 
 def check_parameters(path: str | os.PathLike, *, verify_checksums: bool = True,
@@ -635,91 +469,6 @@ def _read_error(path: pathlib.Path, e: BaseException) -> CheckpointError:
   return CheckpointError(f"load_parameters_path={os.fspath(path)}: {what} ({first})")
 
 
-# When one array of an Orbax load fails, Orbax closes its event loop while TensorStore still reads the
-# other arrays; as each of those reads completes, its callback hits the closed loop and Python prints
-# a "RuntimeError: Event loop is closed" traceback through sys.unraisablehook (dozens of them, some
-# after the load has raised), plus "Exception ignored in <coroutine ...>" for the abandoned Orbax
-# coroutines and asyncio's "... exception was never retrieved" log records. They carry no
-# information beyond the error already raised. `_quiet_orphaned_reads` drops exactly these (matched
-# by type, message and the Orbax/event-loop frames they come from); anything else goes to the hooks
-# that were there before. After a successful load the filter is removed and whatever it held back
-# is passed on; after a failed one it stays (the stragglers arrive later) but still only drops those.
-_filter_state: dict = {"previous": None, "held": None, "failed": False, "paths": set()}
-
-
-def _in_orbax(tb) -> bool:
-  while tb is not None:
-    if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
-      return True
-    tb = tb.tb_next
-  return False
-
-
-def _is_orphan_noise(exc: BaseException | None, obj=None) -> bool:
-  if exc is None:
-    return False
-  if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-      tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_name.endswith("_check_closed")
-  code = getattr(obj, "cr_code", None)
-  if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
-    return True
-  # TensorStore's own read errors (asyncio tasks around its futures) name the checkpoint's files.
-  return _in_orbax(exc.__traceback__) or any(path in str(exc) for path in _filter_state["paths"])
-
-
-def _unraisable_hook(unraisable) -> None:
-  if _is_orphan_noise(unraisable.exc_value, unraisable.object):
-    if _filter_state["held"] is not None:
-      _filter_state["held"].append(unraisable)
-    return
-  (_filter_state["previous"] or sys.__unraisablehook__)(unraisable)
-
-
-class _AsyncioNoise:
-  """logging.Filter for the 'asyncio' logger: drops unretrieved-exception records of Orbax reads."""
-
-  def filter(self, record) -> bool:
-    if not record.exc_info or not _is_orphan_noise(record.exc_info[1]):
-      return True
-    if _filter_state["held"] is not None:
-      _filter_state["held"].append(record)
-    return False
-
-
-_asyncio_filter = _AsyncioNoise()
-
-
-@contextlib.contextmanager
-def _quiet_orphaned_reads(params_dir: pathlib.Path):
-  log = logging.getLogger("asyncio")
-  if sys.unraisablehook is not _unraisable_hook:
-    _filter_state["previous"] = sys.unraisablehook
-    sys.unraisablehook = _unraisable_hook
-  log.addFilter(_asyncio_filter)  # no-op when already there
-  held: list = []
-  _filter_state["held"] = held
-  _filter_state["paths"].add(os.fspath(params_dir))
-  try:
-    yield
-  except BaseException:
-    _filter_state.update(held=None, failed=True)  # keep dropping the stragglers for good
-    raise
-  _filter_state["held"] = None
-  _filter_state["paths"].discard(os.fspath(params_dir))
-  if not _filter_state["failed"]:  # no earlier failure left stragglers behind: take the filter off
-    if sys.unraisablehook is _unraisable_hook:
-      sys.unraisablehook = _filter_state["previous"] or sys.__unraisablehook__
-    log.removeFilter(_asyncio_filter)
-  for item in held:  # this load succeeded, so these were no leftovers of a failure: show them
-    if isinstance(item, logging.LogRecord):
-      logging.getLogger(item.name).handle(item)
-    else:
-      (_filter_state["previous"] or sys.__unraisablehook__)(item)
-
-
 def _default_sharding():
   return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
@@ -750,7 +499,7 @@ def restore_parameters(path: str | os.PathLike, abstract_state, shardings=None):
     CheckpointError: missing checkpoint, a parameter missing from / unexpected in the checkpoint,
       a shape mismatch (each named), or unreadable array data (one line: `load_parameters_path=DIR:
       params/ is corrupt or truncated (...)`). The asyncio noise of Orbax's abandoned reads after
-      such a failure is dropped (`_quiet_orphaned_reads`).
+      such a failure is dropped (`orbax_logs.quiet_orphaned_reads`).
   """
   p = _check_dir(path)
   as_state = isinstance(abstract_state, nnx.State)
@@ -761,7 +510,7 @@ def restore_parameters(path: str | os.PathLike, abstract_state, shardings=None):
     target = jax.tree.map(_abstract_leaf, pure, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
   _check_matches(p, stored_parameters(p), flatten(target))
   try:
-    with _quiet_orphaned_reads(p / PARAMS_DIR):
+    with quiet_orphaned_reads(p / PARAMS_DIR):
       restored = _ocp().load(p / PARAMS_DIR, target)
   except Exception as e:
     raise _read_error(p, e) from None

@@ -91,7 +91,7 @@ def build_decode(graphdef, treedef):
   """The decode-only step: `(leaves, pool, tokens int32 [S], active bool [S], sampling arrays...)` ->
   `(tokens, logprobs, top2, new pool)` through `KimiLinearForCausalLM.decode` (`kda_decode_step`,
   MLA in the absorbed form), the faster route when no prompt chunk shares the step (README routing
-  table, tools/benchmark_decode_routing.py). decode advances every slot, so inactive slots keep
+  table, tools/bench/benchmark_decode_routing.py). decode advances every slot, so inactive slots keep
   their KDA states, conv windows and length by selection; their MLA row at index `lengths[s]` may
   receive a stale latent, which is beyond their valid prefix (masked, overwritten when they next run).
   """

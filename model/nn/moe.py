@@ -8,13 +8,9 @@ two best biased scores); the weights are the *unbiased* `s` of the chosen expert
 sum 1 (`norm_topk_prob`, denominator + 1e-20) and multiplied by `routed_scaling_factor`.
 Output = sum_k weight_k * expert_k(x) + shared_experts(x).
 
-Parameters (HF name -> here):
-`block_sparse_moe.gate.weight [E, d]` -> `gate.kernel [d, E]`;
-`gate.e_score_correction_bias [E]` -> `gate.e_score_correction_bias [E]` (float32, a `RouterBias`
-variable, not an `nnx.Param`: it is adjusted by load balancing, never by gradients or weight decay);
-`experts.{e}.w1.weight [I, d]` -> `experts.w1 [E, d, I]` (row e = the HF weight transposed), same
-for `w3`; `experts.{e}.w2.weight [d, I]` -> `experts.w2 [E, I, d]`;
-`shared_experts.{gate,up,down}_proj.weight` -> `shared_experts.{gate,up,down}_proj.kernel`.
+Experts are stacked (`experts.w1 [E, d, I]`, ...; the HF names: docs/checkpoints.md). The correction
+bias is a float32 `RouterBias`, not an `nnx.Param`: load balancing adjusts it, gradients and weight
+decay never do.
 
 Auxiliary-loss-free load balancing (DeepSeek-V3 report, arXiv:2412.19437, sec. 2.1.2; Kimi-Linear
 trains its router the same way): after each optimizer step the bias of expert i moves by

@@ -1,34 +1,21 @@
 """Scan over repeated groups of decoder layers, and rematerialisation policies (config keys
 `scan_layers`, `remat_policy`, as MaxText's).
 
-Kimi-Linear-48B's 27 layers are KDA except MLA at [4, 8, ..., 24, 27], with the dense FFN in layer 1
-and MoE after it: six groups of KDA x3 + MLA over layers 1-24, then a KDA, KDA, MLA tail. Layer 1's
-dense FFN makes the first group differ, so `scan_plan` (the longest stretch of identical consecutive
-groups, at least two, by layers covered) takes the same period shifted by one: layers 2-25 are six
-copies of (KDA, KDA, MLA, KDA), all MoE. `run_layers` executes them as one `jax.lax.scan` whose body
-is the group: the compiled program holds one copy of the group instead of six, so compile time and
-program size stop growing with depth. Layer 1 and the KDA, MLA tail 26-27 run unrolled.
+`scan_plan` finds the longest stretch of identical consecutive layer groups (at least two): in
+Kimi-Linear-48B, layers 2-25 are six copies of (KDA, KDA, MLA, KDA), all MoE (layer 1's dense FFN
+shifts the period by one). `run_layers` runs them as one `jax.lax.scan` over the group, so compile
+time and program size stop growing with depth; the other layers run unrolled.
 
-Parameters stay per layer (`model.layers.{i}....`, the Hugging Face names of docs/checkpoints.md):
-the scan stacks the group's per-layer parameters inside the traced function (`jnp.stack`, one copy
-of the scanned layers' parameters per device, which the AOT report's temporaries include), so
-checkpoints, conversion, training resume and the optimizer state are unchanged. The result equals
-the unrolled model's (the same operations in the same order; tests/model/test_scan_layers.py).
+Parameters stay per layer (the Hugging Face names), so checkpoints, conversion, resume and the
+optimizer state are unchanged; the scan stacks them inside the traced function, which XLA
+materialises as a second copy. A caller holding them already stacked (`split_stacked` outside the
+program) runs inside `prestacked_groups(stacked)` and nothing is stacked in the trace. Either way
+the result equals the unrolled model's (tests/model/test_scan_layers.py).
 
-That in-trace stack is a real copy: XLA materialises the `[repeats, ...]` arrays (dynamic-update-slice
-fusions in the compiled HLO), so a program holds the scanned layers' parameters twice (Kimi-Linear-48B
-on 4 v5p chips with expert=4: 20.25 GiB of the prefill's temporaries). A caller that holds the
-parameters already stacked ("stack at load time": `split_stacked` outside the program, the stacked
-arrays passed in as arguments) runs the program inside `prestacked_groups(stacked)`: `run_layers`
-then scans over those arrays and stacks nothing (`merge_stacked` rebuilds the per-layer state from
-slices of them, which the program never reads and XLA removes). Same operations, same values.
-
-`remat_policy` (training only, i.e. mode "train"; jax.checkpoint around each scanned group and each
-unrolled layer): "none" (default: no rematerialisation, the forward's activations are kept),
-"full" (`jax.checkpoint_policies.nothing_saveable`: only layer inputs are kept, everything is
-recomputed in the backward; "nothing_saveable" is the same policy under jax's name), "minimal" (`checkpoint_dots_with_no_batch_dims`: the results of matmuls
-against parameters are kept, the rest recomputed), "dots_saveable" (`dots_saveable`: every matmul
-result is kept).
+`remat_policy` (mode "train"; jax.checkpoint around each scanned group and unrolled layer): "none"
+(keep every activation), "full" (`nothing_saveable`, also accepted under that name: keep only layer
+inputs), "minimal" (`checkpoint_dots_with_no_batch_dims`: keep matmuls against parameters),
+"dots_saveable" (keep every matmul result).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tests.aot.runner import AotRunner
+from tests.aot.helpers.runner import AotRunner
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

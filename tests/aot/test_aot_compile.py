@@ -135,7 +135,7 @@ def test_decode_that_cannot_fit_is_reported_not_crashed(tpu_aot, tmp_path):
 def test_mesh_axis_that_splits_the_torus_is_laid_out_with_a_warning(tpu_aot):
   """tensor=8 on a 4x4 v6e slice is no product of whole torus axes: jax.make_mesh refuses it, and
   create_mesh lays it out with split physical axes, saying so (it crashed the tool before)."""
-  out = tpu_aot.run("tests.aot.mesh_split_check", timeout=300)
+  out = tpu_aot.run("tests.aot.helpers.mesh_split_check", timeout=300)
   assert out["shape"] == {"data": 1, "fsdp": 2, "expert": 1, "tensor": 8} and out["devices_once"]
   assert len(out["warnings"]) == 1 and "splitting physical axes" in out["warnings"][0]
   assert "ici_tensor_parallelism=8" in out["warnings"][0]

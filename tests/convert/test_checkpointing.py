@@ -18,6 +18,7 @@ from flax import nnx
 
 from model import loading
 from model.checkpoint import format as ck
+from model.checkpoint import orbax_logs
 from model.config import ConfigError, load_config
 
 
@@ -206,7 +207,7 @@ def test_truncated_params_cli_prints_one_line(tmp_path):
 
 
 def test_orphaned_read_noise_filter(tmp_path):
-  """`_quiet_orphaned_reads` drops only the leftovers of a failed Orbax load ("Event loop is closed"
+  """`orbax_logs.quiet_orphaned_reads` drops only the leftovers of a failed Orbax load ("Event loop is closed"
   from an event loop's _check_closed, exceptions naming the params/ being read) and passes everything
   else on; after a successful load it hands what it held back to the previous hook."""
   seen = []
@@ -230,17 +231,17 @@ def test_orphaned_read_noise_filter(tmp_path):
 
   old = sys.unraisablehook
   sys.unraisablehook = previous
-  state = dict(ck._filter_state)
-  ck._filter_state.update(previous=None, held=None, failed=False, paths=set())
+  state = dict(orbax_logs._filter_state)
+  orbax_logs._filter_state.update(previous=None, held=None, failed=False, paths=set())
   try:
-    with ck._quiet_orphaned_reads(tmp_path / "params"):  # succeeds: held items are passed on afterwards
+    with orbax_logs.quiet_orphaned_reads(tmp_path / "params"):  # succeeds: held items are passed on afterwards
       sys.unraisablehook(unraisable(_check_closed))
       sys.unraisablehook(unraisable(other))
       assert seen == ["Event loop is closed"]  # only `other` went through at once
     assert seen == ["Event loop is closed"] * 2 and sys.unraisablehook is previous
     seen.clear()
     with pytest.raises(ck.CheckpointError):
-      with ck._quiet_orphaned_reads(tmp_path / "params"):
+      with orbax_logs.quiet_orphaned_reads(tmp_path / "params"):
         raise ck.CheckpointError("load failed")
     for fn in (_check_closed, tensorstore, _check_closed):  # stragglers after the failure: dropped
       sys.unraisablehook(unraisable(fn))
@@ -249,9 +250,9 @@ def test_orphaned_read_noise_filter(tmp_path):
     assert seen == ["Event loop is closed", "division by zero"]
   finally:
     sys.unraisablehook = old
-    ck._filter_state.clear()
-    ck._filter_state.update(state)
-    logging.getLogger("asyncio").removeFilter(ck._asyncio_filter)
+    orbax_logs._filter_state.clear()
+    orbax_logs._filter_state.update(state)
+    logging.getLogger("asyncio").removeFilter(orbax_logs._asyncio_filter)
 
 
 def test_a_hugging_face_directory_is_named_as_one():

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from model import loading
-from model.checkpoint import format as ck
+from model.checkpoint import checksums, format as ck
 from model.config import load_config
 from tools import convert_checkpoint as cc
 from tools import verify_checkpoint as vc
@@ -51,7 +51,7 @@ def test_training_export_records_checksums(tmp_path):
   cfg = load_config(["tiny"])
   model = loading.create(cfg)
   path = ck.save_parameters(tmp_path / "ck", model, cfg)
-  sums = ck.read_checksums(path)
+  sums = checksums.read_checksums(path)
   assert sorted(sums) == sorted(ck.stored_parameters(path))
   assert ck.check_parameters(path)["checksums"] is True
 
@@ -108,7 +108,7 @@ def test_old_checkpoint_without_checksums_loads_with_one_notice(converted, tmp_p
   assert _verify([f"load_parameters_path={old}"]) == 1
   assert "unverified" in capsys.readouterr().out
   assert _verify([f"load_parameters_path={old}", "record_checksums=true"]) == 0
-  assert ck.read_checksums(old) == ck.read_checksums(converted)
+  assert checksums.read_checksums(old) == checksums.read_checksums(converted)
   assert _verify([f"load_parameters_path={old}"]) == 0
 
 

@@ -19,10 +19,10 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from model import loading
-from model.checkpoint import convert as conversion
+from model.hf import convert as conversion
 from model.checkpoint import format as ck
 from tools import convert_checkpoint as cc
-from model.checkpoint import hf_names as hl
+from model.hf import names as hl
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -297,7 +297,7 @@ def test_transformers_loads_to_hf_output(converted, tmp_path):
     _run(["direction=to_hf", f"load_parameters_path={converted[name]}", f"output_path={tmp_path / name}",
           "max_shard_size=400KB"])
     args += [tmp_path / name, src / "reference.npz"]
-  proc = subprocess.run([REF_PY, REPO / "tests" / "convert" / "hf_load_check.py", *args], capture_output=True,
+  proc = subprocess.run([REF_PY, REPO / "tests" / "convert" / "helpers" / "hf_load_check.py", *args], capture_output=True,
                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""})
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
   results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

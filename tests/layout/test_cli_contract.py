@@ -75,7 +75,7 @@ TOOLS = {
 }
 CASES = [(tool, argv, key) for tool, (_, cases) in TOOLS.items() for argv, key in cases]
 
-# tools/benchmark_serving.py (a script: no console command, argparse flags): every flag is checked before a
+# tools/bench/benchmark_serving.py (a script: no console command, argparse flags): every flag is checked before a
 # server starts, a model loads or a file is written. "{JSON}" is a path under a directory that must still
 # not exist afterwards. (flags, the flag the error line must name)
 _ONLINE = ["--online", "--json", "{JSON}"]
@@ -148,7 +148,7 @@ def test_bad_argument_is_one_error_line(tool):
 def test_benchmark_serving_bad_flag_is_one_error_line_before_anything_starts(tmp_path):
   out_dir = tmp_path / "not_created"
   cases = [[a.replace("{JSON}", str(out_dir / "out.json")) for a in argv] for argv, _ in BENCHMARK_CASES]
-  r = _run([sys.executable, "-m", "tests.layout.tool_cases", "benchmark_serving", json.dumps(cases)])
+  r = _run([sys.executable, "-m", "tests.layout.tool_cases", "bench.benchmark_serving", json.dumps(cases)])
   assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
   results = json.loads(r.stdout.strip().splitlines()[-1])
   assert [res["argv"] for res in results] == cases

@@ -122,3 +122,140 @@ def test_paths_named_in_docs_exist():
       if not (REPO / target).exists():
         bad.append(f"docs/{page.name}: {target}")
   assert (REPO / "docs").is_dir() and not bad, f"paths in docs/ that do not exist: {sorted(bad)}"
+
+
+# ------------------------------------------------------------------------------------------------
+# README's Layout table against the tree
+# ------------------------------------------------------------------------------------------------
+# Rows name paths (first column, in backticks); a directory row names the modules inside it in its
+# second column. Under these roots every module and sub-package must be covered: by a row of its own,
+# or (for a child of a directory row) by its name in backticks in that row's contents. The other top-
+# level folders (configs/, tests/, docs/) need only a row. `python -m tests.layout.test_docs` prints
+# what is missing and what is stale, to regenerate the table after modules move.
+LAYOUT_ROOTS = ("model", "tools", "kda_plugin")
+_CHILD_SUFFIXES = (".py", ".sh")
+
+
+def layout_rows(text: str | None = None) -> list[tuple[list[str], str]]:
+  """`[(paths, contents)]` of README.md's Layout table, paths without a trailing slash."""
+  text = (REPO / "README.md").read_text() if text is None else text
+  section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+  rows = []
+  for line in section.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) != 2 or not cells[0].startswith("`"):
+      continue
+    rows.append(([p.rstrip("/") for p in re.findall(r"`([^`]+)`", cells[0])], cells[1]))
+  return rows
+
+
+def _children(directory: pathlib.Path) -> list[str]:
+  """Modules (without suffix), scripts and sub-packages of `directory` as a user sees them in the
+  tree (tracked or untracked-but-not-ignored files), `__init__.py` and caches left out."""
+  rel = directory.relative_to(REPO)
+  out = set()
+  for path in _tracked():
+    parts = path.relative_to(REPO).parts
+    if parts[:len(rel.parts)] != rel.parts or len(parts) == len(rel.parts):
+      continue
+    name = parts[len(rel.parts)]
+    if len(parts) > len(rel.parts) + 1:
+      out.add(name)  # a sub-directory
+    elif name.endswith(_CHILD_SUFFIXES) and name != "__init__.py":
+      out.add(name)
+  return sorted(out)
+
+
+def layout_problems(rows=None) -> tuple[list[str], list[str]]:
+  """`(missing, stale)`: tree entries the table does not cover, and table entries the tree lacks."""
+  rows = layout_rows() if rows is None else rows
+  listed = {p for paths, _ in rows for p in paths}
+  contents = {p: c for paths, c in rows for p in paths}
+  stale = [f"row `{p}`: no such path" for p in sorted(listed) if not (REPO / p).exists()]
+  missing = []
+  top = sorted({p.relative_to(REPO).parts[0] for p in _tracked() if len(p.relative_to(REPO).parts) > 1
+                and not p.relative_to(REPO).parts[0].startswith(".")})
+  for name in top:
+    if not any(p == name or p.startswith(name + "/") for p in listed):
+      missing.append(f"`{name}/`: no row")
+
+  def walk(directory: str):
+    row = contents.get(directory)
+    named = set(re.findall(r"`([\w.]+)`", row)) if row is not None else set()
+    for child in _children(REPO / directory):
+      path, stem = f"{directory}/{child}", child.removesuffix(".py")
+      if path in listed:
+        if (REPO / path).is_dir():
+          walk(path)
+      elif row is not None and (stem in named or child in named):
+        continue
+      elif (REPO / path).is_dir() and any(p.startswith(path + "/") for p in listed):
+        walk(path)
+      else:
+        missing.append(f"`{path}`" + (f": not named in the `{directory}/` row" if row is not None else ": no row"))
+    if row is not None:  # names in the contents that are no module of the directory (a rename)
+      kids = {c.removesuffix(".py") for c in _children(REPO / directory)} | set(_children(REPO / directory))
+      for name in sorted(named):
+        looks_like_module = re.fullmatch(r"_?[a-z][a-z0-9_]*(\.py|\.sh)?", name) is not None
+        if looks_like_module and name not in kids and not any(p == f"{directory}/{name}" for p in listed):
+          stale.append(f"`{directory}/` row names `{name}`, which is not in {directory}/")
+
+  for root in LAYOUT_ROOTS:
+    walk(root)
+  return missing, stale
+
+
+def test_layout_table_matches_the_tree():
+  """Every row's path exists, every module of model/, tools/ and kda_plugin/ (at the table's
+  granularity) is listed, and no row names a module that is gone."""
+  missing, stale = layout_problems()
+  assert not missing and not stale, ("README.md's Layout table does not match the tree "
+                                     "(`python -m tests.layout.test_docs` lists it all):\n"
+                                     + "\n".join(["missing: " + m for m in missing] + ["stale: " + s for s in stale]))
+
+
+def test_layout_check_catches_a_missing_and_a_stale_entry():  # the check itself can fail
+  rows = [r for r in layout_rows() if r[0] != ["model/loading.py"]]
+  rows.append((["model/no_such_module.py"], "nothing"))
+  rows = [(paths, c.replace("`scan`", "`no_such_scan`") if paths == ["model/nn"] else c) for paths, c in rows]
+  missing, stale = layout_problems(rows)
+  assert "`model/loading.py`: no row" in missing and "`model/nn/scan.py`: not named in the `model/nn/` row" in missing
+  assert "row `model/no_such_module.py`: no such path" in stale
+  assert "`model/nn/` row names `no_such_scan`, which is not in model/nn/" in stale
+
+
+def test_layout_rows_point_imports_one_way():
+  """Top to bottom of the table, a row's modules import only from rows above it (or their own)."""
+  from tests.layout.test_imports import MODULES, _graph  # the import walk lives there
+  rows = layout_rows()
+  order = {}
+  for i, (paths, _) in enumerate(rows):
+    for p in paths:
+      order[p] = i
+
+  def row_of(module: str):
+    path = MODULES[module].relative_to(REPO).as_posix()
+    best = None
+    for p in order:
+      if path == p or path.startswith(p + "/") or path.removesuffix("/__init__.py") == p:
+        if best is None or len(p) > len(best):
+          best = p
+    return None if best is None else order[best]
+
+  bad = []
+  for module, targets in _graph().items():
+    here = row_of(module)
+    for target in targets:
+      there = row_of(target)
+      if here is not None and there is not None and there > here:
+        bad.append(f"{module} (row {here}) imports {target} (row {there})")
+  assert not bad, "the Layout table's order is not the import order:\n" + "\n".join(sorted(bad))
+
+
+if __name__ == "__main__":
+  problems = layout_problems()
+  for kind, items in zip(("missing", "stale"), problems):
+    for item in items:
+      print(f"{kind}: {item}")
+  if not any(problems):
+    print("README.md's Layout table matches the tree")

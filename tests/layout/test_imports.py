@@ -1,9 +1,9 @@
 """The import graph of the package modules: no cycle, imports pointing one way, function-body imports
 only with a reason written next to them.
 
-Layers (each imports only from those before it): configs -> model.errors -> model.partitioning ->
-model.config -> model.nn / model.checkpoint.format -> model.loading -> model.engine / model.training /
-model.checkpoint.convert -> tools. The host `model/` imports nothing from `tools/` or `kda_plugin/`.
+Layers (each imports only from those before it): configs -> model.errors -> model.atomic ->
+model.partitioning -> model.config -> model.nn / model.checkpoint -> model.loading -> model.engine /
+model.training / model.hf -> tools. The host `model/` imports nothing from `tools/` or `kda_plugin/`.
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def test_the_walk_sees_every_layer():
   graph = _graph()
   assert {"model.loading", "model.partitioning", "model.nn.kimi_linear", "tools.cli", "kda_plugin.plugin"} <= set(graph)
   assert "model.checkpoint.format" in graph["model.loading"] and "model.partitioning" in graph["model.nn.kda"]
+  assert "model.loading" in graph["model.hf.convert"] and "model.checkpoint.checksums" in graph["model.checkpoint.format"]
 
 
 def test_no_import_cycle():
@@ -127,6 +128,11 @@ def test_a_cycle_is_detected():  # the check itself can fail
     ("configs", ("model", "tools", "kda_plugin")),
     ("model.partitioning", ("model.nn", "model.loading", "model.checkpoint", "model.engine", "model.training")),
     ("model.checkpoint.format", ("model.nn", "model.loading", "model.engine", "model.training")),
+    # The checkpoint package is the on-disk format only: no model loading, no HF interchange above it.
+    ("model.checkpoint", ("model.nn", "model.loading", "model.hf", "model.engine", "model.training",
+                          "model.server", "model.data")),
+    ("model.atomic", ("model.config", "model.partitioning", "model.nn", "model.checkpoint", "model.loading")),
+    ("model.loading", ("model.hf", "model.engine", "model.training", "model.server")),
     ("model.nn", ("model.loading", "model.checkpoint", "model.engine", "model.training", "model.data")),
 ])
 def test_imports_point_one_way(lower, forbidden):

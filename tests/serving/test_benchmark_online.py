@@ -1,11 +1,11 @@
-"""tools/serving_load.py's round aggregation (no server): medians over interleaved rounds and the
+"""tools/bench/serving_load.py's round aggregation (no server): medians over interleaved rounds and the
 shared-prefix TTFT ratio, each round's own ratio beside it."""
 
 from __future__ import annotations
 
 import pytest
 
-from tools import serving_load
+from tools.bench import serving_load
 
 
 def _run(ttft, tok_s=100.0):
@@ -194,7 +194,7 @@ def fake_server(request):
 
 
 def _benchmark(*flags):
-  return subprocess.run([sys.executable, "tools/benchmark_serving.py", "--online", *flags], capture_output=True,
+  return subprocess.run([sys.executable, "tools/bench/benchmark_serving.py", "--online", *flags], capture_output=True,
                         text=True, cwd=REPO, timeout=120)
 
 

@@ -360,7 +360,7 @@ def test_output_json_gets_the_umask_mode(tmp_path, umask):
   """output_json (tools.generate / tools.perplexity write it with write_json_atomic) gets 0o666 less
   the umask, as a plain open() gives (it was 0o600: mkstemp's mode); a failed write leaves nothing."""
   import os
-  from tools.atomic_file import atomic_writer
+  from model.atomic import atomic_writer
   from tools.cli import write_json_atomic
   old = os.umask(umask)
   try:

@@ -319,10 +319,10 @@ def test_bad_input_is_refused_while_a_good_request_completes(server):
 
 
 def test_benchmark_clients_agree(server):
-  """tools/serving_load.py's two clients (raw aiohttp SSE, the default, and the official openai client)
+  """tools/bench/serving_load.py's two clients (raw aiohttp SSE, the default, and the official openai client)
   count the same: every request's tokens, prompt length and (raw, a repeated prompt) cached tokens."""
   import asyncio
-  from tools import serving_load
+  from tools.bench import serving_load
   model = server.client.models.list().data[0].id
   rng = np.random.default_rng(21)
   shapes = ((5, 3), (70, 4), (33, 1))
@@ -340,7 +340,7 @@ def test_benchmark_against_a_running_server_records_this_runs_counters(server, t
   """`benchmark_serving.py --online --url`: server_metrics are this run's differences (the counters match
   the clients' own totals, not the totals since the server started), args are typed and of the url mode,
   and a repeated run (same seed: its prompts are cached now) is said to be measured warm."""
-  from tools import serving_load
+  from tools.bench import serving_load
   out = tmp_path / "bench.json"
   argv = ["--url", server.url, "--workloads", "shared_prefix", "--num-requests", "4", "--concurrency", "2",
           "--warmup", "2", "--prefix-len", "70", "--suffix-min", "3", "--suffix-max", "9", "--output-min", "2",

@@ -49,12 +49,12 @@ def main(port: int, pid: int) -> None:
   # A parameter sharded across both processes (not fully addressable here): its checksum, as a
   # multi-host export records it, is that of the whole array (was: np.asarray refused the array).
   from jax.sharding import NamedSharding, PartitionSpec
-  from model.checkpoint import format as ckpt
+  from model.checkpoint import checksums
   whole = np.arange(8 * 32, dtype=np.float32).reshape(8, 32) * 0.5
   spread = jax.make_array_from_callback(whole.shape, NamedSharding(mesh, PartitionSpec("data", "tensor")),
                                         lambda idx: whole[idx])
-  sharded_crc = dict(fully_addressable=spread.is_fully_addressable, crc32=ckpt.checksum_entry(spread),
-                     whole=ckpt.checksum_entry(whole))
+  sharded_crc = dict(fully_addressable=spread.is_fully_addressable, crc32=checksums.checksum_entry(spread),
+                     whole=checksums.checksum_entry(whole))
   rows = [sorted({d.process_index for d in np.asarray(mesh.devices)[i].flat}) for i in range(mesh.shape["data"])]
   print(json.dumps(dict(process=jax.process_index(), processes=jax.process_count(), devices=jax.device_count(),
                         local_devices=jax.local_device_count(), mesh=partitioning.describe_mesh(mesh),

@@ -3,7 +3,7 @@
 Runs under the Python 3.11 reference venv (see tests/fixtures/README.md; torch 2.13 CPU, transformers
 >= 5.17, no triton, so transformers uses its torch fallbacks for KDA and the short convolutions):
 
-  .venv-ref/bin/python tools/reference/bench_transformers.py --save-dir runs/reference/demo_hf \
+  .venv-ref/bin/python tools/bench/reference/bench_transformers.py --save-dir runs/reference/demo_hf \
       --json runs/reference/bench_transformers.json
 
 Builds a random float32 `KimiLinearForCausalLM` with the layout of configs/demo.py (6 layers, hidden

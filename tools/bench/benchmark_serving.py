@@ -3,7 +3,7 @@ the HTTP server (tools/serve.py) under concurrent clients, engine against engine
 
 Online (`--online`; everything after it is the online mode's flags, see `--online --help`):
 
-    .venv/bin/python tools/benchmark_serving.py --online [--engines continuous,static] \
+    .venv/bin/python tools/bench/benchmark_serving.py --online [--engines continuous,static] \
         [--workloads mixed,shared_prefix] [--num-requests 64] [--concurrency 32] [--json FILE]
         [--url http://HOST:PORT  (an already running server: measures that one only)]
 
@@ -51,17 +51,17 @@ HTTP path's and the clients', which share the same cores in the online mode.
 
 Offline (default):
 
-    .venv/bin/python tools/benchmark_serving.py [--hf-dir runs/reference/demo_hf] \
+    .venv/bin/python tools/bench/benchmark_serving.py [--hf-dir runs/reference/demo_hf] \
         [--checkpoint runs/serving/demo_ckpt] [--attention kda_native] [--prefill-tokens 512] \
         [--decode-tokens 64] [--runs 7] [--rounds 2] [--json runs/serving/benchmark_serving.json]
 
 The demo-sized model (6 layers, width 256, KDA at 1, 2, 4, 5 and MLA at 3, 6, MoE with 8 experts top-2
 plus a shared expert, vocab 4096) is built and saved by transformers
-(`tools/reference/bench_transformers.py --save-dir`, run under .venv-ref when `--hf-dir` is missing)
+(`tools/bench/reference/bench_transformers.py --save-dir`, run under .venv-ref when `--hf-dir` is missing)
 and converted with `tools.convert_checkpoint` (when `--checkpoint` is missing). Then, for `--rounds`
 rounds, back to back on the same cores:
 
-- theirs: `.venv-ref/bin/python tools/reference/bench_transformers.py --model-dir HF` (torch, 2
+- theirs: `.venv-ref/bin/python tools/bench/reference/bench_transformers.py --model-dir HF` (torch, 2
   threads): prefill of the prompt (batch 1, last-token logits), then greedy decode steps through
   its cache.
 - ours: `model.engine.serving.Generator` on the converted checkpoint: the packed prefill (batch 1, the
@@ -87,9 +87,9 @@ import time
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 REF_PY = REPO / ".venv-ref" / "bin" / "python"
-REF_SCRIPT = REPO / "tools" / "reference" / "bench_transformers.py"
+REF_SCRIPT = REPO / "tools" / "bench" / "reference" / "bench_transformers.py"
 
 
 def _run_reference(args, extra: list[str], json_path: pathlib.Path) -> dict:
@@ -149,10 +149,10 @@ def measure_ours(args, ckpt: pathlib.Path) -> dict:
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   if "--online" in argv:
-    from tools import serving_load  # the online client: only this mode needs openai and asyncio
+    from tools.bench import serving_load  # the online client: only this mode needs openai and asyncio
     argv.remove("--online")
     return serving_load.main(argv)
-  from tools.serving_load import SEED_LIMIT, OneLineErrorParser, check_json_writable  # no jax, no openai
+  from tools.bench.serving_load import SEED_LIMIT, OneLineErrorParser, check_json_writable  # no jax, no openai
   p = OneLineErrorParser(prog="benchmark_serving.py", description=__doc__.split("\n\n")[0],
                          formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
   p.add_argument("--hf-dir", type=pathlib.Path, default=REPO / "runs/reference/demo_hf")
@@ -200,7 +200,7 @@ def main(argv=None):
         best = o[what]["tokens_per_s_best"] / t[what].get("tokens_per_s_best", t[what]["tokens_per_s"])
         row[f"{what}_speedup_median"], row[f"{what}_speedup_best"] = med, best
         print(f"[round {r}] {what} speed-up: {med:.2f}x (medians), {best:.2f}x (best runs)", flush=True)
-  result = {"what": "tools/benchmark_serving.py: model.engine.serving vs transformers KimiLinearForCausalLM, same weights, CPU",
+  result = {"what": "tools/bench/benchmark_serving.py: model.engine.serving vs transformers KimiLinearForCausalLM, same weights, CPU",
             "cpu_count": os.cpu_count(), "checkpoint": str(ckpt), "hf_dir": str(args.hf_dir),
             "prefill_tokens": args.prefill_tokens, "decode_tokens": args.decode_tokens, "runs": args.runs,
             "rounds": rounds}

@@ -2,7 +2,7 @@ r"""Decode routing of the continuous engine: a decode-only step through the mixe
 segments, `kda_inference` via `KimiLinearForCausalLM.prefill`) against `KimiLinearForCausalLM.decode`
 (`kda_decode_step`, the absorbed MLA form), same slots, same pool state, same sampling (greedy).
 
-    .venv/bin/python tools/benchmark_decode_routing.py [--checkpoint kda_plugin/assets/demo] \
+    .venv/bin/python tools/bench/benchmark_decode_routing.py [--checkpoint kda_plugin/assets/demo] \
         [--slots 8] [--max-model-len 640] [--context 200] [--runs 30] [--json FILE]
 
 Every slot first prefills a `--context`-token prompt through the engine (so the MLA latents and KDA

@@ -3,7 +3,7 @@
 `hf_to_orbax(ConvertArgs(...))` streams an HF directory (one `model.safetensors` or shards with an
 index) tensor by tensor into a project checkpoint (`model/checkpoint/format.py`); `orbax_to_hf`
 writes one back in transformers' Kimi-Linear spelling. Names, shapes and the config mapping are
-`model/checkpoint/hf_names.py`'s table (docs/checkpoints.md). What a round trip preserves, the
+`model/hf/names.py`'s table (docs/checkpoints.md). What a round trip preserves, the
 memory bound and the error contract are in the help of `tools/convert_checkpoint.py` (the command
 line, `kda-convert`), which parses the arguments and calls these functions.
 """
@@ -24,12 +24,14 @@ from flax import nnx
 from safetensors import safe_open
 from tqdm import tqdm
 
-from model.errors import UserError
-from model.checkpoint import format as ck
 from model import loading
+from model.atomic import atomic_directory, check_writable
+from model.checkpoint import format as ck
+from model.checkpoint.checksums import non_finite
 from model.config import apply_overrides
 from model.data.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
-from model.checkpoint import hf_names as hl
+from model.errors import UserError
+from model.hf import names as hl
 
 PIECE_BYTES = 256 * 2**20  # parameters handed to Orbax per write (bounded host memory)
 DIRECTIONS = ("to_orbax", "to_hf")
@@ -150,7 +152,7 @@ class SafetensorsSource:
         arr = h.get_tensor(name)
       except Exception as e:
         raise ConversionError(f"{info.file}: cannot read tensor {name} ({e})") from None
-    bad = None if allow_non_finite else ck.non_finite(arr)
+    bad = None if allow_non_finite else non_finite(arr)
     if bad:
       raise ConversionError(f"tensor {name} in {info.file.name} holds {bad}; refusing to convert it "
                             f"(allow_non_finite=true converts it anyway, for debugging)")
@@ -234,7 +236,7 @@ def _dtype_name(d) -> str:
 # ------------------------------------------------------------------------------------------------
 
 def parameter_table(cfg) -> list[hl.Entry]:
-  """The HF <-> model table (`hf_names.parameter_table`) of the model of `cfg`, built from its
+  """The HF <-> model table (`names.parameter_table`) of the model of `cfg`, built from its
   abstract parameters (`nnx.eval_shape`: no arrays allocated), so it always matches the model."""
   return hl.parameter_table(nnx.state(loading.abstract_model(cfg)))
 
@@ -257,7 +259,7 @@ def hf_to_orbax(args: ConvertArgs) -> dict:
   src_root = pathlib.Path(args.hf_model_path)
   if not src_root.is_dir():
     raise ConversionError(f"hf_model_path {args.hf_model_path!r} is not a directory")
-  ck.check_writable(args.output_path, args.overwrite)
+  check_writable(args.output_path, args.overwrite, ck.is_checkpoint, "a checkpoint")
   hf_cfg = hl.read_hf_config(src_root)
   if args.tokenizer_path and not os.path.isfile(args.tokenizer_path):
     raise ConversionError(f"tokenizer_path {args.tokenizer_path!r} is not a file")
@@ -367,7 +369,7 @@ def _is_hf_dir(path: pathlib.Path) -> bool:
 def orbax_to_hf(args: ConvertArgs) -> dict:
   """Converts the project checkpoint `args.load_parameters_path` to an HF directory at `output_path`."""
   t0 = time.perf_counter()
-  ck.check_writable(args.output_path, args.overwrite, _is_hf_dir, "an HF checkpoint")
+  check_writable(args.output_path, args.overwrite, _is_hf_dir, "an HF checkpoint")
   cfg = loading.read_config(args.load_parameters_path)  # the one read of its config.json
   stored = ck.stored_parameters(args.load_parameters_path)
   explicit = args.weight_dtype != "auto"
@@ -399,8 +401,8 @@ def orbax_to_hf(args: ConvertArgs) -> dict:
            [f"model-{i + 1:05d}-of-{nshard:05d}.safetensors" for i in range(nshard)])
   total = sum(int(np.prod(s)) * d.itemsize for _, s, d in tensors)
 
-  with ck.atomic_directory(args.output_path, overwrite=args.overwrite, replaceable=_is_hf_dir,
-                           what="an HF checkpoint") as tmp, _progress(total, "to_hf") as bar:
+  with atomic_directory(args.output_path, overwrite=args.overwrite, replaceable=_is_hf_dir,
+                        what="an HF checkpoint") as tmp, _progress(total, "to_hf") as bar:
     (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
     weight_map = {}
     shard_iter = iter(zip(names, shards))
@@ -408,7 +410,7 @@ def orbax_to_hf(args: ConvertArgs) -> dict:
     for group in _read_groups(entries):
       arrays = ck.read_parameters(args.load_parameters_path, [e.name for e in group])
       for name, arr in arrays.items():
-        bad = None if args.allow_non_finite else ck.non_finite(arr)
+        bad = None if args.allow_non_finite else non_finite(arr)
         if bad:
           raise ConversionError(f"parameter {name} of {args.load_parameters_path} holds {bad}; refusing to "
                                 f"convert it (allow_non_finite=true converts it anyway, for debugging)")

@@ -328,7 +328,7 @@ def _entry(path: tuple, shape: tuple, dtype) -> Entry:
     hf = [f"{mod}.{e}.{leaf}.weight" for e in range(shape[0])]
   else:
     raise LayoutError(f"model parameter {name} {shape} has no Hugging Face counterpart in the name table "
-                      f"(model/checkpoint/hf_names.py; see model/README.md)")
+                      f"(model/hf/names.py; see model/README.md)")
   return Entry(name, path, tuple(shape), np.dtype(dtype), kind, tuple(hf), tuple(hf_shape), aliases, layer)
 
 
@@ -338,7 +338,7 @@ def parameter_table(abstract_params) -> list[Entry]:
   Args:
     abstract_params: the model's state (an `nnx.State` or its pure dict) of arrays or
       `jax.ShapeDtypeStruct`s, e.g. `nnx.state(model.loading.abstract_model(cfg))` (what
-      `model.checkpoint.convert.parameter_table(cfg)` passes), so the table always matches the model.
+      `model.hf.convert.parameter_table(cfg)` passes), so the table always matches the model.
   """
   pure = nnx.to_pure_dict(abstract_params) if isinstance(abstract_params, nnx.State) else abstract_params
   out = []

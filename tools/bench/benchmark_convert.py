@@ -1,7 +1,7 @@
 r"""Peak host memory and throughput of tools.convert_checkpoint on a synthetic multi-GB checkpoint.
 
 Usage:
-  .venv/bin/python tools/benchmark_convert.py [layers=12] [runs=3] [workdir=/tmp] [to_hf=true] [keep=false]
+  .venv/bin/python tools/bench/benchmark_convert.py [layers=12] [runs=3] [workdir=/tmp] [to_hf=true] [keep=false]
 
 Writes a random bfloat16 Hugging Face Kimi-Linear checkpoint (config.json, shards of ~1 GB and
 model.safetensors.index.json; 2.3 GB with the default 12 layers: 64 experts of width 512 at
@@ -26,7 +26,7 @@ import tempfile
 import time
 
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULTS = {"layers": "12", "runs": "3", "workdir": tempfile.gettempdir(), "to_hf": "true", "keep": "false"}
 SHARD_BYTES = 10**9
 
@@ -55,7 +55,7 @@ def hf_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
   # Imported here, not at the top: the converter pulls in jax, flax and orbax, which the measuring
   # parent needs only for this table (its children are what is measured).
   import numpy as np
-  from model.checkpoint import convert as conversion, hf_names as hl
+  from model.hf import convert as conversion, names as hl
   pcfg, _ = hl.config_from_hf(cfg, weight_dtype="bfloat16")
   out = []
   for e in conversion.parameter_table(pcfg):
@@ -103,7 +103,7 @@ def write_checkpoint(root: pathlib.Path, layers: int, seed: int = 0) -> dict:
 
 
 def _largest_parameter(cfg: dict) -> int:
-  from model.checkpoint import convert as conversion, hf_names as hl  # as in hf_tensors: parent-side only
+  from model.hf import convert as conversion, names as hl  # as in hf_tensors: parent-side only
   pcfg, _ = hl.config_from_hf(cfg, weight_dtype="bfloat16")
   return max(e.nbytes for e in conversion.parameter_table(pcfg))
 
@@ -157,7 +157,7 @@ def main(argv: list[str]) -> int:
   try:
     t = time.perf_counter()
     # Written by a child process: the random data must not inflate this process (see run_child).
-    code = (f"import json, pathlib, sys; sys.path.insert(0, {str(REPO)!r}); from tools import benchmark_convert as b; "
+    code = (f"import json, pathlib, sys; sys.path.insert(0, {str(REPO)!r}); from tools.bench import benchmark_convert as b; "
             f"print(json.dumps(b.write_checkpoint(pathlib.Path({str(work / 'hf')!r}), {layers})))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -1,7 +1,7 @@
-"""The online mode of tools/benchmark_serving.py: concurrent streaming clients against tools/serve.py
+"""The online mode of tools/bench/benchmark_serving.py: concurrent streaming clients against tools/serve.py
 (or, with `--in-process`, the same workloads replayed on the engine itself, without HTTP).
 
-`python tools/benchmark_serving.py --online --help` lists the flags; the method is in that file's
+`python tools/bench/benchmark_serving.py --online --help` lists the flags; the method is in that file's
 docstring. Each configuration runs in a fresh server process, so compilations and caches of one do
 not help another.
 """
@@ -25,7 +25,7 @@ import urllib.request
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DEMO = REPO / "kda_plugin" / "assets" / "demo"
 
 
@@ -62,7 +62,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
   p = OneLineErrorParser(prog="benchmark_serving.py --online", formatter_class=DefaultsHelpFormatter,
-                         description="Online serving benchmark (see tools/benchmark_serving.py). The flags "
+                         description="Online serving benchmark (see tools/bench/benchmark_serving.py). The flags "
                                      "that size the servers this tool starts (--engines, --max-num-seqs, "
                                      "--max-model-len, --max-num-batched-tokens, --prefix-cache-bytes, "
                                      "--serve-arg, --start-timeout, --rounds) are refused with --url.")
@@ -781,7 +781,7 @@ def _main(args, kinds: list[str], engines: list[str]) -> int:
   ratio = prefix_cache_ratio(rows)
   if ratio:
     print(ratio)
-  result = {"what": "tools/benchmark_serving.py --online: tools.serve under concurrent streaming clients, CPU",
+  result = {"what": "tools/bench/benchmark_serving.py --online: tools.serve under concurrent streaming clients, CPU",
             "cpu_count": os.cpu_count(), "args": recorded_args(args, kinds, engines, max_len), "rows": rows,
             "table": md, "prefix_cache_ratio": ratio}
   if args.url:   # a running server: was its prefix cache warm before this run's first request?

@@ -1,7 +1,7 @@
 """Loads HF directories with transformers' KimiLinearForCausalLM and compares logits to goldens.
 
 Run with the reference venv (Python 3.11, torch CPU + transformers; see tests/fixtures/README.md):
-  .venv-ref/bin/python tests/convert/hf_load_check.py HF_DIR REFERENCE_NPZ [HF_DIR REFERENCE_NPZ ...]
+  .venv-ref/bin/python tests/convert/helpers/hf_load_check.py HF_DIR REFERENCE_NPZ [HF_DIR REFERENCE_NPZ ...]
 Prints one JSON line per directory: {"path", "max_abs_logits", "missing", "unexpected", "dtype"} and
 exits non-zero when transformers reports missing/unexpected weights or cannot load the directory.
 """
