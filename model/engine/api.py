@@ -1,10 +1,9 @@
 """The contract between a request-level serving engine and whatever drives it (tools/serve.py).
 
-Two engines implement `Engine`: the continuous-batching engine (`model.engine.continuous`: a slot pool,
-mixed prefill + decode steps, chunked prefill, prefix cache) and the static batcher
-(`model.engine.static`: today's `Generator` behind the same API, kept as the baseline the serving
-benchmark compares against). The server owns one engine and calls it from one thread only (the engine
-loop); request handlers never touch it directly, they enqueue `add_request` / `cancel` for that thread.
+Two engines implement `Engine`: the continuous-batching engine (`model.engine.continuous`) and the
+static batcher (`model.engine.static`, the baseline the serving benchmark compares against); both are
+built by `model.engine.factory.build_engine` from an `EngineConfig`. The server owns one engine and
+calls it from one thread only (the engine loop); request handlers enqueue `add_request` / `cancel`.
 
 Terms follow vLLM: `max_num_seqs` (slots: requests decoding at once), `max_model_len` (prompt + output
 tokens of one request), `max_num_batched_tokens` (tokens one engine step may process).
@@ -16,7 +15,56 @@ import dataclasses
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from model.engine.serving import SamplingParams
+from model.engine import sampling
+from model.errors import UserError
+
+
+class GenerationError(UserError):
+  """A generation request the engine cannot serve (empty prompt, too long, ids out of range...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """A validated sampling configuration (see `model.engine.sampling`).
+
+  Attributes:
+    strategy: "greedy", "weighted", "topk" or "nucleus".
+    temperature: > 0 (ignored by greedy, which accepts 0). top_k: candidates for "topk". top_p: mass for "nucleus".
+
+  Raises:
+    GenerationError: an invalid configuration (`sampling.check_sampling_args`).
+  """
+
+  strategy: str = "greedy"
+  temperature: float = 1.0
+  top_k: int | None = None
+  top_p: float | None = None
+
+  def __post_init__(self):
+    try:
+      sampling.check_sampling_args(self.strategy, self.temperature,
+                                   self.top_k if self.strategy == "topk" else None,
+                                   self.top_p if self.strategy == "nucleus" else None)
+    except ValueError as e:
+      raise GenerationError(str(e)) from None
+
+  def row(self) -> tuple:
+    """`(greedy, temperature, top_k, top_p)` of this configuration for `sampling.sample_rows`."""
+    return sampling.row_params(self.strategy, self.temperature, self.top_k, self.top_p)
+
+
+def check_vocab_limit(vocab_limit: int | None, vocab_size: int) -> int:
+  """The ids an engine may generate: `vocab_limit` (a tokenizer smaller than the padded vocabulary),
+  default `vocab_size`.
+
+  Raises:
+    GenerationError: vocab_limit outside [1, vocab_size].
+  """
+  limit = int(vocab_size) if vocab_limit is None else int(vocab_limit)
+  if not 1 <= limit <= int(vocab_size):
+    raise GenerationError(f"vocab_limit must be in [1, {vocab_size}], got {vocab_limit}")
+  return limit
+
 
 #: Why a request ended, as the OpenAI API spells it ("cancelled" is ours: the client went away).
 FINISH_REASONS = ("stop", "length", "cancelled")
@@ -88,7 +136,7 @@ class Engine(Protocol):
   vocab_size: int
 
   def add_request(self, request: Request) -> None:
-    """Queues a request. Raises `model.engine.serving.GenerationError` naming the field for a request
+    """Queues a request. Raises `GenerationError` naming the field for a request
     the engine can never serve (empty prompt, ids outside the vocabulary, too long for max_model_len)."""
 
   def cancel(self, request_id: str) -> None:

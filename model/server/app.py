@@ -42,7 +42,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from model.engine.api import TokenEvent
-from model.engine.serving import GenerationError
+from model.engine.api import GenerationError
 from model.server import protocol
 from model.server.loop import EngineLoop
 from model.server.metrics import ServerMetrics
