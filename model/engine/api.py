@@ -29,7 +29,7 @@ class SamplingParams:
 
   Attributes:
     strategy: "greedy", "weighted", "topk" or "nucleus".
-    temperature: > 0 (ignored by greedy, which accepts 0). top_k: candidates for "topk". top_p: mass for "nucleus".
+    temperature, top_k, top_p: as `sampling.check_sampling_args`.
 
   Raises:
     GenerationError: an invalid configuration (`sampling.check_sampling_args`).
@@ -54,8 +54,7 @@ class SamplingParams:
 
 
 def check_vocab_limit(vocab_limit: int | None, vocab_size: int) -> int:
-  """The ids an engine may generate: `vocab_limit` (a tokenizer smaller than the padded vocabulary),
-  default `vocab_size`.
+  """The ids an engine may generate: below `vocab_limit` (default `vocab_size`).
 
   Raises:
     GenerationError: vocab_limit outside [1, vocab_size].
@@ -79,10 +78,8 @@ class Request:
     prompt_ids: token ids, 1 <= len <= max_model_len - 1.
     max_tokens: >= 1 tokens to generate at most (prompt + max_tokens <= max_model_len).
     sampling: the sampling strategy (validated on construction).
-    seed: PRNG seed; the token drawn at output position i depends only on (seed, i) and the logits, so
-      a request's tokens never depend on which other requests share its steps.
-    stop_token_ids: generation ends after emitting one of these (EOS included by the caller when wanted);
-      the stop token is reported, with finish_reason "stop".
+    seed: PRNG seed; the draw at output position i depends only on (seed, i) and the logits.
+    stop_token_ids: generation ends after emitting one of these (reported, finish_reason "stop").
   """
 
   request_id: str
@@ -100,10 +97,9 @@ class TokenEvent:
   Attributes:
     request_id: the request.
     token_id: the generated id, or None for an event that only ends the request (a cancellation).
-    logprob: natural-log probability of `token_id` under the model's (untempered) distribution, float.
-    finish_reason: None while the request runs; else one of FINISH_REASONS (on its last token's event).
-    cached_tokens: prompt tokens whose state came from the prefix cache (0 when none or cache off);
-      the same on every event of a request.
+    logprob: natural-log probability of `token_id` under the untempered distribution, or None.
+    finish_reason: None while the request runs; else one of FINISH_REASONS.
+    cached_tokens: prompt tokens whose state came from the prefix cache.
   """
 
   request_id: str
@@ -120,7 +116,7 @@ class EngineStats:
   num_running: int = 0          # requests holding a slot (prefilling or decoding)
   num_waiting: int = 0          # admitted to the queue, no slot yet
   num_free_slots: int = 0
-  num_compilations: int = 0     # compiled step functions so far (`ContinuousEngine.max_compilations` at most)
+  num_compilations: int = 0     # compiled step functions so far
   prompt_tokens: int = 0        # prompt tokens of finished-prefill requests
   cached_prompt_tokens: int = 0 # of which served from the prefix cache
   generated_tokens: int = 0

@@ -1,9 +1,5 @@
-"""`EngineConfig`: the serving sizes of an engine, validated once (vLLM's names).
-
-Built from a tool's config (`EngineConfig.from_config`, the serving keys of configs/base.py) or
-directly; every engine, the model runner and the factory take it as it is, so no size is checked
-anywhere else.
-"""
+"""`EngineConfig`: the serving sizes of an engine (vLLM's names), validated once, on construction;
+the engines, the model runner and the factory take it as it is."""
 
 from __future__ import annotations
 
@@ -25,15 +21,12 @@ class EngineConfig:
     max_num_seqs: S, requests holding a slot at once (>= 1).
     max_model_len: prompt + output tokens of one request (>= 2); the MLA latent rows per slot.
     max_num_batched_tokens: tokens one step may process (continuous: >= max_num_seqs, so every
-      decoding request gets its token each step; the largest shape bucket. static: the prompt tokens
-      of one group's prefill row).
-    engine: "continuous" (slot pool, mixed steps, chunked prefill, prefix cache) or "static" (the
-      Generator's groups, the benchmark's baseline).
-    max_num_partial_prefills: P, prompts (whole or a chunk) prefilled in one continuous step, in
-      [1, max_num_seqs]; 0 = min(4, max_num_seqs) (`num_partial_prefills`). static: 0 only.
-    prefix_cache_bytes: byte budget of the continuous engine's prefix cache; 0 = off (static: 0 only).
-    decode_path: "decode" (decode tokens through `model.decode`, beside the prompt chunks in a split
-      step) or "mixed" (every token through one packed prefill row); continuous only.
+      decoding request gets its token; static: the prompt tokens of one group's row).
+    engine: "continuous" or "static" (the benchmark's baseline).
+    max_num_partial_prefills: P, prompts prefilled in one continuous step, in [1, max_num_seqs];
+      0 = min(4, max_num_seqs). static: 0 only.
+    prefix_cache_bytes: the continuous engine's prefix-cache budget; 0 = off (static: 0 only).
+    decode_path: "decode" (split steps) or "mixed" (one packed row); continuous only.
 
   Raises:
     UsageError: a value out of range or a key the engine would ignore; the message names the key.

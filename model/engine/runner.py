@@ -4,7 +4,7 @@ It owns the parameters, the slot pool and the step executables (from `model.engi
 engines over the same model and sizes share them). `execute(plan)` builds a `StepPlan`'s inputs,
 runs its executable and returns the sampled tokens on the host. Routes (`EngineConfig.decode_path`):
 "decode" runs a step without prompt chunks as the decode-only executable and one with them as the
-split step; "mixed" runs every step as one packed prefill row.
+split step; "mixed" runs every step as one packed prefill row (README, "Which op runs when").
 """
 
 from __future__ import annotations
