@@ -31,7 +31,7 @@ SERVING_KEYS = (
     "decode_stop_at_eos", "generate_add_bos", "generate_batch_size", "prefill_length_multiple",
     "eval_data", "eval_format", "max_target_length", "eval_add_bos", "eval_add_eos",
     "compare_attention", "compare_tolerance", "dump_logprobs", "output_json", "overwrite",
-) + (  # tools.serve (the HTTP server; model/server/, model/engine/continuous.py and static.py)
+) + (  # tools.serve (the HTTP server; model/server/, model/engine/config.py EngineConfig)
     "engine", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_num_partial_prefills", "max_waiting",
     "prefix_cache_bytes", "host", "port",
 )
@@ -137,7 +137,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.scan_layers = False  # true: one jax.lax.scan over the repeated layer groups (48B: layers 2-25, 6 x [KDA, KDA, MLA, KDA])
   c.remat_policy = "none"  # training rematerialisation: none, full (= nothing_saveable), minimal, dots_saveable
 
-  # ---- Serving: generation and perplexity (tools.generate, tools.perplexity; model/engine/serving.py,
+  # ---- Serving: generation and perplexity (tools.generate, tools.perplexity; model/engine/generator.py,
   # model/engine/scoring.py). The model config comes from the checkpoint; these keys only steer the tools.
   c.prompt = ""  # tools.generate: one text prompt (needs a tokenizer); exactly one of prompt/prompts_file/prompt_ids
   c.prompts_file = ""  # tools.generate: UTF-8 file, one prompt per non-blank line (text, or ids without a tokenizer)

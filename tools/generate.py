@@ -50,7 +50,8 @@ import sys
 from model import partitioning
 from model.data.pipeline import DataFormatError, parse_ids_documents, read_text_file
 from model.engine import sampling
-from model.engine.serving import GenerationError, Generator, SamplingParams, check_max_new_tokens
+from model.engine.api import GenerationError, SamplingParams
+from model.engine.generator import Generator, check_max_new_tokens
 from model.data.tokenizer import TokenizerError
 from model.errors import UsageError
 from tools import cli as common

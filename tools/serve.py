@@ -50,9 +50,10 @@ from tqdm import tqdm
 
 from model import partitioning
 from model.engine.api import Request
+from model.engine.config import EngineConfig
+from model.engine.factory import build_engine
 from model.errors import UsageError
 from model.server.app import ServerState, build_app
-from model.server.engines import build_engine, check_engine
 from model.server.loop import EngineLoop
 from model.server.runner import bind, serve
 from tools import cli as common
@@ -62,16 +63,11 @@ MEMORY_KEYS = "max_num_seqs, max_model_len or max_num_batched_tokens"
 DRAIN_TIMEOUT_S = 30.0
 
 
-def check_keys(cfg) -> None:
-  """UsageError naming the first serving key out of range (before anything loads)."""
-  for key, low in (("max_num_seqs", 1), ("max_model_len", 2), ("max_num_batched_tokens", 1), ("max_waiting", 1),
-                   ("prefix_cache_bytes", 0), ("port", 0), ("max_num_partial_prefills", 0)):
-    if cfg[key] < low:
-      raise UsageError(f"{key} must be an integer >= {low}, got {cfg[key]}")
-  if cfg.max_num_partial_prefills > cfg.max_num_seqs:
-    raise UsageError(f"max_num_partial_prefills must be in [1, max_num_seqs={cfg.max_num_seqs}] (0 = min(4, "
-                     f"max_num_seqs)), got {cfg.max_num_partial_prefills}")
-  if cfg.port > 65535:
+def check_server_keys(cfg) -> None:
+  """UsageError naming the first server key out of range (the engine's are `EngineConfig`'s)."""
+  if cfg.max_waiting < 1:
+    raise UsageError(f"max_waiting must be an integer >= 1, got {cfg.max_waiting}")
+  if not 0 <= cfg.port <= 65535:
     raise UsageError(f"port must be in [0, 65535], got {cfg.port}")
   if not cfg.host:
     raise UsageError("host is empty: give an address to listen on, e.g. host=127.0.0.1")
@@ -116,10 +112,8 @@ def run(argv: list[str]) -> int:
 
 def _run(argv: list[str]) -> int:
   overrides, cfg = common.parse_args(argv)
-  check_keys(cfg)
-  given = common.given_keys(argv)
-  check_engine(cfg.engine, prefix_cache_bytes=cfg.prefix_cache_bytes, prefix_cache_given="prefix_cache_bytes" in given,
-               max_num_partial_prefills=cfg.max_num_partial_prefills)
+  engine_config = EngineConfig.from_config(cfg, common.given_keys(argv))   # checked before anything loads
+  check_server_keys(cfg)
   stored = common.checkpoint_config(cfg, overrides, extra=[f"max_cache_length={cfg.max_model_len}"])
   tokenizer = common.tokenizer_for(stored)
   vocab = int(stored.vocab_size)
@@ -128,14 +122,10 @@ def _run(argv: list[str]) -> int:
   model, mcfg, mesh = common.load(stored)
   if mesh is not None:
     print(f"serving on {partitioning.describe_mesh(mesh)}", file=sys.stderr)
-  engine = build_engine(cfg.engine, model, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
-                        max_num_batched_tokens=cfg.max_num_batched_tokens, prefix_cache_bytes=cfg.prefix_cache_bytes,
-                        vocab_limit=min(vocab, tokenizer.vocab_size), mesh=mesh, rules=mcfg,
-                        prefix_cache_given="prefix_cache_bytes" in given,
-                        max_num_partial_prefills=cfg.max_num_partial_prefills)
+  engine = build_engine(engine_config, model, vocab_limit=min(vocab, tokenizer.vocab_size), mesh=mesh, rules=mcfg)
   seconds = warm_up(engine)
-  cache = (f"prefix cache {cfg.prefix_cache_bytes} bytes, max_num_partial_prefills={engine.max_num_partial_prefills}"
-           if cfg.engine == "continuous" else "no prefix cache")
+  cache = (f"prefix cache {engine_config.prefix_cache_bytes} bytes, max_num_partial_prefills="
+           f"{engine_config.num_partial_prefills}" if cfg.engine == "continuous" else "no prefix cache")
   print(f"model {mcfg.model_name} from {mcfg.load_parameters_path}: attention={mcfg.attention}, dtype={mcfg.dtype}; "
         f"engine={cfg.engine}, max_num_seqs={cfg.max_num_seqs}, max_model_len={cfg.max_model_len}, "
         f"max_num_batched_tokens={cfg.max_num_batched_tokens}, {cache}; warm-up {seconds:.1f} s", file=sys.stderr)

@@ -1,18 +1,12 @@
-"""The engine's one compiled function: a mixed prefill + decode step over the slot pool, with sampling.
+"""The continuous engine's pure step functions over the slot pool, with sampling (compiled by
+`compile_step`, run by `model.engine.runner`).
 
-`step(leaves, pool, ids [1, T], segment_ids [1, T], fresh [S], sampling arrays [S]...)`:
-  1. slots flagged `fresh` (a new request without a prefix-cache hit) get a zero KDA state, zero
-     conv windows and length 0 (their MLA latents need no clearing: rows >= length are masked);
-  2. `KimiLinearForCausalLM.prefill(ids, segment_ids, cache=pool)`: the document labelled s + 1
-     continues slot s from its KDA state, conv windows and MLA latent prefix, whether it is a
-     prompt chunk or a one-token decode segment (`kda_inference` solves both in one call);
-  3. each slot's last-token logits are sampled (`sample_rows`).
-Returns `(tokens int32 [S], logprobs float32 [S], top2 float32 [S, 2], new pool)`; rows of slots
-absent from the step are meaningless (the caller reads only the slots it scheduled).
-
-Sampling is per row with runtime parameters, so requests with different strategies share one
-executable, and row s draws with `fold_in(key(seed_s), position_s)` (position = index of the
-output token): a request's tokens never depend on its batch neighbours or its slot.
+`build_step`: one packed row through `KimiLinearForCausalLM.prefill(cache=pool)`; the document
+labelled s + 1 continues slot s, prompt chunk or one-token decode segment alike. `build_decode`: the
+decode-only step through `decode`. `build_split_step`: decode tokens through `decode`, prompt chunks
+through `prefill` on a P-slot sub-pool. Slots flagged `fresh` start from a zero state. Every step
+returns `(tokens [S], logprobs [S], top2 [S, 2], new pool)` (`sampling.sample_step`); rows of slots
+absent from the step are meaningless.
 """
 
 from __future__ import annotations
@@ -24,47 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model import partitioning
+from model.engine import sampling
 from model.nn import cache as cache_lib
 from model.nn.kimi_linear import last_token_logits
-
-
-def sample_rows(logits, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions):
-  """One token per row with per-row sampling parameters.
-
-  Args:
-    logits: float `[S, V]` (untempered). vocab_limit: int32 scalar, ids >= it are never chosen.
-    greedy: bool `[S]` (argmax, lowest id on ties). temperature: float32 `[S]` (> 0 where not greedy).
-    top_k: int32 `[S]`, 0 = no top-k filter. top_p: float32 `[S]` in (0, 1], 1 = no nucleus filter.
-      Filters compose as vLLM's: temperature, then top-k, then top-p over the renormalised rest.
-    seeds: uint32 `[S]`. positions: int32 `[S]` output index of the token drawn.
-
-  Returns:
-    `(tokens int32 [S], logprobs float32 [S], top2 float32 [S, 2])`: log_softmax of the untempered
-    (vocab-limited) logits at the chosen id, and its two largest values (a near-tie check).
-  """
-  v = logits.shape[-1]
-  logits = jnp.where(jnp.arange(v) < vocab_limit, logits.astype(jnp.float32), -jnp.inf)
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-  def draw(_):
-    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    order = jnp.argsort(-scaled, axis=-1, stable=True)
-    srt = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(v)[None, :]
-    keep = rank < jnp.where(top_k > 0, top_k, v)[:, None]
-    srt = jnp.where(keep, srt, -jnp.inf)
-    probs = jax.nn.softmax(srt, axis=-1)
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]   # the most likely always stays
-    srt = jnp.where(keep, srt, -jnp.inf)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, positions)
-    idx = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, srt)
-    return jnp.where(greedy, best, jnp.take_along_axis(order, idx[:, None], axis=-1)[:, 0].astype(jnp.int32))
-
-  # An all-greedy step (the common serving case) skips the sort over the vocabulary.
-  tok = jax.lax.cond(jnp.all(greedy), lambda _: best, draw, None)
-  chosen = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
-  return tok, chosen, jax.lax.top_k(logp, 2)[0]
 
 
 def _reset(cache, fresh):
@@ -82,31 +38,27 @@ def build_step(graphdef, treedef, num_slots: int):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     logits, cache = model.prefill(ids, seg, cache=_reset(cache, fresh))
     last = last_token_logits(logits, seg, num_slots)
-    tok, logprob, top2 = sample_rows(last, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions)
+    tok, logprob, top2 = sampling.sample_step(last, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions)
     return tok, logprob, top2, cache
   return step
 
 
 def build_decode(graphdef, treedef):
   """The decode-only step: `(leaves, pool, tokens int32 [S], active bool [S], sampling arrays...)` ->
-  `(tokens, logprobs, top2, new pool)` through `KimiLinearForCausalLM.decode` (`kda_decode_step`,
-  MLA in the absorbed form), the faster route when no prompt chunk shares the step (README routing
-  table, tools/bench/benchmark_decode_routing.py). decode advances every slot, so inactive slots keep
-  their KDA states, conv windows and length by selection; their MLA row at index `lengths[s]` may
-  receive a stale latent, which is beyond their valid prefix (masked, overwritten when they next run).
-  """
+  `(tokens, logprobs, top2, new pool)` through `KimiLinearForCausalLM.decode`. Inactive slots keep
+  their KDA states, conv windows and length; the stale MLA row decode writes at their `lengths[s]`
+  is beyond their valid prefix."""
   def step(leaves, cache, tok, active, greedy, temperature, top_k, top_p, seeds, positions, vocab_limit):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     logits, new = model.decode(tok, cache)
     out = _keep_inactive(cache, new, active)
-    tok, logprob, top2 = sample_rows(logits, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions)
+    tok, logprob, top2 = sampling.sample_step(logits, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions)
     return tok, logprob, top2, out
   return step
 
 
 def _keep_inactive(old, new, active):
-  """`new` pool where `active` (bool [S]), else `old`'s KDA states, conv windows and lengths (MLA
-  latents from `new`: a row written at an inactive slot's `lengths[s]` is beyond its valid prefix)."""
+  """`new` pool where `active` (bool [S]), else `old`'s KDA states, conv windows and lengths."""
   def keep(o, n):
     return jnp.where(active.reshape((-1,) + (1,) * (o.ndim - 1)), n, o)
   layers = tuple(cache_lib.KDALayerCache(*(keep(getattr(o, f), getattr(n, f)) for f in ("state", "conv_q", "conv_k",
@@ -116,8 +68,7 @@ def _keep_inactive(old, new, active):
 
 
 def kda_fields(cache) -> tuple:
-  """Per decoder layer, the KDA layer's `KDALayerCache` of `cache` (state and conv windows), None for
-  an MLA layer: what a snapshot takes from a slot besides the MLA latents."""
+  """Per decoder layer, the KDA layer's `KDALayerCache` of `cache`, None for an MLA layer."""
   return tuple(c if isinstance(c, cache_lib.KDALayerCache) else None for c in cache.layers)
 
 
@@ -126,31 +77,18 @@ def build_split_step(graphdef, treedef, num_slots: int, num_prefill: int):
 
   `step(leaves, pool, tokens int32 [S], active bool [S], ids int32 [2, T], segment_ids int32 [2, T],
   sub_slots int32 [P], fresh bool [P], sampling arrays [S]..., vocab_limit)`:
-    1. the decoding slots (`active`) advance one token through `KimiLinearForCausalLM.decode`
-       (`kda_decode_step`, absorbed MLA), as in `build_decode`; skipped (`lax.cond`) when none;
-    2. the P prefilling slots `sub_slots` (pool indices; S marks an unused entry) are gathered into
-       a P-slot sub-pool, entries flagged `fresh` reset, and row 0 prefilled on it
-       (`KimiLinearForCausalLM.prefill`: label p + 1 continues sub-pool entry p, i.e. slot
-       `sub_slots[p]`);
-    3. the second stage, only when row 1 holds tokens (a `while_loop` of one or two trips over the
-       same prefill, so the executable holds one copy of the model): row 1, the tails of chunks
-       that ended at a prefix-cache boundary (`model.engine.scheduler`), is prefilled on the
-       sub-pool as row 0 left it, so every token is computed once; the sub-pool's KDA states and
-       conv windows after row 0 (`mid`) are returned for the snapshot at that boundary (the MLA
-       latents before it are in the pool: the tails write rows after it);
-    4. the sub-pool is scattered back (unused entries dropped); slot `sub_slots[p]` samples from
-       its segment's last-token logits (row 1's when it has a tail there), a decoding slot from its
-       decode logits.
-  Returns `(tokens int32 [S], logprobs float32 [S], top2 float32 [S, 2], new pool, mid)`; mid is
-  `kda_fields` of the sub-pool after row 0 (entry p at index p); rows of slots absent from the
-  step are meaningless.
+    1. the `active` slots advance one token through `decode` (skipped when none);
+    2. the slots `sub_slots` (S marks an unused entry) are gathered into a P-slot sub-pool, entries
+       flagged `fresh` reset, and row 0 prefilled on it (label p + 1 continues entry p);
+    3. only when row 1 holds tokens, a second stage prefills row 1 (the tails of chunks that ended
+       at a prefix-cache boundary, `model.engine.scheduler`) from where row 0 left the sub-pool;
+       `mid`, the sub-pool's KDA states after row 0, is returned for the snapshot at that boundary;
+    4. the sub-pool is scattered back and every scheduled slot samples.
+  Returns `(tokens, logprobs, top2, new pool, mid)`.
 
-  Why split: the rows carry only prompt tokens, and the prefill's per-slot work (each row's
-  initial KDA state, the MLA prefix attention, the final-state extraction) spans P slots, not S;
-  a decode token costs what it costs in a decode-only step. A slot is either decoding or in
-  `sub_slots` in one step (the scheduler's contract), so the two parts touch disjoint slots; the
-  prefill runs second, so it overwrites the stale MLA row the decode may write at a prefilling
-  slot's `lengths[s]`.
+  Why split: the prefill's per-slot work spans P slots, not S, and a decode token costs what it
+  costs in a decode-only step. A slot is decoding or in `sub_slots`, never both, and the prefill runs
+  second, so it overwrites the stale MLA row the decode may write at a prefilling slot.
   """
   labels = jnp.arange(1, num_prefill + 1, dtype=jnp.int32)
 
@@ -185,18 +123,16 @@ def build_split_step(graphdef, treedef, num_slots: int, num_prefill: int):
     sub, last, mid = jax.lax.fori_loop(0, stages, stage, init)
     cache = jax.tree.map(lambda x, y: x.at[sub_slots].set(y, mode="drop"), cache, sub)
     logits = logits.at[sub_slots].set(last, mode="drop")
-    tok, logprob, top2 = sample_rows(logits, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions)
+    tok, logprob, top2 = sampling.sample_step(logits, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions)
     return tok, logprob, top2, cache, mid
   return step
 
 
 def compile_step(step, leaves, pool, bucket: int | None, num_slots: int, *, mesh=None, rules=None,
                  pool_shardings=None, num_prefill: int | None = None):
-  """`step` compiled ahead of time for a row of `bucket` tokens (`build_step`, or `build_split_step`
-  when `num_prefill`, its P, is given: two rows of `bucket`), or for the decode-only step when bucket is None
-  (`build_decode`); the pool (argument 1) is donated, so the MLA latents are updated in place. On a
-  mesh the outputs keep the pool's shardings, so the next step takes them as they are (one
-  executable per shape, no resharding)."""
+  """`step` compiled ahead of time for a row of `bucket` tokens (`build_step`; `build_split_step` when
+  `num_prefill` is given), or the decode-only step for bucket None. The pool is donated (updated in
+  place); on a mesh the outputs keep the pool's shardings, so one executable serves every step."""
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   flags = lambda n: jax.ShapeDtypeStruct((n,), jnp.bool_)
   if bucket is None:

@@ -1,25 +1,11 @@
 """Prefix cache of recurrent + latent states at block-aligned prompt boundaries (host side, no JAX).
 
-A prompt is cut into blocks of `BLOCK` (64) tokens; block i's key is a hash chain
-`h_i = blake2b(h_{i-1} || tokens of block i)`, so equal keys mean equal prefixes of (i + 1) * 64
-tokens (up to a 128-bit collision). A `Snapshot` is what a slot holds after exactly that prefix:
-every KDA layer's float32 state and conv windows, every MLA layer's latents of those tokens. A
-request whose prompt starts with a cached prefix restores the snapshot into its slot and prefills
-only the rest (vLLM's mamba-style state cache at block granularity, SGLang's radix cache for hybrid
-models: a recurrent state exists only at the boundaries where it was saved, unlike paged KV).
-
-Which boundaries to save (`PrefixCache.boundaries`), so that no extra pass is ever needed (the
-engine ends a prefill chunk at each one and copies the slot's state there: after the step, or,
-when the rest of the prompt went on in the same step's second stage, from that step's first-stage
-output; `model.engine.scheduler`):
-  * the prompt's last full block (a 130-token prompt: after token 128), the deepest reusable prefix;
-  * the branch point: the deepest boundary this prompt shares with a prompt seen before (the key
-    chains of past prompts are remembered, 16 bytes per block, even where no snapshot was taken).
-    Two prompts `P + a`, `P + b` with a 512-token shared `P`: the first saves at its last block
-    (past P), the second finds the chain of P known, saves at 512, and every later `P + c` hits.
-
-Eviction: least recently used snapshot first, until the bytes held fit `budget_bytes`; a snapshot
-larger than the whole budget is not stored. budget 0 = the cache is off (nothing stored or found).
+A prompt is cut into blocks of `BLOCK` tokens, keyed by a hash chain (equal keys: equal prefixes). A
+`Snapshot` is a slot's state after exactly such a prefix (KDA states and conv windows, MLA latents);
+a request whose prompt starts with a cached prefix restores it and prefills only the rest (a
+recurrent state exists only where it was saved, unlike paged KV). `PrefixCache.boundaries` picks
+where to save so no extra pass is needed: the prompt's last full block, and its branch point with
+earlier prompts (their key chains are remembered). Eviction is least recently used under a byte budget.
 """
 
 from __future__ import annotations
@@ -31,10 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-BLOCK = 64  # tokens per block: snapshots sit at multiples of it (the KDA kernels' chunk size divides it)
-
-# Remembered key chains of past prompts (for branch points): bounded, oldest dropped first.
-_MAX_SEEN_BLOCKS = 1 << 20
+BLOCK = 64  # tokens per block (the KDA kernels' chunk size divides it)
+_MAX_SEEN_BLOCKS = 1 << 20   # remembered keys of past prompts, oldest dropped first
 
 
 def block_keys(prompt: Sequence[int]) -> list[bytes]:
@@ -49,13 +33,8 @@ def block_keys(prompt: Sequence[int]) -> list[bytes]:
 
 @dataclasses.dataclass
 class Snapshot:
-  """A slot's state after the first `num_tokens` prompt tokens (host numpy arrays).
-
-  Attributes:
-    num_tokens: a multiple of BLOCK.
-    layers: per decoder layer, a dict of arrays: KDA {"state" float32 [H, K, V], "conv_q"/"conv_k"/
-      "conv_v" float32 [W-1, H*K]}; MLA {"latent" [num_tokens, r + dr] in the compute dtype}.
-  """
+  """A slot's state after the first `num_tokens` (a multiple of BLOCK) prompt tokens: per decoder
+  layer a dict of host arrays, KDA {"state", "conv_q", "conv_k", "conv_v"}, MLA {"latent"}."""
 
   num_tokens: int
   layers: tuple
@@ -66,10 +45,7 @@ class Snapshot:
 
 
 class PrefixCache:
-  """Snapshots keyed by block-chain keys, LRU under a byte budget (see the module docstring).
-
-  Args:
-    budget_bytes: >= 0; 0 turns the cache off.
+  """Snapshots keyed by block-chain keys, LRU under `budget_bytes` (0 = off).
 
   Raises:
     ValueError: a negative budget.

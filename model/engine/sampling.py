@@ -1,19 +1,10 @@
-"""Next-token selection from logits `[B, V]` with an explicit PRNG key (JAX).
+"""The one sampler: next-token selection from logits `[B, V]` with per-row parameters (JAX).
 
-Strategies (the order of operations follows the usual "temperature, then filter" convention of
-HF `generate` warpers and MaxText `sampling`):
-
-  * "greedy":   argmax of the logits (ties -> lowest id); no key needed, temperature ignored.
-  * "weighted": a draw from softmax(logits / temperature).
-  * "topk":     the `top_k` largest logits only (exactly k candidates, ties broken by lower id),
-                then a draw from softmax(kept / temperature).
-  * "nucleus":  sort softmax(logits / temperature) descending and keep the shortest prefix whose
-                mass reaches `top_p` (Holtzman et al. 2019, "The Curious Case of Neural Text
-                Degeneration"); the most likely token is always kept; then draw from the kept
-                tokens renormalised.
-
-Parameters are static Python numbers, validated before tracing, so `make_sampler` returns one
-jitted function per configuration.
+Strategies, "temperature, then filter" (HF `generate` warpers, vLLM): "greedy" (argmax, lowest id
+on ties), "weighted" (softmax(logits / temperature)), "topk" (exactly the k largest, ties to the
+lower id) and "nucleus" (the shortest prefix of the sorted distribution whose mass reaches top_p;
+the most likely token always stays). `sample_rows` implements all four; `sample_tokens` /
+`make_sampler`, the Generator and the continuous engine's step (`sample_step`) all go through it.
 """
 
 from __future__ import annotations
@@ -30,16 +21,12 @@ STRATEGIES = ("greedy", "weighted", "topk", "nucleus")
 def check_sampling_args(strategy: str, temperature: float = 1.0, top_k: int | None = None,
                         top_p: float | None = None, vocab_size: int | None = None,
                         names: dict[str, str] | None = None) -> None:
-  """Validates a sampling configuration.
-
-  `names` maps the argument names ("strategy", "temperature", "top_k", "top_p") to the names the
-  caller's user typed (a tool's config keys, e.g. "decode_sampling_nucleus_p"), so the error names
-  the key to change.
+  """Validates a sampling configuration; `names` maps the argument names to the keys the caller's
+  user typed (e.g. top_p -> "decode_sampling_nucleus_p"), so the error names the key to change.
 
   Raises:
-    ValueError: unknown strategy; temperature < 0 or not finite, or 0 for a random strategy (greedy
-      ignores the temperature, so 0 is accepted there); top_k missing for "topk", < 1 or
-      > vocab_size; top_p missing for "nucleus" or outside (0, 1].
+    ValueError: unknown strategy; temperature < 0 or not finite, or 0 for a random strategy; top_k
+      missing for "topk", < 1 or > vocab_size; top_p missing for "nucleus" or outside (0, 1].
   """
   n = {"strategy": "strategy", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
        **(names or {})}
@@ -66,6 +53,65 @@ def check_sampling_args(strategy: str, temperature: float = 1.0, top_k: int | No
       raise ValueError(f"{n['top_p']} must be in (0, 1], got {top_p}")
 
 
+def row_params(strategy: str, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
+  """`(greedy, temperature, top_k, top_p)` scalars of `sample_rows` for one validated configuration:
+  top_k 0 and top_p 1 switch their filters off; greedy rows use temperature 1."""
+  greedy = strategy == "greedy"
+  return (greedy, 1.0 if greedy else float(temperature), int(top_k) if strategy == "topk" else 0,
+          float(top_p) if strategy == "nucleus" else 1.0)
+
+
+def sample_rows(logits, keys, greedy, temperature, top_k, top_p):
+  """One token per row with per-row parameters.
+
+  Args:
+    logits: float `[B, V]` (computed in float32); -inf marks banned tokens.
+    keys: `[B]` PRNG keys (row b draws with keys[b]), or None when every row is greedy.
+    greedy: bool `[B]` (argmax, lowest id on ties). temperature: float32 `[B]` (> 0 where not greedy).
+    top_k: int32 `[B]`, 0 = no top-k filter. top_p: float32 `[B]` in (0, 1], 1 = no nucleus filter.
+
+  Returns:
+    int32 `[B]` token ids.
+  """
+  logits = logits.astype(jnp.float32)
+  v = logits.shape[-1]
+  best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if keys is None:
+    return best
+  greedy, top_k, top_p = (jnp.broadcast_to(jnp.asarray(x), best.shape) for x in (greedy, top_k, top_p))
+  temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), best.shape)
+
+  def draw(_):
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    order = jnp.argsort(-scaled, axis=-1, stable=True)
+    srt = jnp.take_along_axis(scaled, order, axis=-1)
+    keep = jnp.arange(v)[None, :] < jnp.where(top_k > 0, top_k, v)[:, None]
+    srt = jnp.where(keep, srt, -jnp.inf)
+    probs = jax.nn.softmax(srt, axis=-1)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]   # the most likely always stays
+    idx = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, srt, -jnp.inf))
+    return jnp.where(greedy, best, jnp.take_along_axis(order, idx[:, None], axis=-1)[:, 0].astype(jnp.int32))
+
+  # An all-greedy batch (the common serving case) skips the sort over the vocabulary.
+  return jax.lax.cond(jnp.all(greedy), lambda _: best, draw, None)
+
+
+def sample_step(logits, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions):
+  """`sample_rows` as the continuous engine's step runs it: ids >= `vocab_limit` banned, row s keyed
+  `fold_in(key(seeds[s]), positions[s])` (a request's draws never depend on its neighbours or slot).
+
+  Returns:
+    `(tokens int32 [S], logprobs float32 [S], top2 float32 [S, 2])`: log_softmax of the untempered
+    (vocab-limited) logits at the chosen id, and its two largest values (a near-tie check).
+  """
+  logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits.astype(jnp.float32), -jnp.inf)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, positions)
+  tok = sample_rows(logits, keys, greedy, temperature, top_k, top_p)
+  chosen = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+  return tok, chosen, jax.lax.top_k(logp, 2)[0]
+
+
 def _check_logits(logits) -> None:
   if logits.ndim != 2:
     raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
@@ -73,27 +119,22 @@ def _check_logits(logits) -> None:
     raise TypeError(f"logits must be floating point, got dtype {logits.dtype}")
 
 
-def _nucleus_mask(sorted_logits: jax.Array, top_p: float) -> jax.Array:
-  """bool `[B, V]` over logits sorted descending: the shortest prefix with mass >= top_p."""
-  probs = jax.nn.softmax(sorted_logits, axis=-1)
-  mass_before = jnp.cumsum(probs, axis=-1) - probs
-  # A token is kept while the mass of strictly more likely tokens is still below p; index 0 has
-  # mass_before == 0 < p, so at least one token always survives.
-  return mass_before < top_p
+def _sample(logits, key, params):
+  greedy = params[0]
+  keys = None if greedy else jax.random.split(key, logits.shape[0])
+  return sample_rows(logits, keys, *params)
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array | None, *, strategy: str = "greedy",
                   temperature: float = 1.0, top_k: int | None = None,
                   top_p: float | None = None) -> jax.Array:
-  """Chooses one token per row.
+  """Chooses one token per row, every row with the same strategy (`sample_rows`; row b draws with
+  the b-th key of `jax.random.split(key, B)`).
 
   Args:
-    logits: floating `[B, V]` (any float dtype; computed in float32). -inf marks banned tokens.
-    key: a `jax.random` key (typed or raw uint32 `[2]`); may be None for "greedy".
-    strategy: "greedy", "weighted", "topk" or "nucleus".
-    temperature: > 0; logits are divided by it before softmax (not used by "greedy").
-    top_k: number of candidates for "topk".
-    top_p: cumulative-probability threshold in (0, 1] for "nucleus".
+    logits: floating `[B, V]` (computed in float32). -inf marks banned tokens.
+    key: a `jax.random` key (typed or raw); may be None for "greedy".
+    strategy, temperature, top_k, top_p: as `check_sampling_args`.
 
   Returns:
     int32 `[B]` token ids.
@@ -106,51 +147,22 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, strategy: str = "
   check_sampling_args(strategy, temperature, top_k, top_p, vocab_size=logits.shape[-1])
   if strategy != "greedy" and key is None:
     raise ValueError(f"strategy {strategy!r} needs a PRNG key")
-  return _sample(logits, key, strategy, 1.0 if strategy == "greedy" else float(temperature),
-                 None if top_k is None else int(top_k), None if top_p is None else float(top_p))
-
-
-def _sample(logits, key, strategy, temperature, top_k, top_p):
-  logits = logits.astype(jnp.float32)
-  if strategy == "greedy":
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  scaled = logits / temperature
-  if strategy == "weighted":
-    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
-  if strategy == "topk":
-    # Sample among exactly the k candidates lax.top_k returns, then map back to vocabulary ids:
-    # thresholding at the k-th value would admit extra tokens that tie with it.
-    vals, idx = jax.lax.top_k(scaled, top_k)
-    choice = jax.random.categorical(key, vals, axis=-1)
-    return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-  # nucleus
-  order = jnp.argsort(-scaled, axis=-1, stable=True)
-  sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-  kept = jnp.where(_nucleus_mask(sorted_logits, top_p), sorted_logits, -jnp.inf)
-  choice = jax.random.categorical(key, kept, axis=-1)
-  return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  return _sample(logits, key, row_params(strategy, temperature, top_k, top_p))
 
 
 def make_sampler(strategy: str = "greedy", *, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None):
-  """Validates a configuration once and returns a jitted `fn(logits [B, V], key) -> int32 [B]`.
-
-  For "greedy" the key argument is ignored (pass None or any key). `top_k` is checked against V at
-  the first call.
+  """Validates a configuration once and returns a jitted `fn(logits [B, V], key=None) -> int32 [B]`
+  (the draws of `sample_tokens`; the key is ignored by greedy).
 
   Raises:
     ValueError: see `check_sampling_args`.
   """
   check_sampling_args(strategy, temperature, top_k, top_p)
-  temperature = 1.0 if strategy == "greedy" else float(temperature)  # unused by greedy
-  top_k = None if top_k is None else int(top_k)
-  top_p = None if top_p is None else float(top_p)
+  params = row_params(strategy, temperature, top_k, top_p)
+  jitted = jax.jit(functools.partial(_sample, params=params))
 
-  @jax.jit
-  def _jitted(logits, key):
-    return _sample(logits, key, strategy, temperature, top_k, top_p)
-
-  @functools.wraps(_jitted)
+  @functools.wraps(jitted)
   def sampler(logits, key=None):
     _check_logits(logits)
     check_sampling_args(strategy, temperature, top_k, top_p, vocab_size=logits.shape[-1])
@@ -158,6 +170,7 @@ def make_sampler(strategy: str = "greedy", *, temperature: float = 1.0, top_k: i
       key = jax.random.key(0) if key is None else key  # unused; keeps one jit signature
     elif key is None:
       raise ValueError(f"strategy {strategy!r} needs a PRNG key")
-    return _jitted(logits, key)
+    return jitted(logits, key)
 
   return sampler
+

@@ -1,23 +1,12 @@
 """The continuous-batching scheduler: what each engine step computes (host side, no JAX).
 
-Every step packs at most `max_num_batched_tokens` tokens into one row:
-  1. one decode token for every running request whose prompt is done (its last generated token),
-     so decoding never waits behind a long prefill;
-  2. then prefill chunks of prompting requests in admission order, as much of each prompt as the
-     remaining budget allows (chunked prefill: the rest runs in later steps from the state left
-     in the slot). A chunk also ends at the request's next prefix-cache boundary (see
-     `model.engine.prefix_cache`), so the slot's state there can be copied;
-  3. with `tails` (the split step's second stage, `model.engine.mixed_step.build_split_step`): a
-     chunk that ended at a boundary before its prompt's end continues in the same step, after the
-     boundary, with the budget left (its "tail", up to the next boundary or the prompt's end). The
-     step prefills the chunks first, keeps the sub-pool's state at the boundary for the snapshot,
-     then prefills the tails from there: every token is computed once, and a prefix-cache hit
-     whose suffix crosses a block boundary gets its first token in one step instead of two.
-     Tails ride only in steps whose rows fit `TAIL_MAX_BUCKET` tokens: the second stage costs a
-     prefill of the step's whole row, which must stay small next to a step of its own.
-A chunk (with its tail) that reaches the end of its prompt emits the request's first token; every
-decode token emits the next one. The rows are padded to the smallest shape bucket that holds them
-(`buckets`), so the engine compiles one step function per bucket and never again.
+Every step takes at most `max_num_batched_tokens` tokens: first one decode token per decoding
+request (decoding never waits behind a long prefill), then prompt chunks in admission order with the
+budget left (chunked prefill). A chunk also ends at the request's next prefix-cache boundary, so the
+slot's state there can be copied. With `tails` (the split step's second stage), a chunk that ended
+at a boundary goes on past it in the same step, so every token is computed once; only in steps
+whose rows fit `TAIL_MAX_BUCKET`. Rows are padded to the smallest shape bucket (`buckets`): one
+compiled step per bucket.
 """
 
 from __future__ import annotations
@@ -27,9 +16,8 @@ import dataclasses
 from model.engine.api import Request
 
 MIN_BUCKET = 16
-# Largest row (tokens) of a step that may carry tails. Measured on the demo model (2-core CPU, 32 slots,
-# 31 decoding): a step's prefill of a 64-token row costs 16 ms and of a 256-token row 46 ms, against
-# 28-59 ms for a step of its own (decode included) that the tail would otherwise take.
+# Largest row of a step that may carry tails: the second stage must cost less than a step of its own
+# (docs/performance.md).
 TAIL_MAX_BUCKET = 256
 
 
@@ -78,12 +66,10 @@ class Sequence:
 
 @dataclasses.dataclass
 class Chunk:
-  """One segment of a step's row: `tokens` of `seq` fed from its slot; `emits`: the segment's last
-  position (the tail's, when there is one) samples output token number `output_index`;
-  `snapshot_at`: the prompt length reached after `tokens`, when that is a boundary to save, else
-  None. `tail`: prompt tokens after `snapshot_at` prefilled in the same step's second stage (see the
-  module docstring); `tail_snapshot_at`: the prompt length reached after the tail, when that is a
-  boundary too."""
+  """One segment of a step's row: `tokens` of `seq`; `emits`: its last position (the tail's, if any)
+  samples output token `output_index`; `snapshot_at` / `tail_snapshot_at`: the prompt length after
+  `tokens` / after `tail` when that is a boundary to save; `tail`: prompt tokens after `snapshot_at`
+  prefilled in the same step's second stage."""
 
   seq: Sequence
   tokens: list
@@ -113,14 +99,11 @@ def plan_step(running: list[Sequence], max_num_batched_tokens: int, sizes: tuple
               max_prefills: int | None = None, decodes_in_row: bool = True,
               tails: bool = False) -> StepPlan | None:
   """The next step's segments for the running sequences (in admission order), or None when there
-  is nothing to compute. Requires max_num_batched_tokens >= len(running) (the engine guarantees
-  it: max_num_batched_tokens >= max_num_seqs), so every decoding request gets its token.
+  is nothing to compute. Requires max_num_batched_tokens >= len(running) (`EngineConfig` checks it).
 
-  `max_prefills`: at most this many prompt chunks per step (None: no limit). `decodes_in_row`:
-  the row (and so the bucket) holds the decode tokens too; False when the step decodes them apart
-  (`model.engine.mixed_step.build_split_step`): the bucket then fits the prompt tokens alone, and
-  `max_num_batched_tokens` still counts both. `tails`: chunks that end at a boundary may continue
-  in a second stage of the same step (module docstring; only with `decodes_in_row=False`)."""
+  `max_prefills`: prompt chunks per step at most (None: no limit). `decodes_in_row`: the row (and
+  so the bucket) holds the decode tokens too; False for the split step, whose budget still counts
+  them. `tails`: chunks that end at a boundary may go on in a second stage (split step only)."""
   chunks, budget = [], int(max_num_batched_tokens)
   for seq in running:
     if not seq.prefilling:

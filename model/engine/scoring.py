@@ -1,28 +1,11 @@
-"""Per-token log-probabilities of whole documents with the Kimi-Linear host (the perplexity engine).
+"""Per-token log-probabilities of whole documents (the perplexity engine).
 
-Documents are packed into evaluation windows `[B, T]` by `model.data.pipeline.pack_eval_windows`
-(segment IDs keep packed documents apart). A document longer than the window, or cut at a window's
-end, is never truncated: its piece in the next window continues from the state the previous window
-left, through the model's cache-accepting prefill (`KimiLinearForCausalLM.prefill(cache=...)`): the
-KDA state and short-conv windows of its slot and, for MLA layers, the latents of all its earlier
-tokens. Which slot of the previous window feeds which slot of the next is `EvalWindow.continues /
-prev_label`; the carry runs inside the same compiled function as the window.
-
-The MLA latent cache of a slot must hold its whole document, so the corpus is scored in passes
-(`plan_schedules`, one `Schedule` each) that size it per document instead of every row and slot to
-the longest document of the corpus:
-- the packed pass: documents of at most 2T tokens, B rows of N slots as configured, cache length =
-  the longest of them (rounded up to `cache_multiple`): at most 2T per slot;
-- long passes: longer documents grouped by their cache length, the next power of two at or above
-  their own length; min(B, count) rows of one slot each, so a pass holds rows x (at most twice each
-  document's length) latents. The prefix attention streams over the cache in blocks
-  (`model/nn/mla.py`), so neither its memory nor its work depends on the cache length beyond the
-  tokens actually cached.
-One compilation per pass shape (the packed pass and each long cache length).
-
-For token t of a document (t >= 1) the score is `log p(doc[t] | doc[:t])`, computed in float32 as
-`log_softmax(logits)[target]`. Perplexity = `exp(-sum(logprob) / count)`; bits per byte =
-`-sum(logprob) / ln 2 / bytes` (bytes of the documents' UTF-8 text, for text corpora).
+Documents are packed into evaluation windows `[B, T]` (`model.data.pipeline.pack_eval_windows`). A
+document longer than a window continues in the next one from the state the previous window left
+(KDA state, conv windows, MLA latents), carried inside the compiled window function. The corpus is
+scored in passes (`plan_schedules`) that size the MLA cache per document: short documents share the
+packed pass; longer ones get long passes of one slot per row, grouped by power-of-two length. Token
+t's score is `log p(doc[t] | doc[:t])` in float32.
 """
 
 from __future__ import annotations
@@ -42,16 +25,10 @@ from model.errors import UserError, out_of_memory, out_of_memory_message
 from model.nn import cache as cache_lib
 from model import partitioning
 from model.data.pipeline import EvalWindow, pack_eval_windows
-from model.engine.serving import round_up
+from model.engine import executables
+from model.engine.generator import round_up
 
-
-# Compiled window functions per (graphdef, treedef, T, B, N, cache length, mesh, rules), shared by
-# every Scorer in the process.
-_COMPILED: dict = {}
-
-# Documents of at most PACKED_LIMIT windows' length share the packed pass (their slots' cache is at
-# most this long); longer ones get a long pass sized to their own length.
-PACKED_LIMIT = 2
+PACKED_LIMIT = 2   # windows' length up to which a document shares the packed pass
 
 
 class ScoringError(UserError):
@@ -59,12 +36,8 @@ class ScoringError(UserError):
 
 
 class ScoringOutOfMemory(ScoringError):
-  """XLA ran out of memory in one pass of the scorer.
-
-  The message is `out of memory (<XLA's first line>): <advice>`, the advice naming only the sizes
-  that lower that pass's memory (`Scorer.memory_advice`). Attributes: `schedule` (the `Schedule`
-  that failed), `xla` (XLA's first line).
-  """
+  """XLA ran out of memory in one pass: `out of memory (<XLA's first line>): <advice>`
+  (`Scorer.memory_advice`). Attributes: `schedule` (the pass), `xla` (XLA's first line)."""
 
   def __init__(self, message: str, schedule: "Schedule", xla: str):
     super().__init__(message)
@@ -97,17 +70,15 @@ def _next_power_of_two(n: int) -> int:
 
 def plan_schedules(lengths: Sequence[int], *, seq_len: int, batch_size: int, num_slots: int,
                    cache_multiple: int = 64, has_mla: bool = True) -> list[Schedule]:
-  """The passes that score documents of these token counts (see the module docstring).
+  """The passes that score documents of these token counts.
 
   Args:
     lengths: tokens per document. seq_len: T. batch_size: B. num_slots: N.
     cache_multiple: cache lengths are rounded up to a multiple of this.
-    has_mla: False for a model without MLA layers: its cache does not grow with the document, so
-      every document shares the packed pass.
+    has_mla: False: the cache does not grow with the document, so every document is packed.
 
   Returns:
-    The packed pass (when any document is short, or always without MLA) first, then one long pass
-    per cache length, shortest first. Documents of no token are left out.
+    The packed pass first (if any), then one long pass per cache length, shortest first.
   """
   t, m = int(seq_len), int(cache_multiple)
   live = [i for i, n in enumerate(lengths) if n > 0]
@@ -132,13 +103,10 @@ class ScoreResult:
   """Log-probabilities per document and the totals.
 
   Attributes:
-    logprobs: per document, float64 `[len(doc) - 1]`: entry t-1 scores token t (empty for documents
-      of fewer than 2 tokens).
+    logprobs: per document, float64 `[len(doc) - 1]`: entry t-1 scores token t.
     num_tokens: scored tokens in all. total_logprob: their sum (nats).
-    seconds: wall time of the windows (compilation excluded). compile_s: compilation and one warm-up
-      window.
-    num_windows: windows evaluated (all passes).
-    schedules: the passes run (`Schedule`, with their window counts).
+    seconds: wall time of the windows. compile_s: compilation and one warm-up window.
+    num_windows: windows evaluated (all passes). schedules: the passes run (`Schedule`).
   """
 
   logprobs: list[np.ndarray]
@@ -198,12 +166,9 @@ class Scorer:
     num_slots: N, documents per row of the packed pass (`max_num_segments`).
     pad_id: id on padding.
     cache_multiple: MLA cache lengths are rounded up to this.
-    mesh, rules: score with a model sharded on this `jax.sharding.Mesh` (`model.partitioning`; rules: a
-      config or parsed `logical_axis_rules`, default the base rules): the window is traced in
-      `partitioning.mesh_context`, window rows and the carried cache are split over the batch axes
-      (`batch_sharding`, `cache_shardings`; a dimension they do not divide stays replicated), and
-      the per-token log-probs come back replicated, so every process of a multi-host job reads
-      them all. None: one device (the model's own).
+    mesh, rules: score with a model sharded on this mesh (`model.partitioning`): window rows and the
+      carried cache split over the batch axes, log-probs replicated (every process reads them all).
+      None: one device.
     names: what the caller's user calls `seq_len`, `batch_size` and `num_slots` (e.g. a tool's config
       keys), for the out-of-memory advice; default those names.
 
@@ -231,10 +196,11 @@ class Scorer:
     `slots` slots and this cache length (cached).
 
     The input shardings are `(cache, [B, T] arrays, [B, N] arrays)`: None each off-mesh."""
-    rules_key = None if self._rules is None else repr(partitioning.as_rules(self._rules))
-    key = (self._graphdef, self._treedef, self.seq_len, rows, slots, cache_length, self.mesh, rules_key)
-    if key in _COMPILED:
-      return _COMPILED[key], 0.0
+    key = executables.model_key(self._graphdef, self._treedef, self.mesh, self._rules) + (
+        "scorer", self.seq_len, rows, slots, cache_length)
+    return executables.get(key, lambda: self._compile(rows, slots, cache_length))
+
+  def _compile(self, rows: int, slots: int, cache_length: int):
     b, n = rows, slots
     graphdef, treedef = self._graphdef, self._treedef  # not self: the cache must not keep parameters alive
 
@@ -258,14 +224,12 @@ class Scorer:
       bn_sh = partitioning.batch_sharding(mesh, (b, n), ("activation_batch", None), rules_or_cfg=rules)
       shardings = (cache_sh, bt_sh, bn_sh)
       ctx = partitioning.mesh_context(mesh, rules)
-      # Log-probs replicated (a [B, T] float32: cheap), so that every process can read all of them;
-      # the cache keeps the layout it came in with, so one window's output feeds the next.
+      # The cache keeps its layout, so one window's output feeds the next.
       jit_kw = dict(in_shardings=(jax.tree.map(lambda x: x.sharding, self._leaves), cache_sh, bt_sh, bt_sh, bt_sh,
                                   bt_sh, bn_sh, bn_sh),
                     out_shardings=(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), cache_sh))
     bt = jax.ShapeDtypeStruct((b, self.seq_len), jnp.int32)
     bn = jax.ShapeDtypeStruct((b, n), jnp.int32)
-    t0 = time.perf_counter()
     with ctx:
       compiled = jax.jit(run, donate_argnums=(1,), **jit_kw).lower(
           self._leaves, cache, bt, bt, jax.ShapeDtypeStruct((b, self.seq_len), jnp.bool_),
@@ -278,8 +242,7 @@ class Scorer:
     jax.block_until_ready(compiled(self._leaves, fresh, put(zeros, shardings[1]), put(zeros, shardings[1]),
                                    put(zeros.astype(bool), shardings[1]), put(zeros, shardings[1]),
                                    put(zn.astype(bool), shardings[2]), put(zn, shardings[2])))
-    _COMPILED[key] = (compiled, shardings)
-    return _COMPILED[key], time.perf_counter() - t0
+    return compiled, shardings
 
   def _empty_cache(self, rows: int, slots: int, cache_length: int):
     return jax.eval_shape(lambda: self.model.init_cache(rows, slots, cache_length))
@@ -302,13 +265,9 @@ class Scorer:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(empty)))
 
   def memory_advice(self, schedule: Schedule, lengths: Sequence[int] = ()) -> str:
-    """What lowers the memory of `schedule`'s pass, naming only sizes that do (in `self.names`).
-
-    The window (rows x T tokens, the MLA prefix scores per block) shrinks with T; rows with B while a
-    pass has more than one row (a long pass has min(B, its documents)); the packed pass's N slots,
-    and its cache (at most 2T per slot), with N and T. A long pass's cache holds its documents'
-    latents: no size lowers it, and the advice says how large it is.
-    """
+    """What lowers the memory of `schedule`'s pass, naming only the sizes that do (`self.names`):
+    T always, B while the pass has several rows, N for the packed pass; a long pass's cache shrinks
+    with no key, so the advice says how large it is."""
     nm = self.names
     keys = [nm["seq_len"]] if self.seq_len > 2 else []
     if schedule.rows > 1:

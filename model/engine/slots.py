@@ -1,17 +1,10 @@
 """The slot pool: a fixed `ModelCache` of S sequences (decode layout) that every engine step updates.
 
-Slot s holds one running request: per KDA layer its float32 state `[H, K, V]` and conv windows
-`[W-1, H*K]`, per MLA layer its latents `[max_model_len, r + dr]` (contiguous per slot: every
-request may grow to max_model_len; latents at index >= lengths[s] are stale and masked out), and
-`lengths[s]`, the tokens its state has seen. A packed prefill row whose document labelled s + 1
-continues slot s (`KimiLinearForCausalLM.prefill(..., cache=pool)`) is the engine's one step
-function; slots absent from a step come back bit-unchanged (tests/serving/test_continuous.py
-checks it), so idle and finished slots need no masking.
-
-Besides the pool, this module moves one slot's state to and from the host for the prefix cache:
-`take` (device -> `Snapshot` of the first n tokens), `take_mid` (the same, with the KDA states and
-conv windows from a split step's first-stage output instead of the slot) and `put` (a `Snapshot`
--> slot s). Each is one executable, compiled on first use.
+Slot s holds one running request: per KDA layer its float32 state and conv windows, per MLA layer
+its latents `[max_model_len, r + dr]` (rows >= lengths[s] are stale and masked), and `lengths[s]`.
+Slots absent from a step come back bit-unchanged, so idle and finished slots need no masking. For
+the prefix cache, `take`, `take_mid` and `put` move one slot's state to and from the host (each one
+executable, compiled on first use).
 """
 
 from __future__ import annotations
@@ -49,11 +42,9 @@ class SlotPool:
   def __init__(self, model, num_slots: int, cache_length: int, *, mesh=None, rules=None):
     self.num_slots, self.cache_length = int(num_slots), int(cache_length)
     self.mesh, self._rules = mesh, rules
-    # Distinct buffers per leaf: init_cache shares one zero array between the three conv windows,
-    # and the step donates every leaf.
+    # Distinct buffers per leaf (init_cache shares one zero array between the conv windows; steps donate).
     cache = jax.tree.map(lambda a: jnp.array(a, copy=True), model.init_cache(1, self.num_slots, self.cache_length))
-    # Committed to its device(s), as every step's output pool is: the transfers (`take`, `put`), compiled
-    # against this pool by `compile_transfers`, would otherwise compile again for the first committed one.
+    # Committed, as every step's output is, so the transfers compile once.
     if mesh is not None:
       self.shardings = cache_lib.shardings(cache, mesh, rules)
       cache = jax.device_put(cache, self.shardings)
@@ -85,9 +76,8 @@ class SlotPool:
     return partitioning.mesh_context(self.mesh, self._rules) if self.mesh is not None else contextlib.nullcontext()
 
   def compile_transfers(self, mids=()) -> None:
-    """Compiles `take` and `put` now (each is one executable, whatever the snapshot's length) by
-    copying free slot 0's state out and back, and `take_mid` for each example `mid` in `mids` (one
-    per shape of the split step's output); call it only while every slot is free.
+    """Compiles `take` and `put` now by copying free slot 0 out and back, and `take_mid` for each
+    example `mid` in `mids`; only while every slot is free.
 
     Raises:
       ValueError: a slot is in use.
@@ -108,11 +98,9 @@ class SlotPool:
     return self._snapshot(self._take(self.cache, jnp.int32(slot)), num_tokens)
 
   def take_mid(self, mid, entry: int, slot: int, num_tokens: int) -> Snapshot:
-    """A host `Snapshot` of the first `num_tokens` tokens of slot `slot` whose KDA states and conv
-    windows are entry `entry` of `mid` (`model.engine.mixed_step.build_split_step`'s first-stage
-    output: the slot went on past `num_tokens` in the same step) and whose MLA latents are the
-    slot's first `num_tokens` rows (the second stage wrote only rows after them). One executable per
-    shape of `mid` (its sub-pool size)."""
+    """A host `Snapshot` of slot `slot` after `num_tokens` tokens, its KDA states and conv windows from
+    entry `entry` of a split step's first-stage output `mid` (the slot went on past them in the same
+    step), its MLA latents from the slot's first `num_tokens` rows."""
     if self._take_mid is None:
       def take_mid(cache, mid, p, s):
         return tuple({f: getattr(m, f)[p] for f in _fields(m)} if m is not None

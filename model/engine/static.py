@@ -1,30 +1,16 @@
-"""The static batcher behind the request-level `Engine` API: today's `Generator`, one group at a time.
-
-This is the baseline the serving benchmark compares continuous batching against, and the engine the
-server runs with `engine=static`. Rules (those of a static batcher):
+"""The static batcher behind the `Engine` API: the `Generator`, one group at a time (engine=static,
+the baseline the serving benchmark compares continuous batching against).
 
 - A group is the longest run, in arrival order, of waiting requests with the same `SamplingParams`,
-  at most `max_num_seqs` requests and at most `max_num_batched_tokens` prompt tokens (the first
-  request of a group is always taken, however long). A random strategy (anything but greedy) runs
-  one request per group, so that its draws depend only on its own seed and position
-  (`Generator` keys a draw by group and slot; alone, a request is group 0, slot 0).
-- The group's prompts are packed into one prefill row (`Generator.generate`), then decode as one
-  batch. The group is padded to `max_num_seqs` prompts with one-token dummy prompts, and generation
-  is asked for `max_model_len - longest prompt` tokens, so that every group uses the same slot count
-  and MLA cache length; the prefill row is rounded up to `prefill_multiple` (default
-  `max_num_batched_tokens`, so every group's row has that one length): one compilation per sampling
-  configuration, more only for a single prompt longer than the budget.
-- The next group starts only when every request of this one has ended: at its own `max_tokens`
-  (finish "length"), at one of its `stop_token_ids` (finish "stop", the token reported), or by
-  `cancel`. Generation of the group is then abandoned (the remaining decode chunks are not run).
-
-Tokens stream through `emit` as the Generator's `on_tokens` callback delivers them (after the prefill,
-then once per decode step, `decode_chunk` steps per device call). Greedy tokens are the Generator's.
-`logprob` is None on every event: the Generator returns tokens only.
-
-One `step` runs one whole group. Between decode chunks it calls `poll` (when set; the server sets it
-to its command drain), so that a `cancel` or `add_request` sent while a group runs reaches it: a
-cancelled request's events stop at once, and a group whose every request ended stops decoding.
+  at most `max_num_seqs` requests and `max_num_batched_tokens` prompt tokens (its first request is
+  always taken). A random strategy runs alone, so its draws depend only on its seed and position.
+- The group is padded to `max_num_seqs` one-token dummy prompts and asks for `max_model_len -
+  longest prompt` tokens, so every group compiles to the same shapes (per sampling configuration).
+- The next group starts when every request of this one has ended (max_tokens, a stop token, or
+  `cancel`); the rest of its decoding is abandoned.
+Tokens stream as the Generator's `on_tokens` delivers them; `logprob` is None (the Generator returns
+tokens only). Between decode chunks a step calls `poll` (the server's command drain), so a cancel
+sent while a group runs reaches it.
 """
 
 from __future__ import annotations
@@ -32,8 +18,9 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-from model.engine.api import EngineStats, Request, TokenEvent
-from model.engine.serving import GenerationError, Generator, SamplingParams, round_up
+from model.engine.api import EngineStats, GenerationError, Request, SamplingParams, TokenEvent
+from model.engine.config import EngineConfig
+from model.engine.generator import Generator, round_up
 
 
 class _GroupDone(Exception):
@@ -50,37 +37,30 @@ class _Live:
 
 
 class StaticEngine:
-  """`model.engine.api.Engine` over `model.engine.serving.Generator` (see the module docstring).
+  """`model.engine.api.Engine` over `model.engine.generator.Generator` (see the module docstring).
 
   Args:
     model: a `KimiLinearForCausalLM`.
-    max_num_seqs: requests per group (slots), >= 1.
-    max_model_len: prompt + output tokens of one request, >= 2 (the MLA cache length per slot).
-    max_num_batched_tokens: prompt tokens one group's prefill row holds (a single longer prompt
-      still runs, alone), >= 1.
-    vocab_limit: only ids below it are generated (the tokenizer's vocabulary when the model's is
-      padded); default the model's vocabulary. `vocab_size` (ids a prompt may hold) is the model's.
-    prefill_multiple: prefill rows are rounded up to this many tokens (compiled once per row size);
-      default `max_num_batched_tokens`: every group's row has that length (one compilation), unless
-      a single prompt is longer.
+    config: the sizes (`EngineConfig`, engine="static"): max_num_seqs requests per group (slots),
+      max_model_len the MLA cache length per slot, max_num_batched_tokens the prompt tokens one
+      group's prefill row holds (a single longer prompt still runs, alone).
+    vocab_limit: only ids below it are generated; default the model's vocabulary.
+    prefill_multiple: prefill rows are rounded up to this; default `max_num_batched_tokens` (one
+      row length, unless a single prompt is longer).
     decode_chunk: decode steps per device call (streaming granularity).
     mesh, rules: as `Generator`.
     poll: optional zero-argument callable run between decode chunks (see the module docstring).
 
   Raises:
-    GenerationError: a size < its minimum.
+    GenerationError: vocab_limit outside [1, vocab_size].
   """
 
-  def __init__(self, model, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-               vocab_limit: int | None = None, prefill_multiple: int | None = None, decode_chunk: int = 8, mesh=None,
-               rules=None, poll: Callable[[], None] | None = None):
-    for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("max_model_len", max_model_len, 2),
-                        ("max_num_batched_tokens", max_num_batched_tokens, 1)):
-      if int(v) < lo:
-        raise GenerationError(f"{name} must be >= {lo}, got {v}")
-    self.max_num_seqs = int(max_num_seqs)
-    self.max_model_len = int(max_model_len)
-    self.max_num_batched_tokens = int(max_num_batched_tokens)
+  def __init__(self, model, config: EngineConfig, *, vocab_limit: int | None = None,
+               prefill_multiple: int | None = None, decode_chunk: int = 8, mesh=None, rules=None,
+               poll: Callable[[], None] | None = None):
+    self.max_num_seqs = config.max_num_seqs
+    self.max_model_len = config.max_model_len
+    self.max_num_batched_tokens = config.max_num_batched_tokens
     # eos_id None: stopping is per request (stop_token_ids), handled in the callback.
     multiple = self.max_num_batched_tokens if prefill_multiple is None else int(prefill_multiple)
     self._generator = Generator(model, max_length=self.max_model_len, eos_id=None, batch_size=self.max_num_seqs,

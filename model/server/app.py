@@ -2,28 +2,17 @@
 
 Routes:
 - `POST /v1/completions`: one prompt (text or token ids) per request; `stream=true` answers with
-  server-sent events, one `data: {chunk}` per text delta, then `data: [DONE]` (with
-  `stream_options.include_usage`, a last chunk with `usage` and no choices comes before it).
-  `usage` = prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details.cached_tokens.
-  `logprobs=1` (or 0) gives `tokens` (each token's text as it appears in the completion, so that
-  "".join(tokens) is the text: see `model.server.text` for byte pieces and stop token ids),
-  `token_logprobs` (the chosen token's natural-log probability, null where the engine reports none: the
-  static engine), `text_offset`; no alternatives. With a stop string, the tokens whose text starts at
-  or after the cut (the stop string's own tokens and any after it) are left out, as the text leaves the
-  stop string out; a token that straddles the cut is kept whole. In a stream a token's entry goes out
-  with the chunk that carries the start of its text. `token_ids` and `usage` count every generated id.
-  `return_token_ids=true` adds the generated ids as `token_ids` to each choice (vLLM's field).
-- `POST /v1/chat/completions`: needs a tokenizer with a chat template; without one (this project's
-  sentencepiece and ids-only tokenizers carry none) it answers 400 `chat_template_missing`.
-- `GET /v1/models`, `GET /health` (200 while serving, 503 while draining or when the engine loop is
-  gone), `GET /metrics` (Prometheus text, `model.server.metrics`).
+  server-sent events (`data: {chunk}` per text delta, then `data: [DONE]`; with
+  `stream_options.include_usage` a last chunk carries `usage`). `logprobs=0|1` gives `tokens` (each
+  token's text as it appears in the completion), `token_logprobs` (null where the engine reports
+  none: the static engine) and `text_offset`; tokens cut by a stop string are left out.
+  `return_token_ids=true` adds the generated ids (vLLM's field).
+- `POST /v1/chat/completions`: 400 `chat_template_missing` (this project's tokenizers have none).
+- `GET /v1/models`, `GET /health` (503 while draining or when the engine loop is gone), `GET /metrics`.
 
 Requests are validated before they reach the engine (`model.server.protocol`); every refusal has the
-OpenAI error body, FastAPI's own 422 and 404 bodies included. A handler never touches the engine: it
-submits to the loop and reads its request's events from an asyncio queue the loop feeds with
-`call_soon_threadsafe`. A client that goes away (a closed stream, or a dropped connection while a
-non-streaming request runs) cancels its request, which frees its slot. While `draining` (SIGTERM,
-see tools/serve.py) new requests get 503 and running ones finish.
+OpenAI error body. A handler never touches the engine: it submits to the loop and reads its events
+from an asyncio queue. A client that goes away cancels its request, which frees its slot.
 """
 
 from __future__ import annotations
@@ -42,7 +31,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from model.engine.api import TokenEvent
-from model.engine.serving import GenerationError
+from model.engine.api import GenerationError
 from model.server import protocol
 from model.server.loop import EngineLoop
 from model.server.metrics import ServerMetrics

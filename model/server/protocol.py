@@ -14,7 +14,7 @@ carries `Retry-After`). A value echoed in a message is cut to ECHO_LIMIT charact
 Integer fields (max_tokens, n, logprobs, seed, top_k, the ids of a token-id prompt) accept an integral
 JSON float (1.0, as OpenAI and vLLM do) and refuse any other non-integer (1.5, "1", true).
 
-Sampling (how the OpenAI fields map to `model.engine.serving.SamplingParams`):
+Sampling (how the OpenAI fields map to `model.engine.api.SamplingParams`):
 - `temperature` absent or 0: greedy (argmax); `top_k` / `top_p` are then not used.
 - `temperature` > 0 and neither filter: "weighted" (a draw from softmax(logits / temperature)).
 - `top_k` >= 1 (-1 or 0 = off, as vLLM): "topk"; `top_p` < 1 (1 or absent = off): "nucleus".
@@ -31,8 +31,7 @@ from typing import Annotated
 
 import pydantic
 
-from model.engine.api import Request
-from model.engine.serving import GenerationError, SamplingParams
+from model.engine.api import GenerationError, Request, SamplingParams
 
 
 class ApiError(Exception):

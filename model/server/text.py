@@ -1,26 +1,16 @@
 """Generated ids to text, incrementally, with OpenAI `stop` strings matched on the decoded text.
 
 `TextStream.add(token_id)` returns the text that may be sent now. Each step decodes a bounded window
-of ids, not the whole output (the detokenizer runs on the server's event loop once per streamed
-token, so a whole-output decode would cost O(length) per token): the window starts at `prefix` and
-the text of `ids[prefix:read]` (already emitted) is cut off the window's text, so that the new piece
-keeps its leading space (sentencepiece drops the "▁" of a decode's first piece) and byte-fallback
-pieces that together spell one character are decoded together. The window then moves on to
-`prefix, read = read, len(ids)`; it starts with the last prompt tokens (`CONTEXT` of them), so the
-output's first piece keeps its leading space too. These are the prefix/read offsets of vLLM's and
-transformers' incremental detokenizers (the idea, not their code).
+of ids (the detokenizer runs on the event loop once per token: a whole-output decode would cost
+O(length) per token), starting at `prefix`, and cuts off the text of the already emitted
+`ids[prefix:read]`, so a new piece keeps its leading space and byte-fallback pieces that spell one
+character decode together (vLLM's and transformers' prefix/read offsets; the first window starts with
+the last `CONTEXT` prompt tokens). Text is held back while it ends in U+FFFD (an incomplete character)
+or in a prefix of a stop string, so streamed deltas concatenate to exactly the final text; a stop
+string ends the text before it, and stop token ids are never shown.
 
-Text is held back while it (a) ends in U+FFFD, an incomplete multi-byte character of byte-fallback
-pieces (the window does not move until the character completes), or (b) ends in a prefix of a stop
-string (it may yet become one), so that streamed deltas concatenate to exactly the final text. A stop
-string ends the text before it (the stop string is not part of the output, as in the OpenAI API);
-stop token ids (EOS) are never shown.
-
-Each added id gets its span of the decoded text (`spans`, start and end in `decoded`): the text its
-decode added, so the spans tile the text and `decoded[a:b]` is the token as it appears there (with the
-leading space of a word-start piece, not sentencepiece's "▁"). Ids that decode only together (byte
-pieces spelling one character) get empty spans up to the one that completes the character, which
-gets it all; stop token ids get empty spans.
+`spans`: per id, the start and end in `decoded` of the text its decode added (they tile the text;
+ids that decode only together get empty spans up to the one completing the character).
 """
 
 from __future__ import annotations

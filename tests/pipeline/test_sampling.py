@@ -153,3 +153,30 @@ def test_invalid_call_arguments():
     sample_tokens(jnp.zeros((1, 4), jnp.int32), None)
   with pytest.raises(ValueError, match="needs a PRNG key"):
     make_sampler("weighted")(jnp.zeros((1, 4)))
+
+
+def test_rows_with_different_parameters_draw_as_each_alone():
+  """`sample_rows` (the one sampler every engine runs): a batch mixing the four strategies gives each
+  row the token that row draws alone with its own key and parameters."""
+  logits = jax.random.normal(jax.random.key(20), (8, 40), jnp.float32)
+  keys = jax.random.split(jax.random.key(21), 8)
+  configs = [("greedy", 1.0, None, None), ("weighted", 0.7, None, None), ("topk", 1.3, 4, None),
+             ("nucleus", 0.9, None, 0.8)] * 2
+  rows = [sampling.row_params(*c) for c in configs]
+  params = [jnp.asarray([r[i] for r in rows]) for i in range(4)]
+  mixed = np.asarray(sampling.sample_rows(logits, keys, *params))
+  for b, r in enumerate(rows):
+    alone = sampling.sample_rows(logits[b:b + 1], keys[b:b + 1], *(jnp.asarray([x]) for x in r))
+    assert int(alone[0]) == mixed[b], configs[b]
+  assert mixed[0] == int(jnp.argmax(logits[0]))
+
+
+def test_sample_step_bans_ids_past_the_vocab_limit_and_reports_logprobs():
+  logits = jnp.zeros((3, 10), jnp.float32).at[:, 9].set(5.0)
+  s = 3
+  tok, lp, top2 = sampling.sample_step(logits, jnp.int32(6), jnp.array([True, False, False]), jnp.ones(s),
+                                       jnp.zeros(s, jnp.int32), jnp.ones(s), jnp.arange(s, dtype=jnp.uint32),
+                                       jnp.zeros(s, jnp.int32))
+  assert (np.asarray(tok) < 6).all() and int(tok[0]) == 0
+  np.testing.assert_allclose(np.asarray(lp), np.log(1 / 6), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(top2), np.log(1 / 6), rtol=1e-6)

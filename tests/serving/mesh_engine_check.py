@@ -16,6 +16,7 @@ import numpy as np
 
 from model import loading, partitioning
 from model.engine.api import Request
+from model.engine.config import EngineConfig
 from model.engine.continuous import ContinuousEngine
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "kda_plugin" / "assets" / "demo"
@@ -49,13 +50,13 @@ def main():
   sizes = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16)   # one bucket (+ its one-prompt variant, the decode-only step)
   loaded = loading.load(DEMO, MESH_KEYS)
   assert loaded.mesh is not None and loaded.mesh.size == 8, loaded.mesh
-  mesh_engine = ContinuousEngine(loaded.model, mesh=loaded.mesh, rules=loaded.config, prefix_cache_bytes=1 << 24,
-                                 **sizes)
+  mesh_engine = ContinuousEngine(loaded.model, EngineConfig(prefix_cache_bytes=1 << 24, **sizes), mesh=loaded.mesh,
+                                 rules=loaded.config)
   mesh_tokens, mesh_lp, cached = serve(mesh_engine)
   pool = mesh_engine.pool.cache
   specs = {"kda_state": str(pool.layers[0].state.sharding.spec), "mla_latent": str(pool.layers[2].latent.sharding.spec),
            "lengths": str(pool.lengths.sharding.spec)}
-  one = ContinuousEngine(loading.load(DEMO, mesh=None).model, **sizes)
+  one = ContinuousEngine(loading.load(DEMO, mesh=None).model, EngineConfig(**sizes))
   one_tokens, one_lp, _ = serve(one)
   diff = max(abs(a - b) for k in one_lp for a, b in zip(mesh_lp[k], one_lp[k]))
   print(json.dumps(dict(mesh=partitioning.describe_mesh(loaded.mesh), devices=jax.device_count(), specs=specs,

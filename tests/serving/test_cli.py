@@ -321,7 +321,7 @@ def test_out_of_memory_is_one_error_line(checkpoints, tmp_path, capsys, monkeypa
   the error XLA raises (nothing is allocated)."""
   import jax
   from model.engine.scoring import Scorer
-  from model.engine.serving import Generator
+  from model.engine.generator import Generator
   ids = tmp_path / "ok.txt"
   ids.write_text("3 4 5 6\n")
   long = tmp_path / "long.txt"
@@ -385,7 +385,7 @@ def test_dump_logprobs_needs_output_json(checkpoints, capsys):
 def test_interrupt_ends_the_streamed_line(checkpoints, capsys, monkeypatch):
   """Ctrl-C while a prompt streams: the streamed text's line is ended before run_tool's "interrupted"
   (a terminal showed "ROMEO:interrupted"); exit status 130."""
-  from model.engine.serving import Generator
+  from model.engine.generator import Generator
 
   def interrupted(self, prompts, *a, on_tokens=None, **k):
     on_tokens(0, np.array([5]), np.array([True]))

@@ -1,4 +1,4 @@
-"""model/engine/continuous.py on the demo checkpoint: continuous batching against the offline
+"""model/engine/continuous.py and runner.py on the demo checkpoint: continuous batching against the offline
 `Generator` (each prompt alone), chunked prefill against one uncached forward, mixed steps, the
 prefix cache, cancellation, request validation and the compilation count.
 
@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.engine.api import Engine, Request
+from model.engine.api import Engine, GenerationError, Request, SamplingParams
+from model.engine.config import EngineConfig
 from model.engine.continuous import ContinuousEngine
-from model.engine.serving import GenerationError, Generator, SamplingParams
+from model.engine.generator import Generator
+from model.errors import UsageError
 from model.loading import load_model
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "kda_plugin" / "assets" / "demo"
@@ -32,9 +34,13 @@ def model():
   return load_model(DEMO)[0]
 
 
+def _config(**kw):
+  return EngineConfig(max_num_seqs=SLOTS, max_model_len=MAX_LEN, max_num_batched_tokens=BUDGET, **kw)
+
+
 @pytest.fixture(scope="module")
 def engine(model):
-  return ContinuousEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, max_num_batched_tokens=BUDGET)
+  return ContinuousEngine(model, _config())
 
 
 def _prompt(rng, n):
@@ -68,7 +74,7 @@ def logprobs(evs):
 
 def test_is_an_engine(engine):
   assert isinstance(engine, Engine)
-  assert engine.buckets == (16, 32, 64, 128)
+  assert engine.runner.buckets == (16, 32, 64, 128)
 
 
 def test_absent_slots_are_bit_unchanged(engine):
@@ -78,21 +84,22 @@ def test_absent_slots_are_bit_unchanged(engine):
   rng = np.random.default_rng(1)
   s, p = SLOTS, engine.max_num_partial_prefills
   assert p == 4
-  fn = engine.compiled_step(16)
+  runner = engine.runner
+  fn = runner.compiled_step(16)
   sampling = (np.ones(s, bool), np.ones(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
-              np.zeros(s, np.uint32), np.zeros(s, np.int32), np.int32(engine.vocab_limit))
+              np.zeros(s, np.uint32), np.zeros(s, np.int32), np.int32(runner.vocab_limit))
   no_decode = (np.zeros(s, np.int32), np.zeros(s, bool))
   ids, seg = np.zeros((2, 16), np.int32), np.zeros((2, 16), np.int32)   # row 1: no tails
   ids[0, :12] = rng.integers(4, 1000, 12)
   seg[0, :4], seg[0, 4:8], seg[0, 8:12] = 1, 2, 3     # sub-pool entries 0, 1, 2 = slots 3, 0, 2
-  pool = jax.tree.map(lambda a: jnp.array(a, copy=True), engine.pool.cache)
-  *_, before, _ = fn(engine._leaves, pool, *no_decode, ids, seg, np.array([3, 0, 2, s], np.int32), np.ones(p, bool),
+  pool = jax.tree.map(lambda a: jnp.array(a, copy=True), runner.pool.cache)
+  *_, before, _ = fn(runner.leaves, pool, *no_decode, ids, seg, np.array([3, 0, 2, s], np.int32), np.ones(p, bool),
                      *sampling)
   before_host = jax.device_get(before)
   ids2, seg2 = np.zeros((2, 16), np.int32), np.zeros((2, 16), np.int32)
   ids2[0, :5], seg2[0, :5] = 7, 1                      # only slot 1, as sub-pool entry 0 (its tail in row 1)
   ids2[1, :3], seg2[1, :3] = 9, 1
-  *_, after, _ = fn(engine._leaves, before, *no_decode, ids2, seg2, np.array([1, s, s, s], np.int32),
+  *_, after, _ = fn(runner.leaves, before, *no_decode, ids2, seg2, np.array([1, s, s, s], np.int32),
                     np.array([True, False, False, False]), *sampling)
   after_host = jax.device_get(after)
   assert list(before_host.lengths) == [4, 0, 4, 4] and list(after_host.lengths) == [4, 8, 4, 4]
@@ -110,15 +117,16 @@ def test_single_prompt_variant_equals_the_p_slot_step(engine):
   P-slot executable, chunk and tail rows included, while 3 slots decode beside it."""
   rng = np.random.default_rng(11)
   s, p = SLOTS, engine.max_num_partial_prefills
-  assert engine.single_prompt_buckets == (16, 32, 64)
+  runner = engine.runner
+  assert runner.single_prompt_buckets == (16, 32, 64)
   sampling = (np.ones(s, bool), np.ones(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
-              np.zeros(s, np.uint32), np.zeros(s, np.int32), np.int32(engine.vocab_limit))
+              np.zeros(s, np.uint32), np.zeros(s, np.int32), np.int32(runner.vocab_limit))
   # A pool where slots 0, 1, 3 hold 20-token prompts and slot 2 one of 9 tokens.
   ids, seg = np.zeros((2, 64), np.int32), np.zeros((2, 64), np.int32)
   ids[0, :60] = rng.integers(4, 1000, 60)
   seg[0, :20], seg[0, 20:40], seg[0, 40:51], seg[0, 51:60] = 1, 2, 3, 4
-  pool = jax.tree.map(lambda a: jnp.array(a, copy=True), engine.pool.cache)
-  *_, pool, _ = engine.compiled_step(64)(engine._leaves, pool, np.zeros(s, np.int32), np.zeros(s, bool), ids, seg,
+  pool = jax.tree.map(lambda a: jnp.array(a, copy=True), runner.pool.cache)
+  *_, pool, _ = runner.compiled_step(64)(runner.leaves, pool, np.zeros(s, np.int32), np.zeros(s, bool), ids, seg,
                                           np.array([0, 1, 3, 2], np.int32), np.ones(p, bool), *sampling)
   decode = (rng.integers(4, 1000, s).astype(np.int32), np.array([True, True, False, True]))
   ids, seg = np.zeros((2, 64), np.int32), np.zeros((2, 64), np.int32)
@@ -129,7 +137,7 @@ def test_single_prompt_variant_equals_the_p_slot_step(engine):
     sub = np.full(n, s, np.int32)
     sub[0] = 2
     copy = jax.tree.map(lambda a: jnp.array(a, copy=True), pool)
-    runs.append(jax.device_get(engine.compiled_step(64, n)(engine._leaves, copy, *decode, ids, seg, sub,
+    runs.append(jax.device_get(runner.compiled_step(64, n)(runner.leaves, copy, *decode, ids, seg, sub,
                                                            np.zeros(n, bool), *sampling)))
   (tok1, lp1, _, pool1, mid1), (tokp, lpp, _, poolp, midp) = runs
   np.testing.assert_array_equal(tok1, tokp)
@@ -143,7 +151,7 @@ def test_single_prompt_variant_equals_the_p_slot_step(engine):
     np.testing.assert_allclose(a[0], b[0], atol=1e-5, rtol=0)
     assert np.abs(a[0]).max() > 0
   with pytest.raises(ValueError, match="no step executable for bucket=128, num_prefill=1"):
-    engine.compiled_step(128, 1)
+    engine.runner.compiled_step(128, 1)
 
 
 def test_decode_only_step_keeps_inactive_slots(engine):
@@ -154,14 +162,15 @@ def test_decode_only_step_keeps_inactive_slots(engine):
     engine.add_request(Request(f"d{i}", _prompt(rng, 9 + 7 * i), 40))
   while any(s.prefilling or not s.output_ids for s in engine._running):
     engine.step(lambda e: None)
-  before = jax.device_get(engine.pool.cache)
+  runner = engine.runner
+  before = jax.device_get(runner.pool.cache)
   s = SLOTS
   active = np.array([True, False, True, False])
-  fn = engine.compiled_step(None)
+  fn = runner.compiled_step(None)
   sampling = (np.ones(s, bool), np.ones(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
-              np.zeros(s, np.uint32), np.zeros(s, np.int32), np.int32(engine.vocab_limit))
-  pool = jax.tree.map(lambda a: jnp.array(a, copy=True), engine.pool.cache)
-  *_, after = fn(engine._leaves, pool, np.full(s, 5, np.int32), active, *sampling)
+              np.zeros(s, np.uint32), np.zeros(s, np.int32), np.int32(runner.vocab_limit))
+  pool = jax.tree.map(lambda a: jnp.array(a, copy=True), runner.pool.cache)
+  *_, after = fn(runner.leaves, pool, np.full(s, 5, np.int32), active, *sampling)
   after = jax.device_get(after)
   np.testing.assert_array_equal(after.lengths, before.lengths + active)
   for a, b in zip(before.layers, after.layers):
@@ -251,8 +260,7 @@ def test_prefill_of_a_new_request_while_others_decode_changes_nothing(engine):
 def test_prefix_cache_hit_equals_cache_off(model, engine):
   """With the cache on, a second request sharing a 128-token prefix restores it (cached_tokens >= 128
   on every event) and returns the tokens of the cache-off engine, log-probs within 1e-5."""
-  on = ContinuousEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, max_num_batched_tokens=BUDGET,
-                        prefix_cache_bytes=64 << 20)
+  on = ContinuousEngine(model, _config(prefix_cache_bytes=64 << 20))
   rng = np.random.default_rng(4)
   shared = _prompt(rng, 128)
   first, second = shared + _prompt(rng, 40), shared + _prompt(rng, 51)
@@ -265,9 +273,9 @@ def test_prefix_cache_hit_equals_cache_off(model, engine):
   assert all(e.cached_tokens == 0 for e in off["second"])
   assert tokens(hit["second"]) == tokens(off["second"])
   np.testing.assert_allclose(logprobs(hit["second"]), logprobs(off["second"]), atol=1e-5, rtol=0)
-  assert on.stats().num_compilations <= on.max_compilations
+  assert on.stats().num_compilations <= on.runner.max_compilations
   # The steps with one prompt chunk of at most 64 tokens ran the one-prompt executables.
-  assert {(b, n) for b, n in on._compiled if b is not None and b <= 64} == {(64, 1)}
+  assert {(b, n) for b, n in on.runner.compiled if b is not None and b <= 64} == {(64, 1)}
 
 
 def test_tail_after_a_snapshot_boundary_emits_in_the_same_step(model, engine):
@@ -276,8 +284,7 @@ def test_tail_after_a_snapshot_boundary_emits_in_the_same_step(model, engine):
   of that step (not a third one) with the cache-off engine's tokens and log-probs (1e-5); the
   snapshot at 192 comes from the step's first-stage `mid`, and a request restoring it also matches
   the cache-off engine (a snapshot taken after the tail would not)."""
-  on = ContinuousEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, max_num_batched_tokens=BUDGET,
-                        prefix_cache_bytes=64 << 20)
+  on = ContinuousEngine(model, _config(prefix_cache_bytes=64 << 20))
   rng = np.random.default_rng(12)
   first = _prompt(rng, 200)
   second = first[:192] + _prompt(rng, 90)
@@ -356,11 +363,12 @@ def test_bad_requests_name_the_field(engine, kwargs, field):
   assert not engine.has_unfinished()
 
 
-def test_bad_sizes_name_the_argument(model):
-  with pytest.raises(GenerationError, match="max_num_batched_tokens=2 must be >= max_num_seqs=4"):
-    ContinuousEngine(model, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=2)
-  with pytest.raises(GenerationError, match="max_model_len must be >= 2"):
-    ContinuousEngine(model, max_num_seqs=4, max_model_len=1, max_num_batched_tokens=16)
+def test_bad_sizes_name_the_argument():
+  """EngineConfig is the one check of the sizes (the engines take it as it is)."""
+  with pytest.raises(UsageError, match="max_num_batched_tokens=2 must be >= max_num_seqs=4"):
+    EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=2)
+  with pytest.raises(UsageError, match="max_model_len must be >= 2"):
+    EngineConfig(max_num_seqs=4, max_model_len=1, max_num_batched_tokens=16)
 
 
 def _random_run(engine, n, seed):
@@ -374,10 +382,11 @@ def _random_run(engine, n, seed):
 def test_compilations_over_200_requests(model):
   """200 requests of random lengths on a fresh engine (35 s on the shared CPU once the module's
   executables exist: kept in make test)."""
-  fresh = ContinuousEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, max_num_batched_tokens=BUDGET)
+  fresh = ContinuousEngine(model, _config())
   stats = _random_run(fresh, 200, 9)
-  assert fresh.max_compilations == len(fresh.buckets) + len(fresh.single_prompt_buckets) + 1 == 8
-  assert stats.num_compilations <= fresh.max_compilations
+  runner = fresh.runner
+  assert runner.max_compilations == len(runner.buckets) + len(runner.single_prompt_buckets) + 1 == 8
+  assert stats.num_compilations <= runner.max_compilations
   assert stats.generated_tokens > 200 and stats.num_free_slots == SLOTS
 
 
@@ -385,11 +394,10 @@ def test_compile_all_compiles_every_executable_and_changes_no_slot(model):
   """`compile_all` (the server runs it before it listens) leaves nothing to compile later: every
   bucket, the decode-only step and the prefix-cache transfers, with the pool bit-unchanged. The
   module's executables exist by now (shared per process), so this costs the transfers only."""
-  fresh = ContinuousEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, max_num_batched_tokens=BUDGET,
-                           prefix_cache_bytes=1 << 24)
+  fresh = ContinuousEngine(model, _config(prefix_cache_bytes=1 << 24))
   before = [np.asarray(a).copy() for a in jax.tree.leaves(fresh.pool.cache)]
   fresh.compile_all()
-  assert fresh.stats().num_compilations == fresh.max_compilations
+  assert fresh.stats().num_compilations == fresh.runner.max_compilations
   assert fresh.pool._take is not None and fresh.pool._put is not None and fresh.pool._take_mid is not None
   for a, b in zip(before, jax.tree.leaves(fresh.pool.cache)):
     np.testing.assert_array_equal(np.asarray(b), a)

@@ -1,4 +1,4 @@
-"""model/engine/serving.py: greedy generation against transformers' goldens, batching invariance, and every
+"""model/engine/generator.py: greedy generation against transformers' goldens, batching invariance, and every
 cached decode step against a cache-free forward."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.engine.serving import GenerationError, Generator, SamplingParams, pack_prompts
+from model.engine.api import GenerationError, SamplingParams
+from model.engine.generator import Generator, pack_prompts
 
 NEW = 12  # the fixtures' greedy continuation length
 

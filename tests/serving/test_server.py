@@ -4,7 +4,7 @@ by the official `openai` client (and raw HTTP for the bad-input cases).
 One server per module (they compile on start). `ENGINE` picks the engine under test: every test here
 holds for any engine behind `model.engine.api.Engine`.
 
-Oracle of the greedy test: `model.engine.serving.Generator` on the same checkpoint, each prompt ALONE
+Oracle of the greedy test: `model.engine.generator.Generator` on the same checkpoint, each prompt ALONE
 (batch 1), in this process. Where the server's tokens first differ from it, the position must be a
 near-tie: the two largest log-probs of an uncached forward over prompt + common tokens within 1e-5.
 """
@@ -128,7 +128,7 @@ def offline():
   """(tokenizer, generate(prompt_ids, n) -> ids, top2(ids) -> two largest log-probs after ids)."""
   import jax
   from model.data.tokenizer import load_tokenizer
-  from model.engine.serving import Generator
+  from model.engine.generator import Generator
   from model.loading import load_model
   model, cfg = load_model(DEMO, [f"max_cache_length={MAX_MODEL_LEN}"])
   tok = load_tokenizer(DEMO / "tokenizer.model")

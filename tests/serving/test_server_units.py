@@ -9,11 +9,10 @@ import re
 import pytest
 
 from model.config import load_config
-from model.engine.serving import SamplingParams
+from model.engine.api import SamplingParams
 from model.errors import UsageError
 from model.server import protocol
-from model.server.engines import build_engine
-from tools.serve import check_keys
+from model.engine.config import EngineConfig
 from model.server.text import TextStream
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -337,11 +336,13 @@ def test_serve_checks_its_keys_before_loading(argv, key):
 
 def test_static_engine_refuses_an_explicit_prefix_cache():
   with pytest.raises(UsageError, match="prefix_cache_bytes"):
-    build_engine("static", None, max_num_seqs=1, max_model_len=8, max_num_batched_tokens=8, prefix_cache_bytes=1,
-                 vocab_limit=None, prefix_cache_given=True)
+    EngineConfig(engine="static", max_num_seqs=1, max_model_len=8, max_num_batched_tokens=8, prefix_cache_bytes=1)
+  with pytest.raises(UsageError, match="prefix_cache_bytes"):
+    EngineConfig.from_config(load_config(["demo", "engine=static", "prefix_cache_bytes=1"]), ["prefix_cache_bytes"])
+  # Not given: the default (the continuous engine's budget) is dropped, not refused.
+  assert EngineConfig.from_config(load_config(["demo", "engine=static"])).prefix_cache_bytes == 0
   with pytest.raises(UsageError, match="engine must be"):
-    build_engine("dynamic", None, max_num_seqs=1, max_model_len=8, max_num_batched_tokens=8, prefix_cache_bytes=0,
-                 vocab_limit=None)
+    EngineConfig(engine="dynamic", max_num_seqs=1, max_model_len=8, max_num_batched_tokens=8)
 
 
 def test_serving_keys_stay_out_of_checkpoints():
@@ -355,16 +356,18 @@ def test_serving_keys_stay_out_of_checkpoints():
 
 
 def test_max_num_partial_prefills_is_checked_before_anything_loads():
-  """serve's key check names max_num_partial_prefills above max_num_seqs (or negative); the static
+  """EngineConfig names max_num_partial_prefills above max_num_seqs (or negative); the static
   engine refuses the key rather than ignore it."""
   for value in (9, -1):
     cfg = load_config(["demo", "max_num_seqs=8", f"max_num_partial_prefills={value}"])
     with pytest.raises(UsageError, match="max_num_partial_prefills"):
-      check_keys(cfg)
-  check_keys(load_config(["demo", "max_num_seqs=8", "max_num_partial_prefills=8"]))
+      EngineConfig.from_config(cfg)
+  assert EngineConfig.from_config(load_config(["demo", "max_num_seqs=8", "max_num_partial_prefills=8"])
+                                  ).num_partial_prefills == 8
+  assert EngineConfig.from_config(load_config(["demo", "max_num_seqs=2"])).num_partial_prefills == 2
   with pytest.raises(UsageError, match="max_num_partial_prefills"):
-    build_engine("static", None, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64, prefix_cache_bytes=0,
-                 vocab_limit=None, max_num_partial_prefills=2)
+    EngineConfig(engine="static", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
+                 max_num_partial_prefills=2)
 
 
 def test_an_unexpected_exception_still_answers_an_openai_error_body():

@@ -28,6 +28,7 @@ from flax import nnx
 
 from model.engine.api import Request
 from model.engine.continuous import ContinuousEngine
+from model.engine.config import EngineConfig
 from model.loading import load_model
 
 
@@ -55,8 +56,8 @@ def main(argv=None) -> int:
     print(f"error: --context must be in [1, {a.max_model_len - a.runs - 8}), got {a.context}", file=sys.stderr)
     return 2
   model, _ = load_model(a.checkpoint)
-  engine = ContinuousEngine(model, max_num_seqs=a.slots, max_model_len=a.max_model_len,
-                            max_num_batched_tokens=max(16, a.slots), decode_path="mixed")
+  engine = ContinuousEngine(model, EngineConfig(max_num_seqs=a.slots, max_model_len=a.max_model_len,
+                                                max_num_batched_tokens=max(16, a.slots), decode_path="mixed"))
   rng = np.random.default_rng(0)
   for s in range(a.slots):
     engine.add_request(Request(f"c{s}", tuple(int(t) for t in rng.integers(4, 1000, a.context)), a.max_model_len - a.context))
@@ -67,18 +68,19 @@ def main(argv=None) -> int:
   copy = lambda c: jax.tree.map(lambda x: jnp.array(x, copy=True), c)
 
   # (a) the mixed step: one-token segments labelled slot + 1, padded to the smallest bucket.
-  bucket = engine.buckets[0]
-  fn = engine.compiled_step(bucket)
+  runner = engine.runner
+  bucket = runner.buckets[0]
+  fn = runner.compiled_step(bucket)
   ids = np.zeros((1, bucket), np.int32)
   seg = np.zeros((1, bucket), np.int32)
   ids[0, :s_count], seg[0, :s_count] = last, np.arange(1, s_count + 1)
   samp = (np.zeros(s_count, bool), np.ones(s_count, bool), np.ones(s_count, np.float32), np.zeros(s_count, np.int32),
           np.ones(s_count, np.float32), np.zeros(s_count, np.uint32), np.zeros(s_count, np.int32),
-          np.int32(engine.vocab_limit))
-  state = {"pool": copy(engine.pool.cache)}
+          np.int32(runner.vocab_limit))
+  state = {"pool": copy(runner.pool.cache)}
 
   def mixed():
-    tok, _, _, state["pool"] = fn(engine._leaves, state["pool"], ids, seg, *samp)
+    tok, _, _, state["pool"] = fn(runner.leaves, state["pool"], ids, seg, *samp)
     jax.block_until_ready(tok)
 
   # (b) model.decode over the S sequences (kda_decode_step), greedy, cache donated.
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
     return jnp.argmax(logits, -1).astype(jnp.int32), cache
 
   dec_c = jax.jit(dec, donate_argnums=(2,)).lower(leaves, jnp.asarray(last), state["pool"]).compile()
-  state["cache"] = copy(engine.pool.cache)
+  state["cache"] = copy(runner.pool.cache)
   tok0 = jnp.asarray(last)
 
   def decode():

@@ -64,7 +64,7 @@ rounds, back to back on the same cores:
 - theirs: `.venv-ref/bin/python tools/bench/reference/bench_transformers.py --model-dir HF` (torch, 2
   threads): prefill of the prompt (batch 1, last-token logits), then greedy decode steps through
   its cache.
-- ours: `model.engine.serving.Generator` on the converted checkpoint: the packed prefill (batch 1, the
+- ours: `model.engine.generator.Generator` on the converted checkpoint: the packed prefill (batch 1, the
   first token sampled on device) and `--decode-tokens` jitted decode steps (one token each, fed
   back through the KDA state, conv windows and MLA latent cache), compiled and warmed up first.
 
@@ -114,10 +114,10 @@ def ensure_checkpoint(args) -> pathlib.Path:
 
 
 def measure_ours(args, ckpt: pathlib.Path) -> dict:
-  """Prefill and decode figures of model.engine.serving on the converted checkpoint."""
+  """Prefill and decode figures of model.engine.generator on the converted checkpoint."""
   # Here, not at the top: jax starts in this process only when ours is first measured, so --help and
   # the transformers child (each round runs it first) do not share the machine with its runtime.
-  from model.engine.serving import Generator, round_up
+  from model.engine.generator import Generator, round_up
   from model.loading import load_model
 
   length = round_up(args.prefill_tokens + args.decode_tokens + 1, 64)
@@ -133,7 +133,7 @@ def measure_ours(args, ckpt: pathlib.Path) -> dict:
     assert t.decode_steps == args.decode_tokens
     prefill.append(t.prefill_s)
     decode.append(t.decode_s)
-  return {"engine": f"model.engine.serving.Generator, attention={args.attention}, float32, jax CPU",
+  return {"engine": f"model.engine.generator.Generator, attention={args.attention}, float32, jax CPU",
           "compile_and_warmup_s": compile_s,
           "prefill": {"batch": 1, "tokens": args.prefill_tokens, "runs_s": prefill,
                       "median_s": statistics.median(prefill),
@@ -200,7 +200,7 @@ def main(argv=None):
         best = o[what]["tokens_per_s_best"] / t[what].get("tokens_per_s_best", t[what]["tokens_per_s"])
         row[f"{what}_speedup_median"], row[f"{what}_speedup_best"] = med, best
         print(f"[round {r}] {what} speed-up: {med:.2f}x (medians), {best:.2f}x (best runs)", flush=True)
-  result = {"what": "tools/bench/benchmark_serving.py: model.engine.serving vs transformers KimiLinearForCausalLM, same weights, CPU",
+  result = {"what": "tools/bench/benchmark_serving.py: model.engine.generator vs transformers KimiLinearForCausalLM, same weights, CPU",
             "cpu_count": os.cpu_count(), "checkpoint": str(ckpt), "hf_dir": str(args.hf_dir),
             "prefill_tokens": args.prefill_tokens, "decode_tokens": args.decode_tokens, "runs": args.runs,
             "rounds": rounds}

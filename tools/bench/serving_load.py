@@ -30,7 +30,7 @@ DEMO = REPO / "kda_plugin" / "assets" / "demo"
 
 
 WORKLOADS = ("mixed", "shared_prefix")
-ENGINES = ("continuous", "static")   # model.server.engines.ENGINES (not imported: the client starts no jax)
+ENGINES = ("continuous", "static")   # model.engine.config.ENGINES (not imported: the client starts no jax)
 
 
 SEED_LIMIT = 2 ** 32   # --seed in [0, SEED_LIMIT): numpy refuses negative seeds
@@ -386,15 +386,16 @@ class _Replay:
 
   def __init__(self, args, keys: list[str], max_len: int):
     # Only --in-process builds a model: the online mode's client process never starts jax.
+    from model.engine.config import EngineConfig
+    from model.engine.factory import build_engine
     from model.loading import load_model
-    from model.server.engines import build_engine
     kv = dict(k.split("=", 1) for k in keys)
     self.model, cfg = load_model(args.checkpoint, [f"max_cache_length={max_len}"])
-    self.engine = build_engine(kv["engine"], self.model, max_num_seqs=int(kv["max_num_seqs"]),
-                               max_model_len=int(kv["max_model_len"]),
-                               max_num_batched_tokens=int(kv["max_num_batched_tokens"]),
-                               prefix_cache_bytes=int(kv.get("prefix_cache_bytes", 0)), vocab_limit=None, rules=cfg,
-                               max_num_partial_prefills=int(kv.get("max_num_partial_prefills", 0)))
+    config = EngineConfig(engine=kv["engine"], max_num_seqs=int(kv["max_num_seqs"]), max_model_len=int(kv["max_model_len"]),
+                          max_num_batched_tokens=int(kv["max_num_batched_tokens"]),
+                          prefix_cache_bytes=int(kv.get("prefix_cache_bytes", 0)),
+                          max_num_partial_prefills=int(kv.get("max_num_partial_prefills", 0)))
+    self.engine = build_engine(config, self.model, rules=cfg)
     if hasattr(self.engine, "compile_all"):   # as tools.serve does before it listens
       self.engine.compile_all()
     self._n = 0

@@ -109,7 +109,7 @@ def test_generate_tool_serves_on_the_mesh(saved, tmp_path, capsys):
   ignored): restored sharded, the same greedy ids as a one-device Generator."""
   import json
 
-  from model.engine.serving import Generator
+  from model.engine.generator import Generator
   from tools import generate
   path, _, _ = saved
   out = tmp_path / "gen.json"

@@ -133,7 +133,7 @@ def generator_reference(model_and_batch):
 
 
 def _generate(model, mesh, cfg):
-  from model.engine.serving import Generator
+  from model.engine.generator import Generator
   prompts = [list(range(5 + i, 9 + 2 * i)) for i in range(8)]  # 4-10 tokens each, one packed row
   gen = Generator(model, max_length=c.CACHE * 2, eos_id=None, batch_size=8, prefill_multiple=64,
                   cache_multiple=16, mesh=mesh, rules=cfg)
@@ -143,7 +143,7 @@ def _generate(model, mesh, cfg):
 
 @pytest.mark.parametrize("name", ["fsdp2_tensor2_data2", "expert4_data2"])
 def test_serving_generator_on_a_mesh_matches_one_device(name, model_and_batch, generator_reference):
-  """model.engine.serving.Generator(mesh=...): packed prefill of 8 prompts, decode sharded on the mesh."""
+  """model.engine.generator.Generator(mesh=...): packed prefill of 8 prompts, decode sharded on the mesh."""
   graphdef, state, _, _ = model_and_batch
   cfg = c.config(*c.MESHES[name])
   mesh = partitioning.create_mesh(cfg)

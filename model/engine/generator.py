@@ -1,27 +1,17 @@
-"""Batched generation for the Kimi-Linear host: one packed prefill, then a jitted decode loop.
+"""The offline Generator: a group of prompts in one packed prefill, then a compiled decode loop.
 
-A group of prompts (token-id lists of different lengths) is packed into ONE prefill row `[1, T]`
-with segment IDs: prompt i gets label i + 1, so it becomes decode sequence i of the cache
-(`KimiLinearForCausalLM.prefill`, decode layout S = N). T is the total prompt length rounded up to
-`prefill_multiple` (padding has segment 0 and touches no state), so prompt sets of similar size reuse
-one compiled prefill. Every sequence then advances one token per `decode` step with its own KDA
-state, conv windows and MLA latent cache. The decode function (a scan of `decode_chunk` steps, so
-one dispatch and one host transfer per chunk) is compiled ahead of time once per (N, cache length)
-and takes fixed shapes, so nothing recompiles while decoding. A sequence that
-emitted EOS (or an unused slot of a short group) keeps running, masked: its outputs are replaced by
-`pad_id` and ignored, never removed from the batch.
+The prompts are packed into ONE prefill row `[1, T]` with segment IDs: prompt i gets label i + 1 and
+becomes decode sequence i of the cache. T is rounded up to `prefill_multiple` (padding touches no
+state), so prompt sets of similar size reuse one compiled prefill. The decode function (a scan of
+`decode_chunk` steps: one dispatch and one host transfer per chunk) is compiled ahead of time per
+(N, cache length) with fixed shapes. A finished sequence (or an unused slot of a short group) keeps
+running masked: its outputs are replaced by `pad_id` and ignored.
 
-Sampling (`model.engine.sampling.sample_tokens`) runs inside the compiled functions. Each sequence draws
-with its own key `fold_in(fold_in(seed_key, step), slot)`, so greedy results never depend on which
-other prompts share the batch.
+Sampling (`model.engine.sampling`) runs inside the compiled functions; sequence s draws at step i
+with `fold_in(fold_in(group_key, i), s)`, so its tokens never depend on the other prompts of a group.
 
-Timings (host wall clock; compilation and one warm-up run are excluded and reported apart): time to
-first token = prefill plus the first sampled token on the host; prefill tokens/s = real prompt
-tokens / that time; decode tokens/s = generated tokens / the decode loop's time, where generated
-tokens are those decode steps produce for live sequences (EOS included; never the masked outputs of
-finished sequences or unused slots) and the decode steps counted are those that generated at least
-one token (steps of a last chunk after every sequence finished, or past max_new_tokens, are run and
-their time is in the decode time, but they are not counted).
+Timings exclude compilation and one warm-up run (reported apart). Decode tokens count live sequences
+only (EOS included), and decode steps those that generated at least one token.
 """
 
 from __future__ import annotations
@@ -36,16 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.errors import UserError
 from model import partitioning
-from model.engine import sampling
+from model.engine import executables, sampling
+from model.engine.api import GenerationError, SamplingParams, check_vocab_limit
 from model.nn.kimi_linear import last_token_logits
-
-
-# Compiled (prefill, step, seconds) per (graphdef, treedef, sizes, sampling): shared by every
-# Generator in the process, so a second Generator over an equal model (e.g. the same checkpoint
-# loaded again) reuses the executables.
-_COMPILED: dict = {}
 
 
 def check_max_new_tokens(max_new_tokens: int) -> None:
@@ -53,33 +37,6 @@ def check_max_new_tokens(max_new_tokens: int) -> None:
   loads, `Generator.check_request` for every other caller)."""
   if int(max_new_tokens) < 1:
     raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-
-
-class GenerationError(UserError):
-  """A generation request the engine cannot serve (empty prompt, too long, ids out of range...)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  """A validated sampling configuration (see `model.engine.sampling`).
-
-  Attributes:
-    strategy: "greedy", "weighted", "topk" or "nucleus".
-    temperature: > 0 (ignored by greedy, which accepts 0). top_k: candidates for "topk". top_p: mass for "nucleus".
-  """
-
-  strategy: str = "greedy"
-  temperature: float = 1.0
-  top_k: int | None = None
-  top_p: float | None = None
-
-  def __post_init__(self):
-    try:
-      sampling.check_sampling_args(self.strategy, self.temperature,
-                                   self.top_k if self.strategy == "topk" else None,
-                                   self.top_p if self.strategy == "nucleus" else None)
-    except ValueError as e:
-      raise GenerationError(str(e)) from None
 
 
 @dataclasses.dataclass
@@ -94,12 +51,8 @@ class SequenceResult:
 
 @dataclasses.dataclass
 class Timings:
-  """Wall-clock figures of a `generate` call, in seconds and tokens (summed over prompt groups).
-
-  decode_tokens counts generated tokens only (live sequences; masked outputs of finished sequences
-  and unused slots are not counted); decode_steps counts the decode steps that generated at least
-  one token (see the module docstring).
-  """
+  """Wall-clock figures of a `generate` call, in seconds and tokens (summed over prompt groups; see
+  the module docstring for what decode_tokens and decode_steps count)."""
 
   compile_s: float = 0.0
   time_to_first_token_s: float = 0.0
@@ -135,10 +88,8 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def pack_prompts(prompts: Sequence[Sequence[int]], num_slots: int, length: int):
-  """Packs prompts into one row: `(ids int32 [1, length], segment_ids int32 [1, length])`.
-
-  Prompt i occupies the next `len(prompts[i])` positions with label i + 1; the rest is padding
-  (id 0, label 0). Labels above `len(prompts)` (up to `num_slots`) are simply absent.
+  """Packs prompts into one row: `(ids int32 [1, length], segment_ids int32 [1, length])`; prompt i
+  gets label i + 1, the rest is padding (id 0, label 0).
 
   Raises:
     ValueError: more prompts than slots, or more tokens than `length`.
@@ -162,14 +113,11 @@ def _sample_rows(logits, key, step, params: SamplingParams, vocab_limit):
   """int32 `[S]`: one token per row, row s drawn with `fold_in(fold_in(key, step), s)`, among ids
   below `vocab_limit` only (a model's vocabulary may be padded beyond its tokenizer's)."""
   logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits.astype(jnp.float32), -jnp.inf)
-  if params.strategy == "greedy":
-    return sampling.sample_tokens(logits, None, strategy="greedy")
-  step_key = jax.random.fold_in(key, step)
-  keys = jax.vmap(lambda s: jax.random.fold_in(step_key, s))(jnp.arange(logits.shape[0]))
-  draw = lambda row, k: sampling.sample_tokens(row[None], k, strategy=params.strategy,
-                                               temperature=params.temperature, top_k=params.top_k,
-                                               top_p=params.top_p)[0]
-  return jax.vmap(draw)(logits, keys)
+  keys = None
+  if params.strategy != "greedy":
+    step_key = jax.random.fold_in(key, step)
+    keys = jax.vmap(lambda s: jax.random.fold_in(step_key, s))(jnp.arange(logits.shape[0]))
+  return sampling.sample_rows(logits, keys, *params.row())
 
 
 class Generator:
@@ -177,20 +125,15 @@ class Generator:
 
   Args:
     model: the model (its parameters are split out once; the model object is not modified).
-    max_length: the longest sequence (prompt + generated tokens) a request may need; normally
-      `config.max_cache_length` (the MLA latent cache length per sequence).
+    max_length: prompt + generated tokens a request may need (normally `config.max_cache_length`).
     eos_id: the id that ends a sequence (when `stop_at_eos`), or None.
     pad_id: the id fed to finished sequences and reported for them.
-    batch_size: at most this many prompts share one packed prefill and decode batch; larger requests
-      run in consecutive groups (every group padded to the same slot count, so one compilation).
+    batch_size: prompts per packed prefill and decode batch; more run in consecutive groups.
     prefill_multiple, cache_multiple: prefill row length and MLA cache length are rounded up to
       these, so requests of similar size reuse compiled functions.
-    decode_chunk: decode steps per compiled call (a scan: one dispatch and one host transfer per
-      chunk; streaming callbacks see a chunk's tokens together). 1 = one step per call.
-    vocab_limit: only ids below it are ever generated (the tokenizer's vocabulary size when the
-      model's vocabulary is padded beyond it); default the model's vocabulary.
-    mesh, rules: serve a model sharded on this `jax.sharding.Mesh` (`model.partitioning`; rules: a
-      config or parsed `logical_axis_rules`, default the base rules); None: one device.
+    decode_chunk: decode steps per compiled call (streaming callbacks see a chunk's tokens together).
+    vocab_limit: only ids below it are generated; default the model's vocabulary.
+    mesh, rules: serve a model sharded on this mesh (`model.partitioning`); None: one device.
 
   Raises:
     GenerationError: non-positive sizes, or vocab_limit outside [1, vocab_size].
@@ -206,9 +149,7 @@ class Generator:
         raise GenerationError(f"{name} must be >= 1, got {v}")
     self.vocab_size = int(model.args.vocab_size)
     self.decode_chunk = int(decode_chunk)
-    self.vocab_limit = self.vocab_size if vocab_limit is None else int(vocab_limit)
-    if not 1 <= self.vocab_limit <= self.vocab_size:
-      raise GenerationError(f"vocab_limit must be in [1, {self.vocab_size}], got {vocab_limit}")
+    self.vocab_limit = check_vocab_limit(vocab_limit, self.vocab_size)
     self.max_length = int(max_length)
     self.eos_id = eos_id
     self.pad_id = int(pad_id)
@@ -216,10 +157,10 @@ class Generator:
     self.prefill_multiple = int(prefill_multiple)
     self.cache_multiple = int(cache_multiple)
     self.mesh, self._rules = mesh, rules
-    graphdef, state = nnx.split(model)
-    self._graphdef = graphdef
+    self._graphdef, state = nnx.split(model)
     # A flat leaf list is cheaper to pass per decode step than the nested nnx.State.
     self._leaves, self._treedef = jax.tree.flatten(state)
+    self._model_key = executables.model_key(self._graphdef, self._treedef, mesh, rules)
 
   # --- validation ---------------------------------------------------------------------------------
   def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
@@ -252,16 +193,13 @@ class Generator:
     return out
 
   # --- compiled functions ---------------------------------------------------------------------------
-  def _key(self, num_slots, row_length, cache_length, params):
-    return (self._graphdef, self._treedef, num_slots, row_length, cache_length, params, self.mesh,
-            None if self._rules is None else repr(partitioning.as_rules(self._rules)))
-
   def _functions(self, num_slots: int, row_length: int, cache_length: int, params: SamplingParams):
-    """(prefill, step, seconds to compile and warm up), compiled ahead of time for these static sizes
-    (cached)."""
-    key = self._key(num_slots, row_length, cache_length, params) + (self.decode_chunk,)
-    if key in _COMPILED:
-      return _COMPILED[key]
+    """`((prefill, step), seconds to compile and warm up now)`, compiled ahead of time for these
+    static sizes (`model.engine.executables`: 0.0 seconds when they already were)."""
+    key = self._model_key + ("generator", num_slots, row_length, cache_length, params, self.decode_chunk)
+    return executables.get(key, lambda: self._compile(num_slots, row_length, cache_length, params))
+
+  def _compile(self, num_slots: int, row_length: int, cache_length: int, params: SamplingParams):
     graphdef, treedef = self._graphdef, self._treedef  # not self: the cache must not keep parameters alive
     model_of = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
@@ -289,7 +227,6 @@ class Generator:
     rng = jax.random.key(0)
     ids = jax.ShapeDtypeStruct((1, row_length), jnp.int32)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    t0 = time.perf_counter()
     # On a mesh, trace in its context (KDA kernels per shard); decode keeps the prefill's layouts.
     with (partitioning.mesh_context(self.mesh, self._rules) if self.mesh is not None else contextlib.nullcontext()):
       prefill_c = jax.jit(prefill).lower(self._leaves, ids, ids, rng, scalar).compile()
@@ -304,15 +241,13 @@ class Generator:
       step_c = jax.jit(step, donate_argnums=(2,),
                        out_shardings=(per_step, per_step, tok_sh, cache_sh, tok_sh)).lower(
           self._leaves, vec, cache_shape, flags, scalar, scalar, scalar, rng, scalar).compile()
-    # One warm-up run on an all-padding row: the first execution of a fresh executable pays one-time
-    # set-up costs (hundreds of ms on CPU) that belong with compilation, not with time to first token.
+    # A warm-up run: a fresh executable's one-time set-up costs belong with compilation, not with TTFT.
     zeros = jnp.zeros((1, row_length), jnp.int32)
     limit = jnp.int32(self.vocab_limit)
     tok, cache = prefill_c(self._leaves, zeros, zeros, rng, limit)
     jax.block_until_ready(step_c(self._leaves, tok, cache, jnp.ones((num_slots,), bool), jnp.int32(-1),
                                  jnp.int32(0), limit, rng, jnp.int32(1)))
-    _COMPILED[key] = (prefill_c, step_c, time.perf_counter() - t0)
-    return _COMPILED[key]
+    return prefill_c, step_c
 
   # --- generation -----------------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
@@ -326,9 +261,8 @@ class Generator:
       sampling_params: the sampling strategy. seed: PRNG seed of the random strategies.
       stop_at_eos: stop a sequence at `eos_id` (the EOS token is kept in its output).
       on_tokens: optional `fn(group_start, tokens int32 [n], live bool [n])` called after the first
-        token and after every decode step, for the `n` prompts of the group starting at prompt
-        `group_start`; `live[i]` says whether `tokens[i]` belongs to prompt group_start + i's output.
-        Used for streaming.
+        token and after every decode step (streaming); `live[i]`: tokens[i] belongs to prompt
+        group_start + i's output.
 
     Returns:
       `(list[SequenceResult] in prompt order, Timings)`.
@@ -341,14 +275,11 @@ class Generator:
     n = min(len(prompts), self.batch_size)
     groups = [prompts[i:i + n] for i in range(0, len(prompts), n)]
     row = round_up(max(sum(len(p) for p in g) for g in groups), self.prefill_multiple)
-    # check_request guarantees need <= max_length, so the clamp never cuts below need.
-    need = max(len(p) for p in prompts) + max_new_tokens
-    # The last decode chunk may run up to decode_chunk - 1 steps past max_new_tokens: their tokens
-    # are dropped, and so are their MLA cache writes past the end (scatter mode="drop").
+    need = max(len(p) for p in prompts) + max_new_tokens   # <= max_length (check_request)
+    # Steps of the last chunk past max_new_tokens are dropped, their cache writes too (mode="drop").
     cache_length = min(round_up(need, self.cache_multiple), self.max_length)
-    fresh = self._key(n, row, cache_length, sampling_params) + (self.decode_chunk,) not in _COMPILED
-    prefill, step, compile_s = self._functions(n, row, cache_length, sampling_params)
-    timings = Timings(compile_s=compile_s if fresh else 0.0)
+    (prefill, step), compile_s = self._functions(n, row, cache_length, sampling_params)
+    timings = Timings(compile_s=compile_s)
     rng = jax.random.key(int(seed))
     results: list[SequenceResult] = []
     group_rngs = [jax.random.fold_in(rng, gi) for gi in range(len(groups))]  # outside the timed region

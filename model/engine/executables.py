@@ -1,0 +1,32 @@
+"""The process's one cache of compiled executables: engine steps, Generator functions, scoring windows.
+
+A key starts with `model_key` (the model's graph and tree structure, the mesh and the partitioning
+rules, never its parameters: the cache keeps no weights alive), so engines over an equal model, e.g.
+the same checkpoint loaded again or a second engine with the prefix cache on, reuse the executables.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from model import partitioning
+
+T = TypeVar("T")
+
+_CACHE: dict = {}
+
+
+def model_key(graphdef, treedef, mesh=None, rules=None) -> tuple:
+  """The part of a key that names the model and its placement."""
+  return (graphdef, treedef, mesh, None if rules is None else repr(partitioning.as_rules(rules)))
+
+
+def get(key: tuple, build: Callable[[], T]) -> tuple[T, float]:
+  """`(build(), seconds it took)` the first time `key` is asked for, then `(that value, 0.0)`."""
+  if key in _CACHE:
+    return _CACHE[key], 0.0
+  t0 = time.perf_counter()
+  _CACHE[key] = build()
+  return _CACHE[key], time.perf_counter() - t0
