@@ -57,8 +57,8 @@ MARK_OPEN = "\U0010fff0"
 MARK_CLOSE = "\U0010fff1"
 _MARKS_RE = re.compile(f"[{MARK_OPEN}{MARK_CLOSE}]")
 # The same markers as `tojson(ensure_ascii=True)` writes them (surrogate-pair escapes).
-_OPEN_ESC = re.escape(json.dumps(MARK_OPEN)[1:-1])
-_CLOSE_ESC = re.escape(json.dumps(MARK_CLOSE)[1:-1])
+_OPEN_ESC = json.dumps(MARK_OPEN)[1:-1]
+_CLOSE_ESC = json.dumps(MARK_CLOSE)[1:-1]
 
 
 class ChatError(UserError):
@@ -339,10 +339,9 @@ class ChatTemplate:
     self.special_tokens = dict(special_tokens)
     self.template_vars = dict(template_vars)
     self._template = compile_template(source)
+    # Longest first: a token wins over the tokens it contains.
     alternatives = "|".join(re.escape(t) for t in sorted(self.special_tokens, key=len, reverse=True)) or "(?!)"
     self._special_re = re.compile(alternatives)
-    self._split_re = re.compile(f"(?P<open>{MARK_OPEN}|{_OPEN_ESC})?(?P<tok>{alternatives})"
-                                f"(?P<close>{MARK_CLOSE}|{_CLOSE_ESC})?")
 
   def __repr__(self) -> str:
     return f"ChatTemplate({len(self.source)} characters, {len(self.special_tokens)} special tokens)"
@@ -398,23 +397,20 @@ class ChatTemplate:
     marked = self._render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                           documents=documents, kwargs=kwargs, mark=True)
     ids: list[int] = []
-    text: list[str] = []     # the plain text since the last control token
     shown: list[str] = []    # the whole prompt text, markers removed
-    at = 0
-    for m in self._split_re.finditer(marked):
-      text.append(marked[at:m.start()])
-      if m.group("open") or m.group("close"):      # the user's: text (the escaped markers stay, as rendered)
-        text.append(m.group())
-      else:                                        # the template's own: a control token
-        chunk = _MARKS_RE.sub("", "".join(text))
-        if chunk:
-          ids.extend(encode_text(chunk))
-        shown += [chunk, m.group("tok")]
-        ids.append(self.special_tokens[m.group("tok")])
-        text = []
-      at = m.end()
-    text.append(marked[at:])
-    chunk = _MARKS_RE.sub("", "".join(text))
+    at = 0                   # start of the text since the last control token
+    for m in self._special_re.finditer(marked):
+      start, end = m.span()
+      if (marked.endswith(MARK_OPEN, 0, start) or marked.endswith(_OPEN_ESC, 0, start) or
+          marked.startswith(MARK_CLOSE, end) or marked.startswith(_CLOSE_ESC, end)):
+        continue                                   # the user's: stays in the text
+      chunk = _MARKS_RE.sub("", marked[at:start])  # the template's own: a control token
+      if chunk:
+        ids.extend(encode_text(chunk))
+      shown += [chunk, m.group()]
+      ids.append(self.special_tokens[m.group()])
+      at = end
+    chunk = _MARKS_RE.sub("", marked[at:])
     if chunk:
       ids.extend(encode_text(chunk))
     shown.append(chunk)

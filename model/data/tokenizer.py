@@ -26,11 +26,11 @@ from collections.abc import Iterable, Sequence
 
 import sentencepiece as spm
 
-from model.errors import UserError
+from model.data.errors import TokenizerError
+from model.data.tokenizer_kimi import TIKTOKEN_FILE, KimiTokenizer
 
-
-class TokenizerError(UserError):
-  """A tokenizer file that is missing or unreadable, or text/ids that the tokenizer cannot handle."""
+__all__ = ["IdsOnlyTokenizer", "KimiTokenizer", "SentencePieceTokenizer", "Tokenizer", "TokenizerError",
+           "check_tokenizer_fits", "load_tokenizer"]
 
 
 def _optional_id(i: int) -> int | None:
@@ -219,9 +219,7 @@ class IdsOnlyTokenizer:
             f"eos_id={self.eos_id}, pad_id={self.pad_id})")
 
 
-Tokenizer = SentencePieceTokenizer | IdsOnlyTokenizer   # or model.data.tokenizer_kimi.KimiTokenizer
-
-TIKTOKEN_FILE = "tiktoken.model"   # the file that makes a directory a Kimi tokenizer
+Tokenizer = SentencePieceTokenizer | IdsOnlyTokenizer | KimiTokenizer
 
 
 def load_tokenizer(path: str | os.PathLike | None, *, vocab_size: int | None = None,
@@ -246,8 +244,6 @@ def load_tokenizer(path: str | os.PathLike | None, *, vocab_size: int | None = N
         raise TokenizerError(f"the tokenizer directory {path!r} has no {TIKTOKEN_FILE}: expected a sentencepiece "
                              f".model file, or a directory with {TIKTOKEN_FILE} and tokenizer_config.json "
                              f"(a Kimi checkpoint's tokenizer)")
-      # tokenizer_kimi imports this module (TokenizerError), and tiktoken/jinja2 load only for Kimi.
-      from model.data.tokenizer_kimi import KimiTokenizer
       return KimiTokenizer(path)
     if not os.path.exists(path):
       raise TokenizerError(f"tokenizer file not found: {path!r} (expected a sentencepiece .model file, or a directory "

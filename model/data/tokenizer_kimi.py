@@ -45,7 +45,7 @@ from collections.abc import Iterable, Sequence
 import tiktoken
 
 from model.data.chat_template import ChatPrompt, ChatTemplate, ChatTemplateError
-from model.data.tokenizer import TokenizerError
+from model.data.errors import TokenizerError
 
 TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
@@ -73,8 +73,10 @@ KIMI_PATTERN = "|".join([
 
 MAX_ENCODE_CHARS = 400_000      # per tiktoken call (tokenization_kimi.py's TIKTOKEN_MAX_ENCODE_CHARS)
 MAX_RUN_CHARS = 25_000          # longest run of whitespace or non-whitespace per piece (tiktoken issue 195)
-_LONG_RUN = re.compile(r"\s{%d}|\S{%d}" % (MAX_RUN_CHARS + 1, MAX_RUN_CHARS + 1))
-_RUNS = re.compile(r"\s+|\S+")
+# A run of more than MAX_RUN_CHARS whitespace (str.isspace) or other characters; finditer starts each
+# match at its run's start (the leftmost position with that many such characters after it).
+_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (MAX_RUN_CHARS + 1, MAX_RUN_CHARS + 1))
+_LONG_SPACE = re.compile(r"\s{%d}" % (MAX_RUN_CHARS + 1))
 
 
 def is_kimi_tokenizer_dir(path: str | os.PathLike) -> bool:
@@ -128,14 +130,24 @@ def _token_name(value, key: str, path: str) -> str | None:
   return value
 
 
+def _has_long_run(text: str) -> bool:
+  # str.split() finds the non-whitespace runs faster than a regex does (measured: 23 vs 32 ms per MB).
+  return bool(_LONG_SPACE.search(text)) or max(map(len, text.split()), default=0) > MAX_RUN_CHARS
+
+
 def _pieces(text: str) -> list[str]:
-  """`text` cut as tokenization_kimi.py cuts it before tiktoken (module docstring)."""
-  if len(text) <= MAX_ENCODE_CHARS and not _LONG_RUN.search(text):
+  """`text` cut as tokenization_kimi.py cuts it before tiktoken (module docstring): windows of
+  MAX_ENCODE_CHARS characters, each cut inside a longer run every MAX_RUN_CHARS characters from the
+  run's start."""
+  if len(text) <= MAX_RUN_CHARS or (len(text) <= MAX_ENCODE_CHARS and not _has_long_run(text)):
     return [text]
   out = []
   for w in range(0, len(text), MAX_ENCODE_CHARS):
     window, start = text[w:w + MAX_ENCODE_CHARS], 0
-    for m in _RUNS.finditer(window):
+    if not _has_long_run(window):
+      out.append(window)
+      continue
+    for m in _LONG_RUN.finditer(window):
       for cut in range(m.start() + MAX_RUN_CHARS, m.end(), MAX_RUN_CHARS):
         out.append(window[start:cut])
         start = cut
