@@ -7,11 +7,15 @@ on which one they hold:
   * `encode_batch(texts, add_bos=False, add_eos=False) -> list[list[int]]`
   * `decode(ids) -> str`
   * `vocab_size: int`, `bos_id / eos_id / pad_id: int | None` (None when the model has no such token)
-  * `ids_only: bool`
+  * `stop_ids: frozenset[int]`: the ids that end generation (the eos id, and for Kimi also <|im_end|>
+    and the checkpoint's generation_config.json eos ids)
+  * `ids_only: bool`, `chat_template`: a `model.data.chat_template.ChatTemplate`, or None
 
 `SentencePieceTokenizer` loads a `.model` file written by `tools/train_tokenizer.py` (or any other
 sentencepiece model). `IdsOnlyTokenizer` serves checkpoints that ship without a tokenizer: text is a
-list of integer ids ("12 7 99" or "12,7,99") and decoding prints the ids back.
+list of integer ids ("12 7 99" or "12,7,99") and decoding prints the ids back. Kimi checkpoints carry
+their own tiktoken tokenizer and chat template (`model.data.tokenizer_kimi.KimiTokenizer`, a directory).
+`load_tokenizer(path)` picks the class from the path.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from collections.abc import Iterable, Sequence
 
 import sentencepiece as spm
 
-from model.errors import UserError
+from model.data.errors import TokenizerError
+from model.data.tokenizer_kimi import TIKTOKEN_FILE, KimiTokenizer
 
-
-class TokenizerError(UserError):
-  """A tokenizer file that is missing or unreadable, or text/ids that the tokenizer cannot handle."""
+__all__ = ["IdsOnlyTokenizer", "KimiTokenizer", "SentencePieceTokenizer", "Tokenizer", "TokenizerError",
+           "check_tokenizer_fits", "load_tokenizer"]
 
 
 def _optional_id(i: int) -> int | None:
@@ -46,6 +50,7 @@ class SentencePieceTokenizer:
   """
 
   ids_only = False
+  chat_template = None
 
   def __init__(self, path: str | os.PathLike):
     self.path = os.fspath(path)
@@ -88,6 +93,10 @@ class SentencePieceTokenizer:
   @property
   def unk_id(self) -> int | None:
     return _optional_id(self._sp.unk_id())
+
+  @property
+  def stop_ids(self) -> frozenset[int]:
+    return frozenset() if self.eos_id is None else frozenset({self.eos_id})
 
   def _specials(self, add_bos: bool, add_eos: bool) -> tuple[list[int], list[int]]:
     if add_bos and self.bos_id is None:
@@ -152,6 +161,7 @@ class IdsOnlyTokenizer:
 
   ids_only = True
   path = None
+  chat_template = None
 
   def __init__(self, vocab_size: int, *, bos_id: int | None = None, eos_id: int | None = None,
                pad_id: int | None = 0):
@@ -165,6 +175,7 @@ class IdsOnlyTokenizer:
     self.eos_id = None if eos_id is None else int(eos_id)
     self.pad_id = None if pad_id is None else int(pad_id)
     self.unk_id = None
+    self.stop_ids = frozenset() if self.eos_id is None else frozenset({self.eos_id})
 
   def _check(self, ids: list[int]) -> list[int]:
     bad = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -208,23 +219,35 @@ class IdsOnlyTokenizer:
             f"eos_id={self.eos_id}, pad_id={self.pad_id})")
 
 
-Tokenizer = SentencePieceTokenizer | IdsOnlyTokenizer
+Tokenizer = SentencePieceTokenizer | IdsOnlyTokenizer | KimiTokenizer
 
 
 def load_tokenizer(path: str | os.PathLike | None, *, vocab_size: int | None = None,
                    bos_id: int | None = None, eos_id: int | None = None,
                    pad_id: int | None = 0) -> Tokenizer:
-  """Loads a sentencepiece tokenizer, or builds an ids-only one when `path` is None or "".
+  """The tokenizer at `path`, whichever kind it is, or an ids-only one when `path` is None or "".
 
   Args:
-    path: the `.model` file, or None/"" for ids-only mode.
+    path: a sentencepiece `.model` file (`SentencePieceTokenizer`); a directory holding `tiktoken.model`
+      and `tokenizer_config.json`, e.g. a Hugging Face Kimi checkpoint (`KimiTokenizer`); or None/""
+      for ids-only mode.
     vocab_size, bos_id, eos_id, pad_id: used only in ids-only mode (vocab_size then required).
 
   Raises:
-    TokenizerError: a missing/invalid file (message names the path), or ids-only mode without
-      vocab_size.
+    TokenizerError: a missing path, a directory without tiktoken.model, an invalid file (the message
+      names the path and what was expected), or ids-only mode without vocab_size.
   """
   if path:
+    path = os.fspath(path)
+    if os.path.isdir(path):
+      if not os.path.isfile(os.path.join(path, TIKTOKEN_FILE)):
+        raise TokenizerError(f"the tokenizer directory {path!r} has no {TIKTOKEN_FILE}: expected a sentencepiece "
+                             f".model file, or a directory with {TIKTOKEN_FILE} and tokenizer_config.json "
+                             f"(a Kimi checkpoint's tokenizer)")
+      return KimiTokenizer(path)
+    if not os.path.exists(path):
+      raise TokenizerError(f"tokenizer file not found: {path!r} (expected a sentencepiece .model file, or a directory "
+                           f"with {TIKTOKEN_FILE} and tokenizer_config.json)")
     return SentencePieceTokenizer(path)
   if vocab_size is None:
     raise TokenizerError("no tokenizer path given: ids-only mode needs vocab_size")
@@ -233,7 +256,9 @@ def load_tokenizer(path: str | os.PathLike | None, *, vocab_size: int | None = N
 
 def check_tokenizer_fits(tok: Tokenizer, config, *, name: str | None = None, advise: bool = True) -> None:
   """Checks that tokenizer `tok` fits a model config: no more pieces than `config.vocab_size`, and
-  each special id the tokenizer has (bos, eos, pad) equal to the config's `*_token_id`.
+  each special id the tokenizer has (bos, eos, pad) equal to the config's `*_token_id`. The config's
+  eos may also be any of the tokenizer's `stop_ids` (Kimi: the config's eos_token_id is <|im_end|>,
+  the tokenizer's eos_token [EOS]; both end generation).
 
   Every mismatch is reported in ONE error, so a user fixes them all in one go, e.g. the tiny config
   (bos 1, eos 2) with a tokenizer from tools.train_tokenizer (bos 2, eos 3) gives
@@ -255,8 +280,11 @@ def check_tokenizer_fits(tok: Tokenizer, config, *, name: str | None = None, adv
   if tok.vocab_size > vocab:
     problems.append(f"it has {tok.vocab_size} tokens but vocab_size={vocab}")
     fixes.append(f"vocab_size={tok.vocab_size}")
+  stops = getattr(tok, "stop_ids", frozenset())
   for key, what, tid in (("bos_token_id", "bos", tok.bos_id), ("eos_token_id", "eos", tok.eos_id),
                          ("pad_token_id", "pad", tok.pad_id)):
+    if key == "eos_token_id" and int(config[key]) in stops:
+      continue
     if tid is not None and tid != int(config[key]):
       problems.append(f"its {what} id is {tid} but {key}={config[key]}")
       fixes.append(f"{key}={tid}")
