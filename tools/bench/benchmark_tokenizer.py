@@ -1,7 +1,7 @@
 """Tokenizer speed: tokens per second of the Kimi tokenizer beside the `tiktoken` library's own encode.
 
 Usage:
-  python -m tools.benchmark_tokenizer [--tokenizer DIR] [--text FILE] [--repeat N] [--json FILE]
+  python -m tools.bench.benchmark_tokenizer [--tokenizer DIR] [--text FILE] [--repeat N] [--json FILE]
 
 DIR is a Kimi tokenizer directory (tiktoken.model + tokenizer_config.json; default: the test fixture
 tests/fixtures/kimi_tokenizer of a checkout). FILE is the long document (UTF-8); default: a generated
