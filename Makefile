@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 # ahead of time on this CPU host. They live apart from .venv so that `make demo` never loads them.
 AOT_TPU_VENV ?= .venv-tpu-aot
 AOT_GPU_VENV ?= .venv-gpu-aot
+# The oldest supported end (Python 3.11, jax 0.10.2 and the libtpu it pins): the kernel's compile checks
+# run there too. The project goes in without its dependencies (the compile needs jax and kda_plugin).
+AOT_TPU_OLD_VENV ?= .venv-tpu-aot-jax0102
+PYTHON311 ?= $(shell command -v python3.11 2>/dev/null || echo python3.11)
 # pyenv shims pick 3.12 from .python-version; fall back to any python3.12 on PATH.
 PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || echo python3.12)
 PYTEST_WORKERS ?= 2
@@ -21,7 +25,8 @@ PYTEST_ARGS ?= --durations=15
 # Tests find the compile venvs through these (tests/aot/conftest.py); under `make test` a missing or
 # broken compile venv fails the tests instead of skipping them.
 AOT_ENV := KDA_AOT_REQUIRED=1 KDA_AOT_TPU_PYTHON=$(CURDIR)/$(AOT_TPU_VENV)/bin/python \
-  KDA_AOT_GPU_PYTHON=$(CURDIR)/$(AOT_GPU_VENV)/bin/python
+  KDA_AOT_GPU_PYTHON=$(CURDIR)/$(AOT_GPU_VENV)/bin/python \
+  KDA_AOT_TPU_JAX0102_PYTHON=$(CURDIR)/$(AOT_TPU_OLD_VENV)/bin/python
 
 .PHONY: demo test test-slow install install-aot bench clean
 
@@ -44,9 +49,16 @@ $(AOT_TPU_VENV)/.installed: pyproject.toml
 $(AOT_GPU_VENV)/.installed: pyproject.toml
 	$(call venv_recipe,$(AOT_GPU_VENV),aot-gpu)
 
+$(AOT_TPU_OLD_VENV)/.installed: pyproject.toml
+	@test -x $(AOT_TPU_OLD_VENV)/bin/python || $(PYTHON311) -m venv $(AOT_TPU_OLD_VENV)
+	$(AOT_TPU_OLD_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(AOT_TPU_OLD_VENV)/bin/python -m pip install --quiet --no-compile 'jax[tpu]==0.10.2'
+	$(AOT_TPU_OLD_VENV)/bin/python -m pip install --quiet --no-compile --no-deps -e .
+	@touch $@
+
 install: $(VENV)/.installed
 
-install-aot: $(AOT_TPU_VENV)/.installed $(AOT_GPU_VENV)/.installed
+install-aot: $(AOT_TPU_VENV)/.installed $(AOT_GPU_VENV)/.installed $(AOT_TPU_OLD_VENV)/.installed
 
 demo: install
 	$(PY) -m tools.demo
@@ -72,4 +84,4 @@ bench: install
 	$(PY) tools/benchmark_kda.py
 
 clean:
-	rm -rf $(VENV) $(AOT_TPU_VENV) $(AOT_GPU_VENV) .pytest_cache .hypothesis $(AOT_INSTALL_LOG) $(AOT_INSTALL_LOG).rc
+	rm -rf $(VENV) $(AOT_TPU_VENV) $(AOT_GPU_VENV) $(AOT_TPU_OLD_VENV) .pytest_cache .hypothesis $(AOT_INSTALL_LOG) $(AOT_INSTALL_LOG).rc

@@ -33,7 +33,7 @@ LONGEST_FIRST = ("tests/sharding/test_multidevice.py",   # 122 s
 
 def _order(item) -> tuple[bool, int]:
   path = item.nodeid.split("::", 1)[0]
-  compile_check = bool({"tpu_aot", "gpu_aot"} & set(getattr(item, "fixturenames", ())))
+  compile_check = bool({"tpu_aot", "tpu_aot_jax0102", "gpu_aot"} & set(getattr(item, "fixturenames", ())))
   return compile_check, LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
 
 

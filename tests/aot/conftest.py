@@ -50,25 +50,34 @@ def _wait_for_install() -> None:
 def _python(kind: str) -> pathlib.Path | None:
   _wait_for_install()
   env = os.environ.get(f"KDA_AOT_{kind.upper()}_PYTHON")
-  path = pathlib.Path(env) if env else ROOT / f".venv-{kind}-aot" / "bin" / "python"
+  base, _, suffix = kind.partition("_")
+  venv = f".venv-{base}-aot" + (f"-{suffix}" if suffix else "")
+  path = pathlib.Path(env) if env else ROOT / venv / "bin" / "python"
   return path if path.exists() else None
 
 
 def _runner(kind: str) -> AotRunner:
   python = _python(kind)
   if python is None:
-    message = (f"the {kind.upper()} compile venv .venv-{kind}-aot is missing; `make test` creates it "
+    message = (f"the {kind.upper()} compile venv for {kind} is missing; `make test` creates it "
                f"(or `make install-aot`)")
     if os.environ.get("KDA_AOT_REQUIRED") == "1" or os.environ.get("CI") == "true":
       pytest.fail(message)
     pytest.skip(message)
-  return AotRunner(kind=kind, python=python, root=ROOT)
+  return AotRunner(kind=kind.partition("_")[0], python=python, root=ROOT)
 
 
 @pytest.fixture(scope="session")
 def tpu_aot() -> AotRunner:
   """Runs scripts under the libtpu venv (`.venv-tpu-aot`)."""
   return _runner("tpu")
+
+
+@pytest.fixture(scope="session")
+def tpu_aot_jax0102() -> AotRunner:
+  """Runs scripts under the oldest supported end (`.venv-tpu-aot-jax0102`: Python 3.11, jax 0.10.2,
+  libtpu 0.0.42.1, the lent TPU's image)."""
+  return _runner("tpu_jax0102")
 
 
 @pytest.fixture(scope="session")
