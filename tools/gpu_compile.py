@@ -1,4 +1,4 @@
-"""Deviceless ahead-of-time compile of `kda_inference(backend="pallas_gpu")` for an NVIDIA GPU (sm_90a).
+"""Deviceless ahead-of-time compile of `kda_inference(implementation="pallas_gpu")` for an NVIDIA GPU (sm_90a).
 
 Runs in the CUDA-plugin venv (`.venv-gpu-aot`) on a CPU-only host: XLA's Triton passes, LLVM to PTX and
 ptxas to a cubin, the pipeline a device runs. The target is one of the `GpuTargetConfigProto` text
@@ -193,7 +193,7 @@ def compile_kda(*, device="h200", batch=1, seq_len=8192, heads=8, key_dim=128, v
       return kda_inference(q, k, v, g, beta, segment_ids=seg, initial_state=h0[0] if h0 else None,
                            output_final_state=True, a_log=a_log, dt_bias=dt_bias,
                            lower_bound=lower_bound, use_qk_l2norm=True, max_num_segments=num_segments,
-                           backend="pallas_gpu")
+                           implementation="pallas_gpu")
 
     t0 = time.perf_counter()
     with keeper, jax.sharding.use_abstract_mesh(mesh.abstract_mesh):

@@ -1,4 +1,4 @@
-"""Estimated H200 kernel time of kda_inference(backend="pallas_gpu") from a real deviceless sm_90a compile.
+"""Estimated H200 kernel time of kda_inference(implementation="pallas_gpu") from a real deviceless sm_90a compile.
 
 Usage (in the CUDA-plugin venv, one compile per process):
   .venv-gpu-aot/bin/python -m tools.gpu_cost [seq_len=8192] [batch=1] [heads=8] [key_dim=128]

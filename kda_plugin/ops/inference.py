@@ -1,6 +1,6 @@
 """`kda_inference`: forward-only KDA over packed sequences with native segment IDs, one pass.
 
-Implementations (`implementation=`; the deprecated `backend=` is accepted for one release):
+Implementations (`implementation=`):
 - `pallas_tpu`: the Mosaic kernel (`kda_plugin.ops.pallas_tpu`).
 - `pallas_gpu`: the Pallas GPU (Triton) kernel (`kda_plugin.ops.pallas_gpu`).
 - `xla`: `kda_plugin.ops.inference_xla.kda_inference_xla`, the XLA lowering of the same algorithm.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -55,15 +54,7 @@ def resolve_implementation(implementation: str) -> str:
 
 
 
-def _choose_implementation(implementation, backend) -> str:
-  if backend is not None:
-    warnings.warn("kda_inference(backend=...) is deprecated and will be removed in the next release; "
-                  "use implementation=... (backend also names the model's registry entry)",
-                  DeprecationWarning, stacklevel=3)
-    if implementation not in (None, backend):
-      raise ValueError(f"implementation={implementation!r} and the deprecated backend={backend!r} "
-                       "disagree; pass implementation only")
-    implementation = backend
+def _choose_implementation(implementation) -> str:
   return resolve_implementation("auto" if implementation is None else implementation)
 
 
@@ -165,8 +156,7 @@ def _check_gate_args(g_is_raw, a_log, dt_bias, lower_bound, num_heads, key_dim):
 
 def kda_inference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, output_final_state=False,
                   scale=None, a_log=None, dt_bias=None, lower_bound=None, use_qk_l2norm=False,
-                  max_num_segments=None, num_heads=None, implementation=None, backend=None,
-                  interpret=False):
+                  max_num_segments=None, num_heads=None, implementation=None, interpret=False):
   """KDA forward over (packed) sequences, equal to `kda_reference`.
 
   Args:
@@ -188,7 +178,6 @@ def kda_inference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, out
     num_heads: H, static; given exactly when q, k, v, g come in the lane-dense 3-D layout.
     implementation: the kernel: "auto" (default: by the target platform, see the module
       docstring), "pallas_tpu", "pallas_gpu" or "xla".
-    backend: deprecated alias of `implementation` (DeprecationWarning; removed next release).
     interpret: run a Pallas kernel in interpret mode (TPU: `pltpu.InterpretParams()`, or pass one).
 
   Returns:
@@ -201,7 +190,7 @@ def kda_inference(q, k, v, g, beta, *, segment_ids=None, initial_state=None, out
       lowering) buffers larger than one TPU device's HBM (`device_hbm_bytes`).
     RuntimeError: a Pallas kernel requested on a platform that cannot run it (without interpret).
   """
-  name = _choose_implementation(implementation, backend)
+  name = _choose_implementation(implementation)
   g_is_raw = a_log is not None
   p = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
                        max_num_segments=max_num_segments, scale=scale, g_is_raw=g_is_raw,
@@ -348,7 +337,7 @@ def _tiled_bytes(shape, dtype) -> int:
 
 def estimate_peak_memory(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
                          output_final_state=False, max_num_segments=None, a_log=None, dt_bias=None,
-                         num_heads=None, implementation=None, backend=None, **unused) -> int:
+                         num_heads=None, implementation=None, **unused) -> int:
   """Estimated peak device memory (bytes) of one `kda_inference` call; arrays or ShapeDtypeStructs.
 
   "pallas_tpu": a closed form (nothing is compiled), the HBM buffers alive during the kernel in
@@ -372,7 +361,7 @@ def estimate_peak_memory(q, k, v, g, beta, *, segment_ids=None, initial_state=No
   "xla": measured from the compiled executable (`memory_analysis()` arguments + outputs +
   temporaries - aliased bytes) on the current platform.
   """
-  name = _choose_implementation(implementation, backend)
+  name = _choose_implementation(implementation)
   shp = lambda x: tuple(np.shape(x))
   lane_dense = num_heads is not None
   if lane_dense:

@@ -45,16 +45,10 @@ class Snapshot:
 
 
 class PrefixCache:
-  """Snapshots keyed by block-chain keys, LRU under `budget_bytes` (0 = off).
-
-  Raises:
-    ValueError: a negative budget.
-  """
+  """Snapshots keyed by block-chain keys, LRU under `budget_bytes` (0 = off)."""
 
   def __init__(self, budget_bytes: int):
-    if int(budget_bytes) < 0:
-      raise ValueError(f"prefix_cache_bytes must be >= 0, got {budget_bytes}")
-    self.budget_bytes = int(budget_bytes)
+    self.budget_bytes = int(budget_bytes)  # >= 0: validated once, by EngineConfig
     self._entries: collections.OrderedDict[bytes, Snapshot] = collections.OrderedDict()
     self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
     self.bytes = 0

@@ -1,7 +1,7 @@
 """Child of tests/aot/test_gpu_kernel_compile.py (runs in `.venv-gpu-aot`): one deviceless sm_90a compile.
 
 `python -m tests.aot.gpu_kernel_compile device=h200 dtype=bfloat16 seq_len=8192 key_dim=128 ...`
-compiles `kda_inference(backend="pallas_gpu")` (in-kernel bounded gate, q/k L2 norm, final states) with
+compiles `kda_inference(implementation="pallas_gpu")` (in-kernel bounded gate, q/k L2 norm, final states) with
 spills as compile errors, and prints one JSON line: compile seconds and, per KDA kernel, its
 tensor-core / FMA instruction counts and ptxas' registers and spill bytes.
 """

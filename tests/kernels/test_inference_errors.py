@@ -76,14 +76,15 @@ def test_peak_memory_formula_within_ten_percent_of_io():
     assert est64 >= 5 * t * 8 * 128 * 2, (t, est64)
 
 
-def test_implementation_keyword_and_deprecated_backend():
+def test_implementation_keyword_and_retired_backend():
+  """`implementation=` names the kernel; the retired `backend=` alias is an unknown keyword."""
   x = _inputs()
-  o_new, _ = kda_inference(*x, implementation="xla")
-  with pytest.warns(DeprecationWarning, match="use implementation="):
-    o_old, _ = kda_inference(*x, backend="xla")
-  assert jnp.array_equal(o_new, o_old)
-  with pytest.raises(ValueError, match="disagree"), pytest.warns(DeprecationWarning, match="use implementation="):
-    kda_inference(*x, implementation="xla", backend="pallas_tpu")
+  o, _ = kda_inference(*x, implementation="xla")
+  assert o.shape == x[2].shape
+  with pytest.raises(TypeError, match="backend"):
+    kda_inference(*x, backend="xla")
+  with pytest.raises(ValueError, match="unknown implementation"):
+    kda_inference(*x, implementation="bogus")
 
 
 def test_validates_once_per_call(monkeypatch):

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from model.engine.api import Request
+from model.engine.config import EngineConfig
 from model.engine.prefix_cache import BLOCK, PrefixCache, Snapshot, block_keys
 from model.engine.scheduler import TAIL_MAX_BUCKET, Sequence, bucket_for, buckets, plan_step
+from model.errors import UsageError
 
 
 def test_buckets():
@@ -150,5 +152,7 @@ def test_lru_eviction_under_the_byte_budget():
   assert cache.lookup([keys[1]], 65) is not None and cache.lookup([keys[2]], 65) is None
   assert not cache.insert(bytes([9]) * 16, _snap(64, 2000))      # larger than the whole budget
   assert cache.bytes == 800
-  with pytest.raises(ValueError, match="prefix_cache_bytes"):
-    PrefixCache(-1)
+  # a negative budget is refused once, by EngineConfig (tests/serving/test_server_units.py)
+  with pytest.raises(UsageError, match="prefix_cache_bytes"):
+    EngineConfig(engine="continuous", max_num_seqs=1, max_model_len=8, max_num_batched_tokens=8,
+                 prefix_cache_bytes=-1)
