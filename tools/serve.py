@@ -8,8 +8,8 @@ Usage:
 
 Routes: POST /v1/completions (prompt as text or token ids; max_tokens, temperature, top_p, top_k, stop,
 seed, stream (server-sent events ending with `data: [DONE]`), logprobs, ignore_eos, return_token_ids),
-POST /v1/chat/completions (400 chat_template_missing: this project's tokenizers carry no chat
-template), GET /v1/models, GET /health, GET /metrics (Prometheus). Details: model/server/app.py,
+POST /v1/chat/completions (messages rendered with the tokenizer's chat template, e.g. a Kimi tokenizer
+directory; 400 chat_template_missing for a tokenizer without one), GET /v1/models, GET /health, GET /metrics (Prometheus). Details: model/server/app.py,
 sampling rules: model/server/protocol.py.
 
 Keys (vLLM's names; none is written into a checkpoint):

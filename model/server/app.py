@@ -7,7 +7,11 @@ Routes:
   token's text as it appears in the completion), `token_logprobs` (null where the engine reports
   none: the static engine) and `text_offset`; tokens cut by a stop string are left out.
   `return_token_ids=true` adds the generated ids (vLLM's field).
-- `POST /v1/chat/completions`: 400 `chat_template_missing` (this project's tokenizers have none).
+- `POST /v1/chat/completions`: chat messages rendered with the tokenizer's chat template
+  (`protocol.chat_to_engine_request`; 400 `chat_template_missing` for a tokenizer without one). The
+  answer is a "chat.completion" whose choice has `message` {role, content}; `stream=true` sends
+  "chat.completion.chunk" events: a `{"role": "assistant"}` delta, content deltas, a chunk with
+  `finish_reason`, the usage chunk with `stream_options.include_usage`, then `data: [DONE]`.
 - `GET /v1/models`, `GET /health` (503 while draining or when the engine loop is gone), `GET /metrics`.
 
 Requests are validated before they reach the engine (`model.server.protocol`); every refusal has the
@@ -202,13 +206,29 @@ class _Generation:
                                        tokens=len(self.token_ids), reason=self.finish or "cancelled")
 
 
+class _ChatGeneration(_Generation):
+  """An admitted chat request: its choices carry a `message` (or a stream's `delta`), not `text`."""
+
+  def chat_choice(self, message: dict, finish: str | None, key: str, start: int = 0, stop: int | None = None) -> dict:
+    out = {"index": 0, key: message, "logprobs": None, "finish_reason": finish}
+    if self.body.return_token_ids:
+      out["token_ids"] = self.token_ids[start:stop]
+    return out
+
+  def envelope(self, choices: list, usage: dict | None) -> dict:
+    kind = "chat.completion.chunk" if self.body.stream else "chat.completion"
+    return {"id": self.rid, "object": kind, "created": int(time.time()), "model": self.state.model_name,
+            "choices": choices, "usage": usage}
+
+
 def _check_model(state: ServerState, name: str | None) -> None:
   if name is not None and name != state.model_name:
     raise ApiError(404, f"the model {protocol.short(name)} does not exist; this server serves {state.model_name!r}",
                    "model", "model_not_found")
 
 
-def _prepare(state: ServerState, raw: bytes) -> tuple[protocol.CompletionRequest, protocol.Prepared]:
+def _parse(raw: bytes, schema):
+  """The request body as `schema`; 400 for JSON that does not parse or does not fit it."""
   try:
     data = json.loads(raw)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -220,9 +240,13 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[protocol.CompletionRequest
   if not isinstance(data, dict):
     raise bad_request("the request body must be a JSON object", None, "invalid_json")
   try:
-    body = protocol.CompletionRequest.model_validate(data)
+    return schema.model_validate(data)
   except pydantic.ValidationError as e:
     raise protocol.from_validation_error(e) from None
+
+
+def _prepare(state: ServerState, raw: bytes) -> tuple[protocol.CompletionRequest, protocol.Prepared]:
+  body = _parse(raw, protocol.CompletionRequest)
   _check_model(state, body.model)
   prepared = protocol.to_engine_request(body, request_id=f"cmpl-{uuid.uuid4().hex}", tokenizer=state.tokenizer,
                                         vocab_size=state.vocab_size, max_model_len=state.max_model_len,
@@ -319,18 +343,37 @@ def build_app(state: ServerState) -> fastapi.FastAPI:
 
   @app.post("/v1/chat/completions")
   async def chat(request: fastapi.Request):
+    _admit(state)
     raw = await _read_body(request, state.max_body_bytes)
-    try:
-      body = protocol.ChatCompletionRequest.model_validate_json(raw)
-    except pydantic.ValidationError as e:
-      raise protocol.from_validation_error(e) from None
+    body = _parse(raw, protocol.ChatCompletionRequest)
     _check_model(state, body.model)
     if getattr(state.tokenizer, "chat_template", None) is None:
       raise ApiError(400, f"the tokenizer of {state.model_name!r} has no chat template, so chat messages cannot "
                           f"be turned into a prompt: use POST /v1/completions with a prompt", "messages",
                      "chat_template_missing")
-    raise ApiError(501, "chat templates are not implemented by this server", "messages", "not_implemented",
-                   type="server_error")
+    prepared = protocol.chat_to_engine_request(body, request_id=f"chatcmpl-{uuid.uuid4().hex}",
+                                               tokenizer=state.tokenizer, vocab_size=state.vocab_size,
+                                               max_model_len=state.max_model_len)
+    _admit(state)
+    gen = _ChatGeneration(state, prepared, body)
+    gen.start()
+    if not body.stream:
+      try:
+        text = await _until_done_or_gone(gen, request)
+      finally:
+        if gen.finish is None:
+          gen.cancel()
+        gen.record()
+      return gen.envelope([gen.chat_choice({"role": "assistant", "content": text}, gen.finish, "message")],
+                          gen.usage())
+    try:   # the first event before the headers: a refusal is still an HTTP error status
+      first = await gen.next_delta()
+    except BaseException:
+      gen.cancel()
+      gen.record()
+      raise
+    return StreamingResponse(_chat_stream(gen, first), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
   @app.post("/v1/completions")
   async def completions(request: fastapi.Request):
@@ -373,6 +416,36 @@ async def _stream(gen: _Generation, first):
         ready = max(done_lp, gen.logprobs_ready())
         yield _sse(gen.envelope([gen.choice(text, done, len(gen.token_ids), gen.finish, (done_lp, ready))], None))
         done, done_lp = len(gen.token_ids), ready
+      try:
+        delta = await gen.next_delta()
+      except ApiError as e:
+        yield _sse(e.body())
+        break
+    if include_usage:
+      yield _sse(gen.envelope([], gen.usage()))
+    yield "data: [DONE]\n\n"
+  finally:   # also when the client went away (the task is cancelled): free the slot
+    if gen.finish is None:
+      gen.cancel()
+    gen.record()
+
+
+async def _chat_stream(gen: _ChatGeneration, first):
+  """SSE chunks of a chat: a role delta, content deltas, one chunk with finish_reason (an empty delta),
+  the usage chunk when asked for, then [DONE]."""
+  include_usage = gen.body.stream_options is not None and gen.body.stream_options.include_usage
+  try:
+    yield _sse(gen.envelope([gen.chat_choice({"role": "assistant", "content": ""}, None, "delta", 0, 0)], None))
+    delta, done = first, 0
+    while delta is not None:
+      text, n = delta
+      if text or (n and gen.body.return_token_ids):
+        yield _sse(gen.envelope([gen.chat_choice({"content": text}, None, "delta", done, len(gen.token_ids))],
+                                None))
+        done = len(gen.token_ids)
+      if gen.finish is not None:
+        yield _sse(gen.envelope([gen.chat_choice({}, gen.finish, "delta", done, len(gen.token_ids))], None))
+        done = len(gen.token_ids)
       try:
         delta = await gen.next_delta()
       except ApiError as e:

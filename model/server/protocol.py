@@ -31,6 +31,7 @@ from typing import Annotated
 
 import pydantic
 
+from model.data.chat_template import ChatMessageError, ChatTemplateError
 from model.engine.api import GenerationError, Request, SamplingParams
 
 
@@ -182,12 +183,31 @@ class CompletionRequest(pydantic.BaseModel):
 
 
 class ChatCompletionRequest(pydantic.BaseModel):
-  """The body of POST /v1/chat/completions (checked only as far as the chat-template test needs)."""
+  """The body of POST /v1/chat/completions (as `CompletionRequest`: unknown fields and values of the wrong
+  JSON type are refused). `messages` is checked by `model.data.chat_template.normalize_messages`, so that
+  its 400s name the element at fault (`messages[1].content`)."""
 
-  model_config = pydantic.ConfigDict(extra="allow")
+  model_config = _STRICT
 
   model: str | None = None
-  messages: list[dict]
+  messages: list
+  max_tokens: Int | None = None
+  max_completion_tokens: Int | None = None
+  temperature: float | None = None
+  top_p: float | None = None
+  top_k: Int | None = None
+  stop: str | list[str] | None = None
+  seed: Int | None = None
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  logprobs: bool | None = None          # accepted only false or null
+  n: Int = 1
+  user: str | None = None
+  presence_penalty: float | None = None
+  frequency_penalty: float | None = None
+  tools: list | None = None             # given to the chat template (refused when it renders none)
+  ignore_eos: bool = False
+  return_token_ids: bool = False
 
 
 # Every body field name: what `from_validation_error` keeps of pydantic's error locations.
@@ -320,11 +340,80 @@ def to_engine_request(req: CompletionRequest, *, request_id: str, tokenizer, voc
     raise bad_request(f"prompt has {len(ids)} tokens; with {given} it needs {short(len(ids) + max_tokens)} > "
                       f"max_model_len={max_model_len} tokens (pass a max_tokens of at most "
                       f"{max_model_len - len(ids)})", "max_tokens", "context_length_exceeded")
-  eos = getattr(tokenizer, "eos_id", None)
-  stop_ids = frozenset() if req.ignore_eos or eos is None else frozenset({int(eos)})
+  request = Request(request_id, tuple(ids), int(max_tokens), sampling, _seed(req), _stop_ids(req, tokenizer))
+  return Prepared(request, stop, text)
+
+
+def _stop_ids(req, tokenizer) -> frozenset[int]:
+  """The ids that end generation: the tokenizer's `stop_ids` (EOS; Kimi's <|im_end|> and the EOS ids of
+  generation_config.json too), none with `ignore_eos`."""
+  if req.ignore_eos:
+    return frozenset()
+  stops = getattr(tokenizer, "stop_ids", None)
+  if stops is None:   # a duck-typed tokenizer with an eos id only
+    eos = getattr(tokenizer, "eos_id", None)
+    stops = () if eos is None else (eos,)
+  return frozenset(int(t) for t in stops)
+
+
+def _seed(req) -> int:
   if req.seed is not None and not 0 <= req.seed < 2**32:
     raise bad_request(f"seed must be in [0, 2**32), got {short(req.seed)}", "seed")
-  seed = req.seed if req.seed is not None else secrets.randbits(31)
-  request = Request(request_id, tuple(ids), int(max_tokens), sampling, int(seed), stop_ids)
-  return Prepared(request, stop, text)
+  return int(req.seed if req.seed is not None else secrets.randbits(31))
+
+
+def chat_to_engine_request(req: ChatCompletionRequest, *, request_id: str, tokenizer, vocab_size: int,
+                           max_model_len: int) -> Prepared:
+  """Checks the values of a chat request, renders its messages with the tokenizer's chat template
+  (`encode_chat`: special-token text in a message stays text) and builds the engine's `Request`.
+
+  `max_completion_tokens` wins over `max_tokens` (OpenAI's deprecated name); with neither, the request
+  may run to max_model_len.
+
+  Raises:
+    ApiError (400): as `to_engine_request` (n != 1, penalties, stream_options without stream, sampling
+      values, stop strings, seed), logprobs true, bad messages or tools (naming the field the chat
+      template's checks name: `messages`, `messages[i].role`, `messages[i].content`, ...), a template
+      that raised (`messages`), a prompt of max_model_len tokens or more (`messages`), prompt +
+      max tokens > max_model_len (the max-tokens field given).
+  """
+  if req.n != 1:
+    raise bad_request(f"n must be 1, got {short(req.n)}: send several requests instead", "n")
+  for name in ("presence_penalty", "frequency_penalty"):
+    value = getattr(req, name)
+    if value is not None and value != 0:
+      raise bad_request(f"{name} is not supported (only 0, no penalty), got {value}", name)
+  if req.stream_options is not None and not req.stream:
+    raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+  if req.logprobs:
+    raise bad_request("logprobs is not supported by chat completions on this server", "logprobs")
+  limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+  max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+  if max_tokens is not None and max_tokens <= 0:
+    raise bad_request(f"{limit_param} must be >= 1, got {short(max_tokens)}", limit_param)
+  sampling = sampling_of(req, vocab_size)
+  stop = _stop_strings(req.stop)
+  seed = _seed(req)
+  try:
+    prompt = tokenizer.encode_chat(req.messages, add_generation_prompt=True, tools=req.tools)
+  except ChatMessageError as e:
+    raise bad_request(str(e), e.field or "messages") from None
+  except ChatTemplateError as e:
+    raise bad_request(str(e), "messages", "chat_template_error") from None
+  ids = list(prompt.ids)
+  bad = [t for t in ids if not 0 <= t < vocab_size]
+  if bad:
+    raise bad_request(f"the rendered chat holds token ids outside the model's vocabulary [0, {vocab_size}): "
+                      f"{short(bad[:8])}", "messages", "token_id_out_of_range")
+  if len(ids) >= max_model_len:
+    raise bad_request(f"the messages render to {len(ids)} tokens; max_model_len={max_model_len} leaves room for "
+                      f"at most {max_model_len - 1} prompt tokens", "messages", "context_length_exceeded")
+  if max_tokens is None:
+    max_tokens = max_model_len - len(ids)
+  elif len(ids) + max_tokens > max_model_len:
+    raise bad_request(f"the messages render to {len(ids)} tokens; with {limit_param}={short(max_tokens)} it needs "
+                      f"{short(len(ids) + max_tokens)} > max_model_len={max_model_len} tokens (pass a "
+                      f"{limit_param} of at most {max_model_len - len(ids)})", limit_param, "context_length_exceeded")
+  request = Request(request_id, tuple(ids), int(max_tokens), sampling, seed, _stop_ids(req, tokenizer))
+  return Prepared(request, stop, prompt.text)
 
