@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 from configs import base
 from model import loading, registry
 from model.config import apply_overrides
-from model.data.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
 from model.errors import UsageError, UserError, out_of_memory, out_of_memory_message
 from model.atomic import atomic_writer
 
@@ -148,6 +147,8 @@ def tokenizer_for(model_config, *, required_for: str | None = None):
       vocab_size, bos/eos/pad ids unlike the config's: `check_tokenizer_fits`); or no tokenizer
       when `required_for` names a use that needs text.
   """
+  # imported here: the tokenizer needs tiktoken, which tools run in .venv-tpu-aot (tools.tpu_cost) lack
+  from model.data.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer  # noqa: PLC0415
   path = model_config.tokenizer_path
   if not path and required_for:
     raise TokenizerError(f"{required_for} needs a tokenizer: pass tokenizer_path=FILE (the checkpoint has none)")

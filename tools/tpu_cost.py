@@ -3,6 +3,7 @@
     .venv-tpu-aot/bin/python -m tools.tpu_cost chip=tpu7x shape=seed impl=ours,tokamax_mosaic output_json=OUT
     .venv-tpu-aot/bin/python -m tools.tpu_cost chip=v5e,v6e,tpu7x shape=seed,tokamax_packed
     .venv-tpu-aot/bin/python -m tools.tpu_cost calibrate=1 calibration_out=tools/tpu_cost_calibration.json
+    .venv-tpu-aot/bin/python -m tools.tpu_cost calibrate=v5e calibration_out=tools/tpu_cost_calibration_v5e.json
 
 Every figure this tool prints is an ESTIMATE of device time made from what the TPU compiler (libtpu,
 ahead of time on this CPU host, for the chip's topology) emitted. It runs in `.venv-tpu-aot`.
@@ -34,7 +35,7 @@ per device, 2 MXUs of 256 columns (Google Cloud TPU7x page, jax's chip table). T
 so read it as the model's time unit there, in which XLA's cycle estimates are converted too.
 NOT published, so ASSUMED: `n_valu`=4 VALU slots; 1 EUP, 1 load, 1 store slot; `c_w`=0.5 (a subr +
 latch pair per beat); `L`=2*C beats (systolic fill and drain; tokamax's chains barely depend on it,
-so the calibration cannot pin it). FITTED on tokamax (`CALIBRATION_PATH`): `s_step` (per grid
+so the calibration cannot pin it). FITTED per calibration (below): `s_step` (per grid
 step) and `s_op` (per launched op). Google publishes no per-unit latencies.
 
 Ignored: overlap between XLA ops and kernels and between kernels; DMA issue latency and HBM
@@ -42,11 +43,16 @@ contention; the LLO scheduler's real VLIW packing, spills and MXU assignment aft
 push has mxu_id 0 here, so pushes are taken as spread evenly over the MXUs); both `scf.if` branches
 are counted; an `scf.for`'s iterations are taken as serial in `C_chain` (trips x body chain) and
 it starts when everything it reads is ready; loops with non-constant trip counts count once (reported); while loops inside XLA ops
-count their bytes once; the second TensorCore; clock throttling; v5e and v6e are not calibrated
-(their estimates use TPU7x's fitted overheads).
+count their bytes once; the second TensorCore; clock throttling; v6e is not calibrated (its
+estimates use TPU7x's fitted overheads).
 
-Calibration: tokamax 0.0.17's `mosaic` KDA forward against its four published TPU v7x timings,
-fitted on three with one held out (`calibrate=1`; frozen in tools/tpu_cost_calibration.json).
+Calibrations (every figure stays an ESTIMATE; records name theirs):
+- TPU7x (and v6e): tokamax 0.0.17's `mosaic` KDA forward against its four published TPU v7x
+  timings, fitted on three with one held out (`calibrate=1`; tools/tpu_cost_calibration.json).
+- v5e: ours against the device times measured on a real TPU v5e at the nine prefill cases of
+  tools.bench.kernel_device_time (docs/measurements/tpu_v5e_kernel_5e1bb78.json), fitted on six
+  with three held out (`calibrate=v5e`; tools/tpu_cost_calibration_v5e.json; docs/performance.md
+  "Cost model: v5e calibration" has the per-case errors).
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ from tools.atomic_file import atomic_writer
 from tools.cli import parse_key_values
 
 CALIBRATION_PATH = pathlib.Path(__file__).with_name("tpu_cost_calibration.json")
+V5E_CALIBRATION_PATH = pathlib.Path(__file__).with_name("tpu_cost_calibration_v5e.json")
+V5E_MEASUREMENTS_PATH = pathlib.Path(__file__).resolve().parents[1] / "docs/measurements/tpu_v5e_kernel_5e1bb78.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +124,9 @@ class Shape:
   head_first_output: bool  # tokamax's output moved to [B,T,H,V] inside the jit (as the seed timed it)
   traced_segments: bool    # segment ids a jit argument (the seed's benchmark) or a constant (tokamax's spec)
   note: str
+  dtype: str = "bfloat16"  # q, k, v, g, beta
+  lane_dense: bool = False  # ours only: q, k, v, g as [B, T, H*K] with num_heads=H (else [B, T, H, K])
+  doc_lengths: tuple | None = None  # explicit document lengths, shared by every row ([T] segment ids)
 
 
 SHAPES = {
@@ -128,6 +139,34 @@ SHAPES = {
     "tokamax_packed": Shape("tokamax_packed", 1, 8192, 32, 128, 128, 25, False, False, False,
                             "tokamax PR 1103: as tokamax_fixed with 25 balanced packed segments"),
 }
+
+
+def split_lengths(t: int, n: int, seed: int = 0) -> tuple:
+  """n document lengths summing to t, not 64-aligned (seeded): tools.bench.kernel_device_time._split."""
+  rng = np.random.default_rng(seed)
+  cuts = np.sort(rng.choice(np.arange(1, t), n - 1, replace=False))
+  return tuple(int(x) for x in np.diff(np.concatenate([[0], cuts, [t]])))
+
+
+# The prefill cases timed on a real TPU v5e (tools.bench.kernel_device_time PREFILL, same names; the
+# seed's options: bounded in-kernel gate, q/k L2 norm, final states; segment ids a [T] constant).
+# name: (B, T, H, dtype, lane_dense, document lengths)
+_V5E_CASES = {
+    "seed_bf16": (1, 8192, 8, "bfloat16", True, (4079, 4113)),
+    "seed_bf16_heads": (1, 8192, 8, "bfloat16", False, (4079, 4113)),
+    "seed_f32": (1, 8192, 8, "float32", True, (4079, 4113)),
+    "seed_f32_heads": (1, 8192, 8, "float32", False, (4079, 4113)),
+    "t8192_h32_25docs": (1, 8192, 32, "bfloat16", True, split_lengths(8192, 25)),
+    "t8192_h24_8x1024": (1, 8192, 24, "bfloat16", True, (1024,) * 8),
+    "t4096_h24_64x64": (1, 4096, 24, "bfloat16", True, (64,) * 64),
+    "one_8_token_doc_h24": (1, 8, 24, "bfloat16", True, (8,)),
+    "b16_t2048_h8_4docs": (16, 2048, 8, "bfloat16", True, (500, 530, 490, 528)),
+}
+for _n, (_b, _t, _h, _dt, _ld, _lens) in _V5E_CASES.items():
+  SHAPES[_n] = Shape(_n, _b, _t, _h, 128, 128, len(_lens), True, False, False,
+                     f"v5e-measured case (tools.bench.kernel_device_time): B={_b} T={_t} H={_h} {_dt} "
+                     f"{'lane-dense' if _ld else '[B,T,H,K]'}, {len(_lens)} documents",
+                     dtype=_dt, lane_dense=_ld, doc_lengths=_lens)
 IMPLS = ("ours", "tokamax_mosaic")
 
 
@@ -142,15 +181,31 @@ ASSUMED = {
 }
 
 
-def load_calibration(path: pathlib.Path = CALIBRATION_PATH) -> dict:
-  """The frozen calibration (constants, the four points, the fit and held-out errors)."""
-  return json.loads(pathlib.Path(path).read_text())
+def calibration_path(chip: str = "tpu7x") -> pathlib.Path:
+  """v5e: fitted on its own measured device times; v6e and TPU7x: on tokamax's published TPU7x timings."""
+  return V5E_CALIBRATION_PATH if chip == "v5e" else CALIBRATION_PATH
 
 
-def model_params(calibration: dict | None = None) -> dict:
-  """ASSUMED plus the FITTED constants (`step_s`: per grid step, `op_s`: per launched op)."""
-  cal = load_calibration() if calibration is None else calibration
+def load_calibration(path: pathlib.Path | None = None, chip: str = "tpu7x") -> dict:
+  """A frozen calibration (constants, the points, the fit and held-out errors): `path`, else the chip's."""
+  return json.loads(pathlib.Path(calibration_path(chip) if path is None else path).read_text())
+
+
+def model_params(calibration: dict | None = None, chip: str = "tpu7x") -> dict:
+  """ASSUMED plus the FITTED constants (`step_s`: per grid step, `op_s`: per launched op) of `chip`'s
+  calibration (v5e its own; v6e and TPU7x the TPU7x one)."""
+  cal = load_calibration(chip=chip) if calibration is None else calibration
   return {**ASSUMED, **cal["fitted"]}
+
+
+def calibration_label(chip: str) -> str:
+  """What a chip's estimates are calibrated against (every figure stays an ESTIMATE)."""
+  if chip == "v5e":
+    return ("ESTIMATE, overheads fitted on device times measured on a TPU v5e "
+            "(tools/tpu_cost_calibration_v5e.json; held-out error there)")
+  if chip == "tpu7x":
+    return "ESTIMATE, overheads fitted on tokamax's published TPU7x timings (no TPU7x ran here)"
+  return f"ESTIMATE, {chip} uncalibrated: it reuses the TPU7x overheads (no {chip} ran)"
 
 
 def lhs_push_cycles(chip: Chip) -> float:
@@ -253,6 +308,8 @@ def segment_ids(shape: Shape):
   if shape.segments is None:
     return None
   t = shape.seq_len
+  if shape.doc_lengths is not None:  # [T], shared by every row (as the v5e benchmark passes them)
+    return np.repeat(np.arange(1, len(shape.doc_lengths) + 1), shape.doc_lengths).astype(np.int32)
   if shape.segments == 2:
     row = np.where(np.arange(t) < t // 2 - 17, 1, 2)
   else:
@@ -279,7 +336,7 @@ def _compile_child(chip: Chip, shape: Shape, impl: str) -> dict:
   sh = NamedSharding(mesh, PartitionSpec())
   sds = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=sh)
   b, t, h, k, v = shape.batch, shape.seq_len, shape.heads, shape.key_dim, shape.value_dim
-  bf16 = jnp.bfloat16
+  bf16 = jnp.dtype(shape.dtype)
   seg = segment_ids(shape)
   n = shape.segments
   if impl == "ours":
@@ -292,9 +349,10 @@ def _compile_child(chip: Chip, shape: Shape, impl: str) -> dict:
       o, final = inference.kda_inference(
           q, kk, vv, g, beta, segment_ids=seg_arg[0] if seg_arg else None, a_log=a_log, dt_bias=dt_bias,
           lower_bound=LOWER_BOUND, use_qk_l2norm=True, output_final_state=shape.output_final_state,
-          max_num_segments=n, **choice)
+          max_num_segments=n, **({"num_heads": h} if shape.lane_dense else {}), **choice)
       return o, final
-    args = [sds((b, t, h, k), bf16), sds((b, t, h, k), bf16), sds((b, t, h, v), bf16), sds((b, t, h, k), bf16),
+    lay = (lambda d: (b, t, h * d)) if shape.lane_dense else (lambda d: (b, t, h, d))
+    args = [sds(lay(k), bf16), sds(lay(k), bf16), sds(lay(v), bf16), sds(lay(k), bf16),
             sds((b, t, h), bf16), sds((h,), jnp.float32), sds((h * k,), jnp.float32)]
   else:
     # tokamax reads --tokamax_cross_compile at import: imported only in the child, after it is set
@@ -347,17 +405,26 @@ def compile_and_dump(chip: Chip, shape: Shape, impl: str, workdir: pathlib.Path,
 
 
 def estimate(chip: Chip, shape: Shape, impl: str, params: dict | None = None, keep_dir: str | None = None) -> dict:
-  """Compiles, parses and estimates one (chip, shape, impl); returns a JSON-able record."""
-  params = model_params() if params is None else params
+  """Compiles, parses and estimates one (chip, shape, impl); returns a JSON-able record.
+
+  With `keep_dir`, the dumps stay there and are reused when already there (no recompile)."""
+  params = model_params(chip=chip.name) if params is None else params
   with tempfile.TemporaryDirectory(prefix="tpu_cost_") as tmp:
     work = pathlib.Path(keep_dir) if keep_dir else pathlib.Path(tmp)
     work.mkdir(parents=True, exist_ok=True)
-    c = compile_and_dump(chip, shape, impl, work)
+    if keep_dir and (work / "mosaic").is_dir() and (work / "xla").is_dir() and (work / "memory.json").is_file():
+      c = {"memory": json.loads((work / "memory.json").read_text()), "mosaic_dir": work / "mosaic",
+           "xla_dir": work / "xla"}
+    else:
+      c = compile_and_dump(chip, shape, impl, work)
+      if keep_dir:
+        (work / "memory.json").write_text(json.dumps(c["memory"]))
     prof = profile(load_dumps(c["mosaic_dir"], c["xla_dir"]), chip, params)
   est = estimate_seconds(prof, chip, params)
   return {"chip": chip.name, "shape": shape.name, "impl": impl, "estimated_ms": est["total_s"] * 1e3,
           "estimated_kernels_ms": est["kernels_s"] * 1e3, "estimated_xla_ms": est["xla_s"] * 1e3,
-          "kernels": est["kernels"], "profile": prof, "memory": c["memory"], "label": "ESTIMATE"}
+          "kernels": est["kernels"], "profile": prof, "memory": c["memory"], "label": "ESTIMATE",
+          "calibration": calibration_label(chip.name)}
 
 
 # ----------------------------------------------------------------------------- calibration
@@ -373,31 +440,42 @@ HELD_OUT = "tokamax_packed"  # chosen before fitting: the peer figure the kernel
 FIT_GRID = {"step_s": [i * 0.01e-6 for i in range(0, 301)], "op_s": [i * 0.01e-6 for i in range(0, 1001)]}
 
 
-def fit(profiles: dict[str, dict], published_ms: dict[str, float], held_out: str) -> dict:
-  """Least squares in log time over the points other than `held_out`, on FIT_GRID (deterministic).
+def fit(profiles: dict[str, dict], published_ms: dict[str, float], held_out, chip: str = "tpu7x",
+        grid: dict | None = None) -> dict:
+  """Least squares in log time over the points not in `held_out` (one name, or a list), on `grid`
+  (default FIT_GRID; deterministic).
 
   Returns {"fitted": {step_s, op_s}, "estimated_ms": {...}, "error_pct": {...}, "fit_rms_error_pct",
-  "fit_max_abs_error_pct", "held_out_error_pct"}.
+  "fit_max_abs_error_pct", "held_out_error_pct"} (one name: its error; a list: {name: error}, and
+  "held_out_rms_error_pct", "held_out_max_abs_error_pct").
   """
-  chip = CHIPS["tpu7x"]
-  fit_names = [n for n in profiles if n != held_out]
+  grid = FIT_GRID if grid is None else grid
+  chip = CHIPS[chip]
+  held = [held_out] if isinstance(held_out, str) else list(held_out)
+  fit_names = [n for n in profiles if n not in held]
   # Total time is affine in op_s for a fixed step_s: evaluate the two pieces once per step_s.
   best = None
-  for step_s in FIT_GRID["step_s"]:
+  for step_s in grid["step_s"]:
     base = {n: estimate_seconds(profiles[n], chip, {**ASSUMED, "step_s": step_s, "op_s": 0.0})["total_s"]
             for n in profiles}
     nops = {n: profiles[n]["xla_ops"] + len(profiles[n]["kernels"]) for n in profiles}
-    for op_s in FIT_GRID["op_s"]:
+    for op_s in grid["op_s"]:
       loss = sum(math.log((base[n] + nops[n] * op_s) * 1e3 / published_ms[n]) ** 2 for n in fit_names)
       if best is None or loss < best[0]:
         best = (loss, step_s, op_s)
   fitted = {"step_s": best[1], "op_s": best[2]}
   est = {n: estimate_seconds(profiles[n], chip, {**ASSUMED, **fitted})["total_s"] * 1e3 for n in profiles}
   err = {n: 100.0 * (est[n] / published_ms[n] - 1.0) for n in profiles}
-  return {"fitted": fitted, "estimated_ms": est, "error_pct": err,
-          "fit_rms_error_pct": math.sqrt(sum(err[n] ** 2 for n in fit_names) / len(fit_names)),
-          "fit_max_abs_error_pct": max(abs(err[n]) for n in fit_names),
-          "held_out_error_pct": err[held_out]}
+  out = {"fitted": fitted, "estimated_ms": est, "error_pct": err,
+         "fit_rms_error_pct": math.sqrt(sum(err[n] ** 2 for n in fit_names) / len(fit_names)),
+         "fit_max_abs_error_pct": max(abs(err[n]) for n in fit_names)}
+  if isinstance(held_out, str):
+    out["held_out_error_pct"] = err[held_out]
+  else:
+    out["held_out_error_pct"] = {n: err[n] for n in held}
+    out["held_out_rms_error_pct"] = math.sqrt(sum(err[n] ** 2 for n in held) / len(held))
+    out["held_out_max_abs_error_pct"] = max(abs(err[n]) for n in held)
+  return out
 
 
 def calibrate(held_out: str = HELD_OUT, keep_dir: str | None = None) -> dict:
@@ -439,8 +517,57 @@ def calibrate(held_out: str = HELD_OUT, keep_dir: str | None = None) -> dict:
 def refit_from_json(cal: dict) -> dict:
   """Re-runs `fit` on the profiles stored in a calibration (no compile): must reproduce it."""
   profiles = {p["shape"]: p["profile"] for p in cal["points"]}
-  published = {p["shape"]: p["published_ms"] for p in cal["points"]}
-  return fit(profiles, published, cal["held_out"])
+  key = "measured_ms" if cal["chip"] == "v5e" else "published_ms"
+  published = {p["shape"]: p[key] for p in cal["points"]}
+  return fit(profiles, published, cal["held_out"], chip=cal["chip"],
+             grid=V5E_FIT_GRID if cal["chip"] == "v5e" else FIT_GRID)
+
+
+# ----------------------------------------------------------------------------- v5e calibration
+
+# Held out of the v5e fit, chosen by kind before any fit was run: another dtype (f32, whose step is
+# MXU-bound in the model), many 64-token documents at T=4096, and a batch of 16 rows.
+V5E_HELD_OUT = ("seed_f32", "t4096_h24_64x64", "b16_t2048_h8_4docs")
+V5E_FIT_GRID = {"step_s": [i * 0.01e-6 for i in range(0, 1001)], "op_s": [i * 0.01e-6 for i in range(0, 1001)]}
+
+
+def v5e_measurements(path: pathlib.Path = V5E_MEASUREMENTS_PATH) -> dict[str, float]:
+  """Median device ms of the kernel (prefill) cases measured on the TPU v5e, by case name."""
+  data = json.loads(pathlib.Path(path).read_text())
+  return {c["name"]: c["median_ms"] for c in data["cases"] if c["name"] in _V5E_CASES}
+
+
+def calibrate_v5e(held_out=V5E_HELD_OUT, keep_dir: str | None = None) -> dict:
+  """Compiles ours for v5e at the nine measured prefill cases, fits step_s and op_s on those not held
+  out (log least squares on V5E_FIT_GRID), returns the calibration (keep_dir: as `calibrate`)."""
+  chip = CHIPS["v5e"]
+  measured = v5e_measurements()
+  missing = [n for n in _V5E_CASES if n not in measured]
+  if missing:
+    raise ValueError(f"{V5E_MEASUREMENTS_PATH} has no median for {missing}")
+  profiles = {}
+  for name in _V5E_CASES:
+    with tempfile.TemporaryDirectory(prefix="tpu_cost_cal_") as tmp:
+      work = pathlib.Path(keep_dir) / f"v5e_{name}_ours" if keep_dir else pathlib.Path(tmp)
+      if not (work / "mosaic").is_dir() or not (work / "xla").is_dir():
+        work.mkdir(parents=True, exist_ok=True)
+        compile_and_dump(chip, SHAPES[name], "ours", work)
+      profiles[name] = profile(load_dumps(work / "mosaic", work / "xla"), chip, ASSUMED)
+  result = fit(profiles, measured, held_out, chip="v5e", grid=V5E_FIT_GRID)
+  meta = json.loads(V5E_MEASUREMENTS_PATH.read_text())
+  return {"label": ("ESTIMATE model calibration for v5e: compiled-kernel estimates (libtpu ahead of time) "
+                    "against device times measured on a real TPU v5e"),
+          "chip": "v5e", "impl": "ours",
+          "measurements": {"file": str(V5E_MEASUREMENTS_PATH.relative_to(V5E_MEASUREMENTS_PATH.parents[2])),
+                           "commit": meta["commit"], "jax": meta["jax"], "device": meta["device"],
+                           "statistic": "median device ms (lax.fori_loop of calls in one jit)"},
+          "held_out": list(held_out), "assumed": ASSUMED, "fitted": result["fitted"],
+          "fit_grid": "step_s 0..10 us, op_s 0..10 us, 0.01 us steps",
+          "points": [{"shape": n, "measured_ms": measured[n], "held_out": n in held_out,
+                      "estimated_ms": result["estimated_ms"][n], "error_pct": result["error_pct"][n],
+                      "profile": profiles[n]} for n in _V5E_CASES],
+          **{k: result[k] for k in ("fit_rms_error_pct", "fit_max_abs_error_pct", "held_out_error_pct",
+                                    "held_out_rms_error_pct", "held_out_max_abs_error_pct")}}
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -451,8 +578,8 @@ KEYS = ("chip", "shape", "impl", "output_json", "calibrate", "calibration_out", 
 def _parse(argv: list[str]) -> dict:
   kv = parse_key_values(argv, KEYS + ("_child",), error=UsageError)
   out = {"calibrate": kv.get("calibrate", "0")}
-  if out["calibrate"] not in ("0", "1"):
-    raise UsageError(f"calibrate must be 0 or 1, got {out['calibrate']!r}")
+  if out["calibrate"] not in ("0", "1", "v5e"):
+    raise UsageError(f"calibrate must be 0, 1 (TPU7x, tokamax) or v5e, got {out['calibrate']!r}")
   def listed(key, known, default):
     vals = [x for x in kv.get(key, default).split(",") if x]
     bad = [x for x in vals if x not in known]
@@ -474,8 +601,9 @@ def main(argv: list[str] | None = None) -> int:
   if any(a in ("-h", "--help", "help") for a in argv):
     print(__doc__)
     print(f"keys: chip ({', '.join(CHIPS)}; comma list), shape ({', '.join(SHAPES)}; comma list), impl "
-          f"({', '.join(IMPLS)}; comma list), output_json=PATH, calibrate=0|1 (refit on tokamax, writes "
-          f"calibration_out=PATH, default prints only), keep_dumps=DIR")
+          f"({', '.join(IMPLS)}; comma list), output_json=PATH, calibrate=0|1|v5e (1: refit on tokamax's "
+          f"TPU7x timings; v5e: on the v5e measurements; writes calibration_out=PATH, default prints only), "
+          f"keep_dumps=DIR")
     return 0
   try:
     args = _parse(argv)
@@ -490,6 +618,20 @@ def main(argv: list[str] | None = None) -> int:
     chip, shape, impl = args["_child"].split(":")
     print(json.dumps(_compile_child(CHIPS[chip], SHAPES[shape], impl)))
     return 0
+  if args["calibrate"] == "v5e":
+    cal = calibrate_v5e(keep_dir=args["keep_dumps"])
+    if args["calibration_out"]:
+      with atomic_writer(args["calibration_out"]) as f:
+        json.dump(cal, f, indent=1)
+    print("ESTIMATES (ours on v5e, compiled-kernel model) vs measured on a TPU v5e (median device ms):")
+    for p in cal["points"]:
+      print(f"  {p['shape']:20s} measured {p['measured_ms']:.4f} ms  estimated {p['estimated_ms']:.4f} ms  "
+            f"{p['error_pct']:+.1f}%  {'held out' if p['held_out'] else 'fit'}")
+    print(f"  fit rms {cal['fit_rms_error_pct']:.1f}% (max {cal['fit_max_abs_error_pct']:.1f}%), held-out rms "
+          f"{cal['held_out_rms_error_pct']:.1f}% (max {cal['held_out_max_abs_error_pct']:.1f}%)")
+    print(json.dumps({k: cal[k] for k in ("fitted", "fit_rms_error_pct", "held_out_error_pct",
+                                          "held_out_rms_error_pct", "held_out_max_abs_error_pct")}))
+    return 0
   if args["calibrate"] == "1":
     cal = calibrate(keep_dir=args["keep_dumps"])
     if args["calibration_out"]:
@@ -503,9 +645,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: cal[k] for k in ("fitted", "fit_rms_error_pct", "fit_max_abs_error_pct", "held_out_error_pct")}))
     return 0
   try:
-    params = model_params()
+    params = {c: model_params(chip=c) for c in args["chips"]}
   except (OSError, KeyError, json.JSONDecodeError) as e:
-    print(f"error: cannot read the calibration {CALIBRATION_PATH}: {e}", file=sys.stderr)
+    print(f"error: cannot read a calibration ({CALIBRATION_PATH.name} or {V5E_CALIBRATION_PATH.name}): {e}",
+          file=sys.stderr)
     return 2
   records = []
   for chip in args["chips"]:
@@ -513,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
       for impl in args["impls"]:
         keep = os.path.join(args["keep_dumps"], f"{chip}_{shape}_{impl}") if args["keep_dumps"] else None
         try:
-          records.append(estimate(CHIPS[chip], SHAPES[shape], impl, params, keep))
+          records.append(estimate(CHIPS[chip], SHAPES[shape], impl, params[chip], keep))
         except (RuntimeError, FileNotFoundError, ValueError) as e:
           print(f"error: {e}", file=sys.stderr)  # nothing was written to output_json
           return 1
@@ -522,7 +665,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['estimated_kernels_ms']:.3f}, XLA ops {r['estimated_xla_ms']:.3f}; "
               + ", ".join(f"{k['name']} {k['steps']} steps x {k['step_us']:.2f} us {k['bound']}" for k in r["kernels"]) + ")")
   summary = {"label": "ESTIMATE: compiled-kernel cost model (tools/tpu_cost.py), no TPU ran",
-             "calibration": {k: load_calibration()[k] for k in ("fitted", "fit_rms_error_pct", "held_out_error_pct")},
+             "calibration": {c: {"label": calibration_label(c), **{k: load_calibration(chip=c)[k] for k in (
+                 "fitted", "fit_rms_error_pct", "held_out_error_pct")}} for c in args["chips"]},
              "estimates": {c: {s: {r["impl"]: {"estimated_ms": r["estimated_ms"]} for r in records
                                    if r["chip"] == c and r["shape"] == s} for s in args["shapes"]} for c in args["chips"]}}
   if args["output_json"]:
