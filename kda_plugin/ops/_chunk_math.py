@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-SUB = 16  # rows per sub-block: the diagonal sub-blocks of the score matrices are built elementwise
-_SUB_SHIFT = 4  # log2(SUB): block index by shift (vector integer division is not lowered everywhere)
-NEG_INF = float("-inf")
-L2NORM_EPS = 1e-6
+from kda_plugin.ops._chunk_common import (  # noqa: F401  (activate_gate, factored_diagonal: cm.* names)
+    L2NORM_EPS, NEG_INF, SUB, activate_gate, factored_diagonal, factored_shift)
+from kda_plugin.ops._chunk_common import SUB_SHIFT as _SUB_SHIFT
 _HI = lax.Precision.HIGHEST
 # bf16 operands name their precision: under a caller's `jax.default_matmul_precision("highest")` an
 # unnamed one becomes fp32 contract precision, which Mosaic refuses for bf16 operands ("Bad lhs type")
@@ -117,18 +116,6 @@ def col_to_row(x):
   n = x.shape[0]
   eye = iota((n, n), 0) == iota((n, n), 1)
   return jnp.sum(jnp.where(eye, jnp.broadcast_to(x, (n, n)), 0.0), axis=0, keepdims=True)
-
-
-def activate_gate(raw, a_exp, dt_bias, lower_bound):
-  """Gate activation of gates.py, in float32: softplus family, or bounded when `lower_bound` is set.
-
-  raw `[C, K]`; a_exp = exp(A_log[h]) and dt_bias as `[1, K]` rows.
-  softplus(x) = max(x, 0) + log1p(exp(-|x|)) (the overflow-free form of log(1 + e^x)).
-  """
-  x = raw + dt_bias
-  if lower_bound is None:
-    return -a_exp * (jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x))))
-  return lower_bound * (1.0 / (1.0 + jnp.exp(-(a_exp * x))))
 
 
 def l2norm_rows(x):
@@ -275,27 +262,6 @@ def _below_diag_scores(q, k, G, segf, dots=F32):
   lhs = jnp.concatenate([jnp.concatenate(k_parts, axis=1), jnp.concatenate(q_parts, axis=1)], axis=0)
   both = dots.nt(lhs, jnp.concatenate(key_parts, axis=1))
   return both[:c], both[c:]
-
-
-# Largest exponent magnitude a factored diagonal block may meet (`factored_diagonal`): exp(60) ~ 1e26
-# keeps every matmul operand (a factor times a q or k entry) finite; the products that are kept are
-# bounded by |q_r| |k_i| whatever the factors (the GPU kernel uses the same bound).
-MAX_FACTORED_EXPONENT = 60.0
-
-
-def factored_shift(lower_bound) -> float:
-  """d = (SUB - 1) / 2 * |lower_bound|: the reference G_first - d of a 16-row block sits half way down
-  the steepest decay the bounded gate allows, so exp(G_r - ref) and exp(ref - G_i) of any rows r, i
-  of the block lie in [exp(-d), exp(d)]."""
-  return (SUB - 1) / 2 * abs(float(lower_bound))
-
-
-def factored_diagonal(lower_bound) -> bool:
-  """Whether the diagonal 16x16 score blocks come from one matmul (`_diag_scores_factored`): only for
-  the bounded gate (every per-row log decay in [lower_bound, 0], a static bound known because the
-  gate is activated in the kernel) with `factored_shift` <= MAX_FACTORED_EXPONENT. Unbounded gates
-  (softplus, a raw log decay) keep the exact elementwise blocks."""
-  return lower_bound is not None and factored_shift(lower_bound) <= MAX_FACTORED_EXPONENT
 
 
 def _diag_scores_factored(q, k, G, segf, lower_bound, dots):

@@ -195,3 +195,111 @@ def check_contiguous_runs(ids: np.ndarray) -> None:
 def default_scale(scale, key_dim: int) -> float:
   """The query scale: `scale` if given, else K**-0.5 (as in fla and transformers)."""
   return float(key_dim) ** -0.5 if scale is None else scale
+
+
+def check_gate_args(g_is_raw: bool, a_log, dt_bias, lower_bound, num_heads: int, key_dim: int):
+  """Validates the in-kernel gate's parameters; returns `lower_bound` as a checked float (or None).
+
+  Raises:
+    ValueError: dt_bias or lower_bound without a_log (a raw g input), lower_bound outside [-5, 0)
+      (`gates.check_lower_bound`), a_log without H values, dt_bias without H*K values.
+  """
+  from kda_plugin.ops.gates import check_lower_bound  # noqa: PLC0415  (gates imports this module)
+  if not g_is_raw:
+    if dt_bias is not None or lower_bound is not None:
+      raise ValueError("dt_bias and lower_bound are gate parameters: they need a_log (raw g input)")
+    return None
+  if lower_bound is not None:
+    lower_bound = check_lower_bound(lower_bound)
+  if np.size(a_log) != num_heads:
+    raise ValueError(f"a_log must have H={num_heads} values (shape [H]), got shape {np.shape(a_log)}")
+  if dt_bias is not None and np.size(dt_bias) != num_heads * key_dim:
+    raise ValueError(f"dt_bias must have H*K={num_heads * key_dim} values (shape [H*K] or [H, K]), "
+                     f"got shape {np.shape(dt_bias)}")
+  return lower_bound
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceCall:
+  """One `kda_inference` call after its single validation (`check_kda_inputs`, `check_gate_args`):
+  what every implementation of the dispatch table receives.
+
+  Attributes:
+    problem: the validated `KDAProblem` (B, T, H, K, V, N).
+    q, k, v, g, beta: as passed: `[B, T, H, D]`, or lane-dense `[B, T, H*D]` when `lane_dense`.
+    segment_ids: as passed (`[B, T]` or a shared `[T]`), or None.
+    initial_state: as passed, or None. output_final_state: bool.
+    scale: as passed (None: K**-0.5). a_log, dt_bias: as passed (a_log None: g is the log decay).
+    lower_bound: the checked bound of the bounded gate, or None. use_qk_l2norm: bool.
+    lane_dense: q, k, v, g come as `[B, T, H*D]` (`num_heads` was given).
+    interpret: the caller's `interpret` (Pallas kernels only).
+  """
+
+  problem: KDAProblem
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  g: jax.Array
+  beta: jax.Array
+  segment_ids: jax.Array | None
+  initial_state: jax.Array | None
+  output_final_state: bool
+  scale: float | None
+  a_log: jax.Array | None
+  dt_bias: jax.Array | None
+  lower_bound: float | None
+  use_qk_l2norm: bool
+  lane_dense: bool
+  interpret: object
+
+  @property
+  def packed(self) -> bool:
+    return self.segment_ids is not None
+
+  @property
+  def num_slots(self) -> int:
+    """State slots of the kernels: N with segment_ids, else 1 (one document per row)."""
+    return self.problem.num_segments if self.packed else 1
+
+  def split_heads(self, x):
+    """`[B, T, H*D] -> [B, T, H, D]` for a lane-dense call (a free reshape), else x."""
+    return x.reshape(*x.shape[:2], self.problem.num_heads, -1) if self.lane_dense else x
+
+  def kernel_scale(self) -> float:
+    """The query scale as the static float a Pallas kernel is specialised on."""
+    if self.scale is not None and not is_concrete(self.scale):
+      raise ValueError("scale must be a static Python float for the Pallas kernels, not a traced value")
+    return float(default_scale(self.scale, self.problem.key_dim))
+
+  def kernel_gate(self):
+    """`(a_log [H], dt_bias [H, K])` float32 for the in-kernel gate (dt_bias zeros when None), or None."""
+    if self.a_log is None:
+      return None
+    h, kd = self.problem.num_heads, self.problem.key_dim
+    a_log = jnp.asarray(self.a_log, jnp.float32).reshape(h)
+    dt_bias = (jnp.zeros((h, kd), jnp.float32) if self.dt_bias is None
+               else jnp.asarray(self.dt_bias, jnp.float32).reshape(h, kd))
+    return a_log, dt_bias
+
+  def slot_states(self):
+    """initial_state with a slot axis (`[B, 1, H, K, V]` for an unpacked call), or None."""
+    h0 = self.initial_state
+    if h0 is not None and not self.packed:
+      h0 = jnp.asarray(h0)[:, None]
+    return h0
+
+  def kernel_segment_ids(self):
+    """int32 `[1, T]` for a shared `[T]` map (every row's grid steps read the same labels), the
+    normalised `[B, T]` map, or None."""
+    if not self.packed:
+      return None
+    if np.ndim(self.segment_ids) == 1:
+      return jnp.asarray(self.segment_ids, jnp.int32)[None]
+    return self.problem.segment_ids
+
+  def unslot_final(self, o, final):
+    """`(o, final)` as the caller's layout asks: final None unless requested, without the slot axis
+    of an unpacked call."""
+    if not self.output_final_state:
+      return o, None
+    return o, (final if self.packed else final[:, 0])

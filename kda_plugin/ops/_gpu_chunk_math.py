@@ -21,11 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-CHUNK = 64  # rows per chunk (the UT transform's block)
-SUB = 16  # rows per diagonal sub-block built elementwise (the smallest tensor-core tile)
-_SUB_SHIFT = 4
-NEG_INF = float("-inf")
-L2NORM_EPS = 1e-6
+from kda_plugin.ops._chunk_common import (  # noqa: F401  (CHUNK, activate_gate, factored_diagonal: gm.* names)
+    CHUNK, L2NORM_EPS, NEG_INF, SUB, activate_gate, factored_diagonal, factored_shift)
+from kda_plugin.ops._chunk_common import SUB_SHIFT as _SUB_SHIFT
+
 _HI = lax.Precision.HIGHEST
 _NN = ((1,), (0,))  # a @ b
 _NT = ((1,), (1,))  # a @ b.T
@@ -86,18 +85,6 @@ def iota(shape, dim):
 def row_at(x, idx):
   """Row `idx` (a traced scalar or `[1, 1]`) of `x [R, D]` as `[1, D]`; zeros when no row matches."""
   return jnp.sum(jnp.where(iota(x.shape, 0) == idx, x, 0.0), axis=0, keepdims=True)
-
-
-def activate_gate(raw, a_exp, dt_bias, lower_bound):
-  """`gates.kda_gate_softplus` / `kda_gate_bounded` on a tile, float32.
-
-  raw `[C, K]`; a_exp = exp(A_log[h]) and dt_bias as `[1, K]` rows. softplus in the overflow-free
-  form max(x, 0) + log1p(exp(-|x|)).
-  """
-  x = raw + dt_bias
-  if lower_bound is None:
-    return -a_exp * (jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x))))
-  return lower_bound / (1.0 + jnp.exp(-(a_exp * x)))
 
 
 def l2norm_scale(x):
@@ -192,27 +179,6 @@ def _own_block_row(x, j):
   return jnp.broadcast_to(jnp.sum(jnp.where(pick, x3, 0.0), axis=1, keepdims=True), x3.shape).reshape(c, d)
 
 
-# Largest |exponent| the factored diagonal blocks may meet (`factored_diagonal`). exp(60) ~ 1e26 keeps
-# every matmul operand (that factor times a key or query entry) finite for entries up to ~1e12; the
-# products that are kept are <= |k_r| |k_i| whatever the factors.
-MAX_FACTORED_EXPONENT = 60.0
-
-
-def _factored_shift(lower_bound) -> float:
-  """d = (SUB - 1) / 2 * |lower_bound|: the reference C = G_first - d of a block sits half way down the
-  steepest decay the gate allows, so both factors exp(G_r - C) and exp(C - G_i) of rows r, i in the
-  block lie in [exp(-d), exp(d)]."""
-  return (SUB - 1) / 2 * abs(float(lower_bound))
-
-
-def factored_diagonal(lower_bound) -> bool:
-  """Whether `chunk_scores` builds the diagonal blocks on the tensor cores: only for the bounded gate
-  family (every per-row log decay in [lower_bound, 0], a static bound) with `_factored_shift` <=
-  MAX_FACTORED_EXPONENT. Other gates (softplus, a raw log decay) have no bound, so their diagonal
-  blocks keep the masked elementwise exponents."""
-  return lower_bound is not None and _factored_shift(lower_bound) <= MAX_FACTORED_EXPONENT
-
-
 def chunk_scores(q, k, G, dots: Dots, *, lower_bound=None, run=None):
   """`(Akk, Aqk)` `[C, C]`: sum_d {k, q}_r[d] k_i[d] exp(G_r[d] - G_i[d]) for i <= r in one run
   (0 for a pair of two runs), before masking.
@@ -225,7 +191,7 @@ def chunk_scores(q, k, G, dots: Dots, *, lower_bound=None, run=None):
   (then `factored_diagonal` may hold, and no row is a cut), else None.
   Entries inside the diagonal 16x16 blocks, two ways:
   - factored (`factored_diagonal(lower_bound)`): exp(G_r - G_i) = exp(G_r - C) exp(C - G_i) with
-    C = G_first - d (`_factored_shift`), G_first the block's first row, for the rows of the block
+    C = G_first - d (`factored_shift`), G_first the block's first row, for the rows of the block
     first row's run; C = -d for the rows of a document that starts inside the block (its G restarts
     there, so it lies in [-15 |lower_bound|, 0]). Both factors lie in [exp(-d), exp(d)], finite without
     masking; one tensor-core matmul per score for all four blocks (2 C K exponents instead of
@@ -250,7 +216,7 @@ def chunk_scores(q, k, G, dots: Dots, *, lower_bound=None, run=None):
   if run is None:
     run = jnp.zeros_like(G)
   if lower_bound is not None and factored_diagonal(lower_bound):
-    shift = _factored_shift(lower_bound)
+    shift = factored_shift(lower_bound)
     ref = jnp.where(run == _own_block_row(run, 0), _own_block_row(G, 0) - shift, -shift)
     row_f = jnp.exp(G - ref)
     k_col = k * jnp.exp(ref - G)

@@ -46,10 +46,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kda_plugin.ops._chunk_common import CHUNK, SUB
 from kda_plugin.ops._contract import check_kda_inputs, default_scale, is_concrete
 
-CHUNK = 64
-SUB = 16
 # Largest |decay| (nats, per channel) of one 16-row sub-block for which the diagonal sub-block may be
 # factored around its midpoint: each factor is then at most exp(FACTOR_LIMIT / 2) and every product,
 # masked entries included, at most exp(FACTOR_LIMIT) < float32 max (exp(88.7)).

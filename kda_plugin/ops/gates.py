@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kda_plugin.ops._chunk_common import L2NORM_EPS
 from kda_plugin.ops._contract import is_concrete
 
 LOWER_BOUND_RANGE = (-5.0, 0.0)
@@ -100,7 +101,7 @@ def activate_gate(raw, a_log, dt_bias=None, lower_bound=None):
   return kda_gate_bounded(raw, a_log, dt_bias, lower_bound=lower_bound)
 
 
-def l2norm(x, eps: float = 1e-6, axis: int = -1):
+def l2norm(x, eps: float = L2NORM_EPS, axis: int = -1):
   """`x / sqrt(sum(x**2) + eps)` along `axis`, computed in float32, returned in x's dtype.
 
   The epsilon sits inside the square root as in fla `l2norm` and transformers' Kimi-Linear

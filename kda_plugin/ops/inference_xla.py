@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda_plugin.ops._contract import check_kda_inputs
-from kda_plugin.ops.chunked import CHUNK, FACTOR_LIMIT, SUB, kda_chunk_core, run_with_slots
-from kda_plugin.ops.gates import activate_gate, check_lower_bound, l2norm
+from kda_plugin.ops._chunk_common import CHUNK, SUB
+from kda_plugin.ops._contract import InferenceCall, check_gate_args, check_kda_inputs
+from kda_plugin.ops.chunked import FACTOR_LIMIT, kda_chunk_core, run_with_slots
+from kda_plugin.ops.gates import activate_gate, l2norm
 
 CHUNKS_PER_STEP = 2  # see the module docstring
 
@@ -68,41 +69,52 @@ def kda_inference_xla(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
   g_is_raw = a_log is not None
   p = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
                        max_num_segments=max_num_segments, scale=scale, g_is_raw=g_is_raw)
-  if not g_is_raw and (dt_bias is not None or lower_bound is not None):
-    raise ValueError("dt_bias and lower_bound configure the in-kernel gate and require a_log "
-                     "(without a_log, g must already be the activated log-space decay)")
-  if g_is_raw:
-    if np.size(a_log) != p.num_heads:
-      raise ValueError(f"a_log must have H={p.num_heads} values (shape [H]), got shape {np.shape(a_log)}")
-    if dt_bias is not None and np.size(dt_bias) != p.num_heads * p.key_dim:
-      raise ValueError(f"dt_bias must have H*K={p.num_heads * p.key_dim} values (shape [H*K] or "
-                       f"[H, K]), got shape {np.shape(dt_bias)}")
-  lb = None if lower_bound is None else check_lower_bound(lower_bound)
-  return run_validated(p, q, k, v, g, beta, initial_state=initial_state,
-                       output_final_state=output_final_state, scale=scale, a_log=a_log,
-                       dt_bias=dt_bias, lower_bound=lb, use_qk_l2norm=use_qk_l2norm)
+  lb = check_gate_args(g_is_raw, a_log, dt_bias, lower_bound, p.num_heads, p.key_dim)
+  return run(InferenceCall(p, q, k, v, g, beta, segment_ids, initial_state, output_final_state, scale,
+                           a_log, dt_bias, lb, use_qk_l2norm, lane_dense=False, interpret=False))
 
 
-def run_validated(p, q, k, v, g, beta, *, initial_state, output_final_state, scale, a_log, dt_bias,
-                  lower_bound, use_qk_l2norm):
-  """`kda_inference_xla` on arguments already validated by `check_kda_inputs` (whose `KDAProblem` is
-  `p`) and the gate checks: `kda_inference` validates once and calls this directly. Shapes as
-  `kda_inference_xla` ([B, T, H, D] layout); `lower_bound` already checked."""
-  gate = None
-  if a_log is not None:
-    a_log = jnp.asarray(a_log, jnp.float32).reshape(p.num_heads)
-    dt_bias = (jnp.zeros((p.num_heads, p.key_dim), jnp.float32) if dt_bias is None
-               else jnp.asarray(dt_bias, jnp.float32).reshape(p.num_heads, p.key_dim))
-    gate = (a_log, dt_bias)
-  lb = lower_bound
+def check(call) -> None:
+  """Raises ValueError for `interpret=True`, which only the Pallas kernels have."""
+  if call.interpret:
+    raise ValueError("interpret=True applies to the Pallas kernels only, not to implementation='xla'")
+
+
+def run(call):
+  """`(o, final_state)` of a validated call (see `kda_inference`): lane-dense operands are split into
+  heads (a free reshape) and o is merged back."""
+  p = call.problem
+  q, k, v, g = (call.split_heads(x) for x in (call.q, call.k, call.v, call.g))
+  gate = call.kernel_gate()
+  lb = call.lower_bound
   # A bounded gate decays by less than |lower_bound| nats per token, so every 16-row sub-block stays
   # inside the range where the midpoint factorisation is exact: no run-time check is needed.
   diag_mode = "factor" if (lb is not None and SUB * abs(lb) <= FACTOR_LIMIT) else "auto"
-  want_final = bool(output_final_state)
-  core = lambda seg, h0, sc, n: _forward(q, k, v, g, beta, seg, h0, gate, scale=sc, n_slots=n,
+  want_final = bool(call.output_final_state)
+  core = lambda seg, h0, sc, n: _forward(q, k, v, g, call.beta, seg, h0, gate, scale=sc, n_slots=n,
                                          want_final=want_final, diag_mode=diag_mode, lower_bound=lb,
-                                         use_l2norm=bool(use_qk_l2norm))
-  return run_with_slots(p, q, initial_state, scale, output_final_state, core)
+                                         use_l2norm=bool(call.use_qk_l2norm))
+  o, final = run_with_slots(p, q, call.initial_state, call.scale, call.output_final_state, core)
+  return (o.reshape(*o.shape[:2], -1) if call.lane_dense else o), final
+
+
+def peak_memory_bytes(q, k, v, g, beta, *, segment_ids, initial_state, output_final_state, a_log,
+                      dt_bias, lane_dense, dims) -> int:
+  """Measured, not modelled: arguments + outputs + temporaries - aliased bytes of the compiled
+  executable (`memory_analysis()`) on the current platform. dims: (B, T, H, K, V, N)."""
+  b, t, h, _, _, n = dims
+  shp = lambda x: tuple(np.shape(x))
+  split = (lambda x: jax.ShapeDtypeStruct((b, t, h, shp(x)[2] // h), x.dtype)) if lane_dense else (
+      lambda x: jax.ShapeDtypeStruct(shp(x), x.dtype))
+  fn = functools.partial(kda_inference_xla, output_final_state=output_final_state,
+                         max_num_segments=n if segment_ids is not None else None)
+  args = [split(x) for x in (q, k, v, g)] + [jax.ShapeDtypeStruct(shp(beta), beta.dtype)]
+  kw = {name: jax.ShapeDtypeStruct(shp(x), x.dtype) for name, x in
+        (("segment_ids", segment_ids), ("initial_state", initial_state), ("a_log", a_log),
+         ("dt_bias", dt_bias)) if x is not None}
+  ma = jax.jit(lambda *a, **k_: fn(*a, **k_)).lower(*args, **kw).compile().memory_analysis()
+  return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+             - ma.alias_size_in_bytes)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "n_slots", "want_final", "diag_mode",
