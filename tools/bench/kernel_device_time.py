@@ -5,17 +5,27 @@ or the state as the next decode step's state), so the figure is device time: hos
 per loop, not per call. A case runs `--repeats` loops (median and spread reported) of enough iterations
 to last about `--loop-ms`.
 
+Phases (seconds of each in the JSON): build the inputs; compile every case at once in a thread pool
+(XLA and Mosaic compile release the GIL, so a fresh machine pays about the longest compile, not the
+sum); then time the cases one by one, never two at a time on the chip. The arrays enter the loop as
+arguments, not closed-over constants (no constant folding of the inputs into the program). The JSON is
+rewritten after every case, and a case that would start past `--budget-s` is recorded as skipped, so
+an outer time limit never loses what was measured.
+
 Floors (v5e): HBM bytes (inputs, outputs and final states, each once) / 819 GB/s and model FLOPs
 / 197 TFLOP/s (the chunked form's matmuls: 6CK + 4CV + 2C^2/3 + 6KV per token and head, C = 64);
 floor = the larger of the two.
 
     python -m tools.bench.kernel_device_time --json out.json            # every case
-    python -m tools.bench.kernel_device_time --cases seed_bf16 decode_b32
+    python -m tools.bench.kernel_device_time --cases seed_bf16 decode_h24_b32
+    JAX_PLATFORMS=cpu python -m tools.bench.kernel_device_time --smoke --implementation xla --json s.json
+                                                    # the tool's logic on a CPU, at small shapes
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -67,8 +77,8 @@ DECODE = {"decode_h24_b32": (32, 24, 0.14), "decode_h24_b128": (128, 24, 0.60)}
 
 
 def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation="pallas_tpu"):
-  """(fn(v) -> (o, final), v, hbm_bytes, flops) for one kda_inference call (bounded in-kernel gate,
-  q/k L2 norm, final states: the seed's options)."""
+  """(fn(v, consts) -> (o, final), v, consts, hbm_bytes, flops) for one kda_inference call (bounded
+  in-kernel gate, q/k L2 norm, final states: the seed's options)."""
   from kda_plugin.ops.inference import kda_inference  # noqa: PLC0415  (after jax is configured)
   rng = np.random.default_rng(0)
   dt = jnp.dtype(dtype)
@@ -82,70 +92,77 @@ def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation
   a_log = jnp.full((h,), A_LOG, jnp.float32)
   dt_bias = jnp.full((h * kd,), DT_BIAS, jnp.float32)
 
-  def fn(v_):
-    return kda_inference(q, k, v_, g, beta, segment_ids=seg, output_final_state=True,
-                         max_num_segments=n, use_qk_l2norm=True, a_log=a_log, dt_bias=dt_bias,
-                         lower_bound=LOWER_BOUND, num_heads=None if heads else h,
-                         implementation=implementation)
+  def fn(v_, c):
+    return kda_inference(c["q"], c["k"], v_, c["g"], c["beta"], segment_ids=c["seg"],
+                         output_final_state=True, max_num_segments=n, use_qk_l2norm=True,
+                         a_log=c["a_log"], dt_bias=c["dt_bias"], lower_bound=LOWER_BOUND,
+                         num_heads=None if heads else h, implementation=implementation)
 
   item = dt.itemsize
   hbm = b * t * h * (3 * kd + 2 * vd) * item + b * t * h * item + t * 4 + b * n * h * kd * vd * 4
   flops = b * t * h * (6 * C * kd + 4 * C * vd + 2 * C * C / 3 + 6 * kd * vd)
-  return fn, v, hbm, flops
+  consts = dict(q=q, k=k, g=g, beta=beta, seg=seg, a_log=a_log, dt_bias=dt_bias)
+  return fn, v, consts, hbm, flops
 
 
 def decode_case(b, h, kd=128, vd=128):
+  """(fn(state, consts) -> (state, o), state, consts, hbm_bytes, flops) for one decode step."""
   from kda_plugin.ops.decode import kda_decode_step  # noqa: PLC0415  (after jax is configured)
   rng = np.random.default_rng(0)
   unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-  q = jnp.asarray(unit(rng.standard_normal((b, h, kd))), jnp.bfloat16)
-  k = jnp.asarray(unit(rng.standard_normal((b, h, kd))), jnp.bfloat16)
-  v = jnp.asarray(rng.standard_normal((b, h, vd)), jnp.bfloat16)
-  g = jnp.asarray(-rng.uniform(0, 0.5, (b, h, kd)), jnp.float32)
-  beta = jnp.asarray(rng.uniform(0, 1, (b, h)), jnp.bfloat16)
+  consts = dict(q=jnp.asarray(unit(rng.standard_normal((b, h, kd))), jnp.bfloat16),
+                k=jnp.asarray(unit(rng.standard_normal((b, h, kd))), jnp.bfloat16),
+                v=jnp.asarray(rng.standard_normal((b, h, vd)), jnp.bfloat16),
+                g=jnp.asarray(-rng.uniform(0, 0.5, (b, h, kd)), jnp.float32),
+                beta=jnp.asarray(rng.uniform(0, 1, (b, h)), jnp.bfloat16))
   state = jnp.asarray(rng.standard_normal((b, h, kd, vd)) * 0.1, jnp.float32)
 
-  def fn(s):
-    o, s2 = kda_decode_step(q, k, v, g, beta, s)
+  def fn(s, c):
+    o, s2 = kda_decode_step(c["q"], c["k"], c["v"], c["g"], c["beta"], s)
     return s2, o
 
   hbm = 2 * b * h * kd * vd * 4 + b * h * (3 * kd + 2 * vd) * 2 + b * h * kd * 4
-  return fn, state, hbm, 6 * b * h * kd * vd
+  return fn, state, consts, hbm, 6 * b * h * kd * vd
 
 
 def _looped(fn):
   """One jit of `n` calls (n traced: one compile for every loop length), each call's first output
-  fed back as the next call's argument."""
-  def body(_, carry):
-    x, _aux = carry
-    out = fn(x)
-    return out[0].astype(x.dtype).reshape(x.shape), out[1]
-
+  fed back as the next call's argument; `consts` (the other inputs) are arguments of the jit."""
   @jax.jit
-  def run(x, n):
-    aux = jax.eval_shape(fn, x)[1]
+  def run(x, consts, n):
+    def body(_, carry):
+      x_, _aux = carry
+      out = fn(x_, consts)
+      return out[0].astype(x_.dtype).reshape(x_.shape), out[1]
+
+    aux = jax.eval_shape(fn, x, consts)[1]
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux)
     return lax.fori_loop(0, n, body, (x, zeros))
   return run
 
 
-def time_case(fn, x, *, repeats, loop_ms):
-  """(per-call ms samples, iterations per loop, compile s)."""
-  run = _looped(fn)
+def compile_case(fn, x, consts):
+  """(the compiled loop, compile seconds): traced, lowered and compiled ahead of the timing."""
   t0 = time.perf_counter()
-  jax.block_until_ready(run(x, 4))
-  compile_s = time.perf_counter() - t0
+  compiled = _looped(fn).lower(x, consts, jnp.int32(4)).compile()
+  return compiled, time.perf_counter() - t0
+
+
+def time_case(compiled, x, consts, *, repeats, loop_ms):
+  """(per-call ms samples, iterations per loop) of a compiled loop (`compile_case`)."""
+  jax.block_until_ready(compiled(x, consts, jnp.int32(4)))  # first run: allocation, transfers
   t0 = time.perf_counter()
-  jax.block_until_ready(run(x, 4))
+  jax.block_until_ready(compiled(x, consts, jnp.int32(4)))
   est = (time.perf_counter() - t0) / 4 * 1e3
   iters = int(min(2000, max(8, loop_ms / max(est, 1e-3))))
-  jax.block_until_ready(run(x, iters))
+  n = jnp.int32(iters)
+  jax.block_until_ready(compiled(x, consts, n))
   samples = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    jax.block_until_ready(run(x, iters))
+    jax.block_until_ready(compiled(x, consts, n))
     samples.append((time.perf_counter() - t0) * 1e3 / iters)
-  return samples, iters, compile_s
+  return samples, iters
 
 
 def _commit() -> str:
@@ -159,13 +176,57 @@ def _commit() -> str:
     return "unknown"
 
 
+# --smoke: every case at a small size (the tool's logic, e.g. on a CPU; the figures mean nothing)
+SMOKE_PREFILL_T, SMOKE_HEADS, SMOKE_DECODE_B = 256, 8, 4
+
+
+def _smoke_lengths(t, lengths):
+  """The case's document count at length t (at most one document per 8 tokens)."""
+  n = max(1, min(len(lengths), t // 8))
+  return [t] if n == 1 else _split(t, n)
+
+
+def _build(name, *, smoke, implementation):
+  """(shape description, fn, x, consts, hbm bytes, flops, target ms) of one case."""
+  if name in PREFILL:
+    b, t, h, dtype, layout, lengths, target = PREFILL[name]
+    if smoke:
+      b, t, h = min(b, 2), min(t, SMOKE_PREFILL_T), min(h, SMOKE_HEADS)
+      lengths = _smoke_lengths(t, lengths)
+    fn, x, consts, hbm, flops = prefill_case(b, t, h, dtype, layout, lengths,
+                                             implementation=implementation)
+    shape = dict(batch=b, seq_len=t, heads=h, dtype=dtype, layout=layout, documents=len(lengths))
+  else:
+    b, h, target = DECODE[name]
+    if smoke:
+      b, h = min(b, SMOKE_DECODE_B), min(h, SMOKE_HEADS)
+    fn, x, consts, hbm, flops = decode_case(b, h)
+    shape = dict(batch=b, heads=h, state="float32", inputs="bfloat16")
+  return shape, fn, x, consts, hbm, flops, None if smoke else target  # targets are for the real shapes
+
+
+def _error(e: BaseException) -> str:
+  return f"{type(e).__name__}: {str(e)[:400]}"
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--cases", nargs="*", default=None,
                   help=f"case names (default: all): {', '.join([*PREFILL, *DECODE])}")
   ap.add_argument("--repeats", type=int, default=7, help="timed loops per case (median and spread)")
   ap.add_argument("--loop-ms", type=float, default=60.0, help="about how long one timed loop runs")
-  ap.add_argument("--json", default=None, help="write the results here")
+  ap.add_argument("--json", default=None, help="write the results here (rewritten after every case)")
+  ap.add_argument("--implementation", default="pallas_tpu",
+                  help="kda_inference's implementation for the prefill cases (default pallas_tpu)")
+  ap.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
+                  help="cases compiled at once (default: the CPU count, at most 16)")
+  ap.add_argument("--budget-s", type=float, default=None,
+                  help="no case starts timing after this many seconds from the start (skipped ones "
+                       "are recorded); default: no limit")
+  ap.add_argument("--smoke", action="store_true",
+                  help=f"every case at a small size (T <= {SMOKE_PREFILL_T}, H <= {SMOKE_HEADS}, decode "
+                       f"B <= {SMOKE_DECODE_B}): checks the tool, e.g. with JAX_PLATFORMS=cpu and "
+                       "--implementation xla; its figures are not measurements")
   args = ap.parse_args(argv)
   names = args.cases or [*PREFILL, *DECODE]
   unknown = [n for n in names if n not in PREFILL and n not in DECODE]
@@ -173,43 +234,92 @@ def main(argv=None) -> int:
     ap.error(f"--cases: unknown {unknown}; expected names from {[*PREFILL, *DECODE]}")
   if args.repeats < 1:
     ap.error("--repeats must be at least 1")
+  if args.compile_workers < 1:
+    ap.error("--compile-workers must be at least 1")
+  if args.implementation not in ("pallas_tpu", "pallas_gpu", "xla"):
+    ap.error(f"--implementation must be pallas_tpu, pallas_gpu or xla, got {args.implementation!r}")
+  start = time.perf_counter()
   dev = jax.devices()[0]
-  results = []
+  phases = {}
+  results = {n: dict(name=n) for n in names}
+  out = dict(tool="tools.bench.kernel_device_time", commit=_commit(), jax=jax.__version__,
+             device=dev.device_kind, platform=dev.platform, implementation=args.implementation,
+             smoke=args.smoke, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), method=(
+                 "lax.fori_loop of iters_per_loop calls in one jit, output fed back; per-call ms = "
+                 "loop time / iters; median and min/max over repeats; cases compiled concurrently "
+                 "first, then timed one at a time"),
+             budget_s=args.budget_s, phases_s=phases, cases=list(results.values()))
+
+  def write():
+    out["total_s"] = round(time.perf_counter() - start, 1)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+
+  t0 = time.perf_counter()
+  built = {}
   for name in names:
-    if name in PREFILL:
-      b, t, h, dtype, layout, lengths, target = PREFILL[name]
-      fn, x, hbm, flops = prefill_case(b, t, h, dtype, layout, lengths)
-      shape = dict(batch=b, seq_len=t, heads=h, dtype=dtype, layout=layout, documents=len(lengths))
-    else:
-      b, h, target = DECODE[name]
-      fn, x, hbm, flops = decode_case(b, h)
-      shape = dict(batch=b, heads=h, state="float32", inputs="bfloat16")
     try:
-      samples, iters, compile_s = time_case(fn, x, repeats=args.repeats, loop_ms=args.loop_ms)
+      shape, fn, x, consts, hbm, flops, target = _build(name, smoke=args.smoke,
+                                                        implementation=args.implementation)
     except Exception as e:  # noqa: BLE001  (a case that fails is recorded, the others still run)
-      results.append(dict(name=name, **shape, error=f"{type(e).__name__}: {str(e)[:400]}"))
-      print(f"{name:24s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+      results[name]["error"] = _error(e)
       continue
+    results[name].update(shape, target_ms=target)
+    built[name] = (fn, x, consts, hbm, flops, target)
+  phases["build"] = round(time.perf_counter() - t0, 1)
+
+  t0 = time.perf_counter()
+  compiled = {}
+  with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
+    futures = {pool.submit(compile_case, fn, x, consts): name
+               for name, (fn, x, consts, *_) in built.items()}
+    for fut in concurrent.futures.as_completed(futures):
+      name = futures[fut]
+      try:
+        compiled[name], secs = fut.result()
+        results[name]["compile_s"] = round(secs, 1)
+      except Exception as e:  # noqa: BLE001
+        results[name]["error"] = _error(e)
+        print(f"{name:24s} COMPILE FAILED {results[name]['error'][:200]}", flush=True)
+  phases["compile"] = round(time.perf_counter() - t0, 1)
+  write()
+
+  t0 = time.perf_counter()
+  for name in names:
+    if name not in compiled:
+      continue
+    if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+      results[name]["skipped"] = f"not timed: past --budget-s {args.budget_s:g}"
+      print(f"{name:24s} SKIPPED (budget)", flush=True)
+      continue
+    _, x, consts, hbm, flops, target = built[name]
+    try:
+      samples, iters = time_case(compiled.pop(name), x, consts, repeats=args.repeats,
+                                 loop_ms=args.loop_ms)
+    except Exception as e:  # noqa: BLE001
+      results[name]["error"] = _error(e)
+      print(f"{name:24s} FAILED {results[name]['error'][:200]}", flush=True)
+      continue
+    finally:
+      built[name] = None  # the case's device arrays are freed before the next one runs
     med = statistics.median(samples)
     hbm_ms, mxu_ms = hbm / HBM_BYTES_PER_S * 1e3, flops / MXU_FLOPS_PER_S * 1e3
     floor = max(hbm_ms, mxu_ms)
-    row = dict(name=name, **shape, median_ms=round(med, 4), min_ms=round(min(samples), 4),
-               max_ms=round(max(samples), 4), repeats=len(samples), iters_per_loop=iters,
-               compile_s=round(compile_s, 1), hbm_floor_ms=round(hbm_ms, 4),
-               mxu_floor_ms=round(mxu_ms, 4), floor_ms=round(floor, 4),
-               x_floor=round(med / floor, 2), target_ms=target, meets_target=med <= target)
-    results.append(row)
+    results[name].update(
+        median_ms=round(med, 4), min_ms=round(min(samples), 4), max_ms=round(max(samples), 4),
+        repeats=len(samples), iters_per_loop=iters, hbm_floor_ms=round(hbm_ms, 4),
+        mxu_floor_ms=round(mxu_ms, 4), floor_ms=round(floor, 4), x_floor=round(med / floor, 2),
+        meets_target=None if target is None else med <= target)
+    phases["time"] = round(time.perf_counter() - t0, 1)
+    write()
+    verdict = "" if target is None else f"  target {target}  {'ok' if med <= target else 'MISSED'}"
     print(f"{name:24s} {med:8.4f} ms  [{min(samples):.4f}, {max(samples):.4f}]  floor {floor:.4f} "
-          f"({med / floor:.1f}x)  target {target}  {'ok' if med <= target else 'MISSED'}", flush=True)
-  out = dict(tool="tools.bench.kernel_device_time", commit=_commit(), jax=jax.__version__,
-             device=dev.device_kind, platform=dev.platform,
-             date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), method=(
-                 "lax.fori_loop of iters_per_loop calls in one jit, output fed back; per-call ms = "
-                 "loop time / iters; median and min/max over repeats"), cases=results)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(out, f, indent=1)
-  return 0 if all("error" not in r for r in results) else 1
+          f"({med / floor:.1f}x){verdict}", flush=True)
+  phases["time"] = round(time.perf_counter() - t0, 1)
+  write()
+  print(f"phases (s): {phases}  total {out['total_s']} s", flush=True)
+  return 0 if all("error" not in r and "skipped" not in r for r in results.values()) else 1
 
 
 if __name__ == "__main__":

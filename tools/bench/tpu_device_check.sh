@@ -5,14 +5,22 @@
 #      index lacks are listed in the report and the kernel checks go on without them;
 #   2. runs the kernel numerics compiled for the chip, not interpreted (tests/kernels: test_tpu_device,
 #      the pallas_tpu_device cases of test_boundary_exact and test_inference_numerics);
-#   3. times the benchmark shapes in device time (tools/bench/kernel_device_time.py: a loop inside one
-#      jit, median of 7 with min/max, beside the HBM and MXU floors);
-#   4. writes $OUT/tpu_device_check.json (steps, versions, pytest summary) and
-#      $OUT/kernel_device_time.json.
-# Budget: 8 minutes on a fresh machine. Usage (from anywhere): tools/bench/tpu_device_check.sh
+#   3. times the benchmark shapes in device time (tools/bench/kernel_device_time.py: every case
+#      compiled at once in a thread pool, then timed one at a time as a loop inside one jit, median of
+#      7 with min/max, beside the HBM and MXU floors);
+#   4. writes $OUT/tpu_device_check.json (per phase: exit status, seconds, budget; versions, pytest
+#      summary) and $OUT/kernel_device_time.json.
+# Budget: 8 minutes on a fresh machine. Each phase runs under its own limit (INSTALL_BUDGET 120 s,
+# NUMERICS_BUDGET 170 s, BENCH_BUDGET 150 s: 7.3 min at most); the bench stops starting cases 20 s
+# before its limit and writes its JSON after every case, so a limit never loses what was measured.
+# Usage (from anywhere): tools/bench/tpu_device_check.sh
 #   env: OUT (default /tmp/kda_tpu_check), PY (a Python with the machine's JAX; default python3 as
 #   resolved outside the checkout, whose .python-version can name a pyenv Python without JAX),
-#   INDEX, VENV (default /tmp/kda-venv), SKIP_INSTALL=1 (reuse VENV), BENCH_ARGS (extra arguments).
+#   INDEX, VENV (default /tmp/kda-venv), SKIP_INSTALL=1 (reuse VENV), BENCH_ARGS (extra arguments),
+#   KDA_COMMIT (the commit measured, when the tree is a copy without git).
+#   SMOKE=1: the script's logic on any machine (e.g. a CPU): no install (PY runs everything),
+#   JAX_PLATFORMS=cpu, the numerics selection (skipped off a TPU), two benchmark cases at a small size
+#   with implementation xla. tests/kernels/test_device_time_tool.py runs it so.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
@@ -21,7 +29,18 @@ mkdir -p "$OUT"
 PY=${PY:-$(cd /tmp && python3 -c 'import sys; print(sys.executable)')}
 INDEX=${INDEX:-file:///opt/pypi/simple}
 VENV=${VENV:-/tmp/kda-venv}
-export PYTHONUNBUFFERED=1 JAX_PLATFORMS=tpu,cpu KDA_TEST_XLA_OPT=default
+SMOKE=${SMOKE:-0}
+INSTALL_BUDGET=${INSTALL_BUDGET:-120}
+NUMERICS_BUDGET=${NUMERICS_BUDGET:-170}
+BENCH_BUDGET=${BENCH_BUDGET:-150}
+if [ "$SMOKE" = 1 ]; then
+  export JAX_PLATFORMS=cpu
+  SMOKE_BENCH=(--smoke --implementation xla --cases seed_bf16 decode_h24_b32 --repeats 5 --loop-ms 5)
+else
+  export JAX_PLATFORMS=tpu,cpu
+  SMOKE_BENCH=()
+fi
+export PYTHONUNBUFFERED=1 KDA_TEST_XLA_OPT=default
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/kda_jax_cache}
 SECONDS=0
 declare -A STEP_RC STEP_S
@@ -32,7 +51,7 @@ step() {  # step NAME BUDGET_S COMMAND...: runs COMMAND (a program or a function
   echo "== $name (budget ${budget} s; at ${SECONDS} s)"
   if declare -F "$1" >/dev/null; then
     export -f "$1"
-    export PY INDEX VENV ROOT
+    export PY INDEX VENV ROOT SMOKE
     timeout "$budget" bash -c '"$@"' _ "$@" 2>&1 | tee "$OUT/$name.log"
   else
     timeout "$budget" "$@" 2>&1 | tee "$OUT/$name.log"
@@ -46,6 +65,7 @@ echo "== environment"
   || { echo "no Python with jax at PY=$PY"; exit 2; }
 
 install_project() {
+  [ "${SMOKE:-0}" = 1 ] && { echo "SMOKE: no install, $PY runs everything"; return 0; }
   [ "${SKIP_INSTALL:-0}" = 1 ] && [ -x "$VENV/bin/python" ] && { echo "reusing $VENV"; return 0; }
   "$PY" -m venv --system-site-packages "$VENV" || return 1
   local pip=("$VENV/bin/python" -m pip install --isolated --quiet --no-cache-dir --index-url "$INDEX")
@@ -61,30 +81,37 @@ install_project() {
   echo "MISSING from $INDEX: ${missing[*]}"
   return 3
 }
-step install 240 install_project
+step install "$INSTALL_BUDGET" install_project
 VPY="$VENV/bin/python"
-[ -x "$VPY" ] || VPY="$PY"
+{ [ "$SMOKE" != 1 ] && [ -x "$VPY" ]; } || VPY="$PY"
 
-step numerics 200 "$VPY" -m pytest -q -p no:cacheprovider -o addopts="" -rfE \
+step numerics "$NUMERICS_BUDGET" "$VPY" -m pytest -q -p no:cacheprovider -o addopts="" -rfE \
   tests/kernels/test_tpu_device.py tests/kernels/test_boundary_exact.py \
   tests/kernels/test_inference_numerics.py -k "device" --durations=5
 
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
-step bench 200 "$VPY" -m tools.bench.kernel_device_time --json "$OUT/kernel_device_time.json" ${BENCH_ARGS:-}
+step bench "$BENCH_BUDGET" "$VPY" -m tools.bench.kernel_device_time --json "$OUT/kernel_device_time.json" \
+  --budget-s $((BENCH_BUDGET - 20)) "${SMOKE_BENCH[@]}" ${BENCH_ARGS:-}
 
 "$VPY" - "$OUT" "${STEP_RC[install]}" "${STEP_RC[numerics]}" "${STEP_RC[bench]}" \
-  "${STEP_S[install]}" "${STEP_S[numerics]}" "${STEP_S[bench]}" "$SECONDS" <<'PYEOF'
+  "${STEP_S[install]}" "${STEP_S[numerics]}" "${STEP_S[bench]}" "$SECONDS" \
+  "$INSTALL_BUDGET" "$NUMERICS_BUDGET" "$BENCH_BUDGET" "$SMOKE" <<'PYEOF'
 import json, os, pathlib, re, subprocess, sys
 import jax
 out = pathlib.Path(sys.argv[1])
-rc = dict(zip(("install", "numerics", "bench"), map(int, sys.argv[2:5])))
-secs = dict(zip(("install", "numerics", "bench"), map(int, sys.argv[5:8])))
+phases = ("install", "numerics", "bench")
+rc = dict(zip(phases, map(int, sys.argv[2:5])))
+secs = dict(zip(phases, map(int, sys.argv[5:8])))
+budget = dict(zip(phases, map(int, sys.argv[9:12])))
 log = (out / "numerics.log").read_text() if (out / "numerics.log").exists() else ""
-summary = re.findall(r"^=+ (.*(?:passed|failed|error).*) in [\d.]+s", log, re.M)
+# pytest -q ends with "21 passed, 9 skipped in 95.31s" (framed by "=" without -q)
+summary = re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|errors?|deselected).*?) in [\d.]+s", log, re.M)
 missing = re.findall(r"^MISSING from \S+: (.*)$", (out / "install.log").read_text(), re.M)
 commit = os.environ.get("KDA_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 report = dict(commit=commit or "unknown", python=sys.version.split()[0], jax=jax.__version__,
-              device=jax.devices()[0].device_kind, steps={k: dict(rc=rc[k], seconds=secs[k]) for k in rc},
+              device=jax.devices()[0].device_kind, smoke=sys.argv[12] == "1",
+              steps={k: dict(rc=rc[k], seconds=secs[k], budget_s=budget[k]) for k in phases},
+              budget_total_s=sum(budget.values()),
               install_missing=missing[0].split() if missing else [],
               numerics=summary[-1] if summary else None,
               failures=re.findall(r"^FAILED (\S+)", log, re.M), total_seconds=int(sys.argv[8]))

@@ -1,0 +1,65 @@
+"""tools/bench/kernel_device_time.py and tools/bench/tpu_device_check.sh on a CPU, at small shapes
+(`--smoke`, `SMOKE=1`): the phases, the JSON and the budget logic that the chip run relies on. The
+figures themselves mean nothing here; the chip's are in docs/performance.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tools.bench import kernel_device_time as kdt
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_smoke_run_writes_every_phase_and_case(tmp_path):
+  out = tmp_path / "t.json"
+  rc = kdt.main(["--smoke", "--implementation", "xla", "--cases", "one_8_token_doc_h24", "decode_h24_b32",
+                 "--repeats", "5", "--loop-ms", "2", "--compile-workers", "2", "--json", str(out)])
+  assert rc == 0
+  r = json.loads(out.read_text())
+  assert set(r["phases_s"]) == {"build", "compile", "time"} and r["smoke"] and r["implementation"] == "xla"
+  assert [c["name"] for c in r["cases"]] == ["one_8_token_doc_h24", "decode_h24_b32"]
+  for c in r["cases"]:
+    assert c["repeats"] == 5 and c["min_ms"] <= c["median_ms"] <= c["max_ms"], c
+    assert c["compile_s"] >= 0 and c["iters_per_loop"] >= 8 and c["floor_ms"] > 0
+    assert c["target_ms"] is None and c["meets_target"] is None  # smoke shapes have no targets
+  assert r["cases"][0]["seq_len"] == 8 and r["cases"][0]["heads"] == 8 and r["cases"][1]["batch"] == 4
+
+
+def test_budget_skips_cases_and_fails(tmp_path):
+  """A case that would start past --budget-s is recorded as skipped (the run exits 1), not lost."""
+  out = tmp_path / "t.json"
+  rc = kdt.main(["--smoke", "--cases", "decode_h24_b32", "--budget-s", "0", "--json", str(out)])
+  assert rc == 1
+  (case,) = json.loads(out.read_text())["cases"]
+  assert case["skipped"].startswith("not timed: past --budget-s") and "median_ms" not in case
+
+
+@pytest.mark.parametrize("argv,msg", [(["--cases", "nope"], "unknown"), (["--repeats", "0"], "repeats"),
+                                      (["--implementation", "cuda"], "implementation")])
+def test_bad_arguments_exit_2(argv, msg, capsys):
+  with pytest.raises(SystemExit) as e:
+    kdt.main(argv)
+  assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_device_check_script_smoke(tmp_path):
+  """The one-command check end to end with SMOKE=1: every phase passes and reports its budget."""
+  env = dict(os.environ, SMOKE="1", PY=sys.executable, OUT=str(tmp_path))
+  r = subprocess.run(["bash", str(ROOT / "tools/bench/tpu_device_check.sh")], env=env, capture_output=True,
+                     text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  rep = json.loads((tmp_path / "tpu_device_check.json").read_text())
+  assert rep["smoke"] and all(s["rc"] == 0 for s in rep["steps"].values())
+  assert {k: s["budget_s"] for k, s in rep["steps"].items()} == {"install": 120, "numerics": 170, "bench": 150}
+  assert rep["budget_total_s"] <= 8 * 60 and rep["numerics"].endswith("deselected")
+  bench = json.loads((tmp_path / "kernel_device_time.json").read_text())
+  assert [c["name"] for c in bench["cases"]] == ["seed_bf16", "decode_h24_b32"]
+  assert all("median_ms" in c for c in bench["cases"])
