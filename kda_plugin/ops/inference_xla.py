@@ -7,10 +7,12 @@ module only validates the arguments, chooses the static score factorisation a bo
 and fuses the gate / L2 norm into the per-chunk work.
 
 Chunk size: 64 rows, as the training op, and two chunks per scan step (`CHUNKS_PER_STEP`): their
-gates, scores and inverses are built together, then the state runs through them one after the other.
-Larger operations keep both cores of a small CPU busy: 5-6 % faster at T = 512 to 8192 in float32
-(paired runs in one process; 4 per step is no better, 8 spills the cache and is 20 % slower). 32-row
-chunks have 20 % fewer FLOPs per token and win only on a loaded CPU; idle, 64 is 5-10 % faster.
+gates, scores and inverses are built together, then the state runs through them one after the other,
+so that larger operations keep both cores of a small CPU busy (the A/B figures behind both choices:
+docs/performance.md section 'CPU: kda_inference (XLA) against tokamax xla_chunked').
+
+Entry points of the dispatch table (`kda_plugin.ops.inference`): `check(call)`, `run(call)`,
+`peak_memory_bytes(...)`; `kda_inference_xla` is the same path as a standalone op (it validates).
 """
 
 from __future__ import annotations

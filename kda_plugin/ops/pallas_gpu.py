@@ -312,8 +312,9 @@ def kda_inference_gpu(q, k, v, g, beta, seg, h0, gate, *, num_segments, scale, l
                       want_final, interpret, dots=None):
   """The `pallas_gpu` implementation of `kda_inference` on validated operands (called under its jit).
 
-  The seam between `kda_plugin.ops.inference` (validation, dispatch) and the GPU kernels: layout,
-  padding and the per-document chunk ranges are this module's business.
+  The seam between `kda_plugin.ops.inference_gpu` (the dispatch table's GPU entry: limits, head
+  split, memory model) and the GPU kernels: padding to the kernels' tiles and the per-document chunk
+  ranges are this module's business.
 
   Args:
     q, k, g: `[B, T, H, K]`; v: `[B, T, H, V]`; beta: `[B, T, H]` (public layouts; q, k, v, beta

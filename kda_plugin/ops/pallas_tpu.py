@@ -20,7 +20,7 @@ Per-slot final states live in HBM (`memory_space=ANY`): the output is aliased to
 (zeros when none are given) and each document's final state is DMAed into its slot at the step where
 the document ends, so slots that never appear keep their initial state.
 
-Layouts (prepared by `kda_plugin.ops.inference`): q, k, g `[B, Tp, H*Kp]`, v and o `[B, Tp, H*Vp]`
+Layouts (prepared by `kda_plugin.ops.inference_tpu`): q, k, g `[B, Tp, H*Kp]`, v and o `[B, Tp, H*Vp]`
 (the lane-dense layout of the model's projections, K and V multiples of 128, T of 64: no copy when
 already aligned); beta `[B, H, Tp2]` (Tp2 = Tp rounded up to 128; XLA keeps a `[B, T, H]` beta
 with T minor, so this is a free transpose), one block holding every head's rows of two chunks,
