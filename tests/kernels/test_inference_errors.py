@@ -123,3 +123,33 @@ def test_pallas_gpu_limits_raise_before_lowering(monkeypatch, k, v, segments, li
   with pytest.raises(ValueError, match=limit):
     kda_inference(q, kk, vv, g, beta, segment_ids=seg, max_num_segments=segments,
                   implementation="pallas_gpu", interpret=True)
+
+
+def test_dispatch_table_modules_share_one_interface():
+  """Every implementation of the table owns check / run / peak_memory_bytes, and "auto" is not one."""
+  import importlib
+
+  from kda_plugin.ops import inference
+  assert inference.IMPLEMENTATIONS == ("auto", *inference.IMPLEMENTATION_MODULES)
+  for name, module in inference.IMPLEMENTATION_MODULES.items():
+    if name == "pallas_gpu":
+      pytest.importorskip("jax.experimental.pallas.triton")
+    m = importlib.import_module(module)
+    assert all(callable(getattr(m, f, None)) for f in ("check", "run", "peak_memory_bytes")), name
+
+
+def test_only_the_chosen_implementation_is_imported():
+  """The GPU wrapper (and Triton's Pallas lowering with it) is imported only when chosen."""
+  import subprocess
+  import sys
+  code = ("import sys, jax.numpy as jnp\n"
+          "from kda_plugin.ops import kda_inference\n"
+          "z = lambda *s: jnp.zeros(s, jnp.float32)\n"
+          "kda_inference(z(1, 8, 1, 16), z(1, 8, 1, 16), z(1, 8, 1, 16), z(1, 8, 1, 16), z(1, 8, 1),"
+          " implementation='xla')\n"
+          "print(sorted(m for m in sys.modules if m.startswith('kda_plugin.ops.inference_') or"
+          " m == 'kda_plugin.ops.pallas_gpu'))\n")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                     env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.strip() == "['kda_plugin.ops.inference_xla']", r.stdout
