@@ -23,8 +23,9 @@ here overrides it (e.g. attention=kda_reference, max_cache_length=4096, dtype=bf
 
 Keys:
   load_parameters_path  checkpoint directory (tools.convert_checkpoint or training output). Required.
-  tokenizer_path        sentencepiece .model file; default: the checkpoint's copy, if any. Without a
-                        tokenizer the tool works on token ids only.
+  tokenizer_path        sentencepiece .model file or Kimi tokenizer directory (tiktoken.model +
+                        tokenizer_config.json); default: the checkpoint's copy, if any (DIR/tokenizer.model
+                        or DIR/tokenizer/). Without a tokenizer the tool works on token ids only.
   prompt                one text prompt (needs a tokenizer); BOS is prepended when generate_add_bos
                         is true and the tokenizer has one. Its text streams to stdout as it is made.
   prompts_file          UTF-8 file, one prompt per non-blank line: text with a tokenizer, else token
