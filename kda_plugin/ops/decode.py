@@ -52,19 +52,15 @@ def _step(state, q, k, v, g, beta):
   return o, new_state
 
 
-def _step_tpu(state, q, k, v, g, beta, *, interpret):
-  """`_step` by the Mosaic kernel: heads flattened to rows (free reshapes of contiguous arrays)."""
+def _step_tpu(state, q, k, v, g, beta, *, scale, interpret):
+  """`_step` by the Mosaic kernel, on the caller's arrays as they are (it converts them itself)."""
   platform = target_platform()
   if not interpret and platform != "tpu":
     raise RuntimeError(f"implementation 'pallas_tpu' of the decode step needs a TPU, but the target "
                        f"platform is {platform!r}; pass interpret=True to simulate the kernel, or use "
                        "implementation='xla'")
-  b, h, kd, vd = state.shape
-  r = b * h
-  o, new_state = decode_pallas_tpu.decode_step_tpu(
-      state.reshape(r, kd, vd), q.reshape(r, kd), k.reshape(r, kd), v.reshape(r, vd), g.reshape(r, kd),
-      beta.reshape(r, 1), interpret=interpret)
-  return o.reshape(b, h, vd), new_state.reshape(b, h, kd, vd)
+  return decode_pallas_tpu.decode_step_tpu(state, q, k, v, g, beta.astype(jnp.float32), scale=scale,
+                                           interpret=interpret)
 
 
 def kda_decode_step(q, k, v, g, beta, state, *, scale=None, implementation="auto", interpret=False):
@@ -106,12 +102,12 @@ def kda_decode_step(q, k, v, g, beta, state, *, scale=None, implementation="auto
   qt, kt, vt, gt, bt = (add_t(x) for x in (q, k, v, g, beta))
   p = check_kda_inputs(qt, kt, vt, gt, bt, initial_state=state, scale=scale)
   scale = default_scale(scale, p.key_dim)
-  name = resolve_implementation(implementation)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  args = (f32(state), f32(qt[:, 0]) * scale, f32(kt[:, 0]), f32(vt[:, 0]), f32(gt[:, 0]), f32(bt[:, 0]))
-  if name == "pallas_tpu":
-    o, new_state = _step_tpu(*args, interpret=interpret)
+  if resolve_implementation(implementation) == "pallas_tpu":
+    o, new_state = _step_tpu(f32(state), qt[:, 0], kt[:, 0], vt[:, 0], gt[:, 0], bt[:, 0], scale=scale,
+                             interpret=interpret)
   else:
-    o, new_state = _step(*args)
+    o, new_state = _step(f32(state), f32(qt[:, 0]) * scale, f32(kt[:, 0]), f32(vt[:, 0]), f32(gt[:, 0]),
+                         f32(bt[:, 0]))
   o = o.astype(q.dtype)
   return (o[:, None] if with_time else o), new_state

@@ -5,19 +5,22 @@ Run in a libtpu compile venv by `tests/aot/test_tpu_decode_compile.py` through `
 compile per process. The step is compiled as a server calls it: its own jit, the state donated
 (`donate_argnums`), bfloat16 q, k, v, beta, float32 g (the activated decay) and float32 state
 `[B, H, K, V]`, traced under `jax.sharding.use_abstract_mesh` of a one-chip mesh with
-`jax.ShapeDtypeStruct` arguments (nothing is allocated).
+`jax.ShapeDtypeStruct` arguments (nothing is allocated). `--dtype float32` makes q, k, v, beta float32.
 
 Usage: python -m tests.aot.compile_decode_tpu --chip v5e --batch 128 --heads 24
   [--key-dim 128 --value-dim 128 --implementation auto|pallas_tpu|xla]
 
 Output (last stdout line): {"chip", "jax", "implementation", "argument_bytes", "output_bytes",
-"temp_bytes", "alias_bytes", "kernels" (Mosaic custom calls in the compiled program), "compile_s"}.
+"temp_bytes", "alias_bytes", "kernels" (Mosaic custom calls in the compiled program), "compile_s"};
+with --bench-loop also "state_in_vmem" (any [B, H, K, V] f32 buffer in memory space 1) and
+"state_copies" (copy ops of that shape).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -32,6 +35,10 @@ def main(argv=None) -> int:
   ap.add_argument("--key-dim", type=int, default=128)
   ap.add_argument("--value-dim", type=int, default=128)
   ap.add_argument("--implementation", choices=["auto", "pallas_tpu", "xla"], default="auto")
+  ap.add_argument("--bench-loop", action="store_true",
+                  help="compile tools.bench.kernel_device_time's decode loop instead, and report whether "
+                       "its state is placed in VMEM and how many state-sized copies it makes")
+  ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="q, k, v, beta")
   args = ap.parse_args(argv)
 
   import jax  # noqa: PLC0415
@@ -46,7 +53,7 @@ def main(argv=None) -> int:
   mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
   sharding = NamedSharding(mesh, PartitionSpec())
   sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
-  bf16, f32 = jnp.bfloat16, jnp.float32
+  bf16, f32 = jnp.dtype(args.dtype), jnp.float32
   arrays = [sds((b, h, kd), bf16), sds((b, h, kd), bf16), sds((b, h, vd), bf16), sds((b, h, kd), f32),
             sds((b, h), bf16), sds((b, h, kd, vd), f32)]
 
@@ -55,7 +62,12 @@ def main(argv=None) -> int:
 
   start = time.perf_counter()
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    compiled = jax.jit(step, donate_argnums=(5,)).lower(*arrays).compile()
+    if args.bench_loop:
+      from tools.bench.kernel_device_time import compile_decode_loop, decode_case  # noqa: PLC0415
+      fn = decode_case(b, h, kd, vd, implementation=args.implementation)[0]
+      compiled = compile_decode_loop(fn, arrays[5])
+    else:
+      compiled = jax.jit(step, donate_argnums=(5,)).lower(*arrays).compile()
   compile_s = time.perf_counter() - start
   ma = compiled.memory_analysis()
   text = compiled.as_text()
@@ -63,6 +75,10 @@ def main(argv=None) -> int:
                 argument_bytes=int(ma.argument_size_in_bytes), output_bytes=int(ma.output_size_in_bytes),
                 temp_bytes=int(ma.temp_size_in_bytes), alias_bytes=int(ma.alias_size_in_bytes),
                 kernels=text.count('custom_call_target="tpu_custom_call"'), compile_s=round(compile_s, 2))
+  if args.bench_loop:
+    state = re.escape(f"f32[{b},{h},{kd},{vd}]")
+    report["state_in_vmem"] = bool(re.search(state + r"\{[^}]*S\(1\)", text))
+    report["state_copies"] = len(re.findall(state + r"\{[^}]*\} copy\(", text))
   print(json.dumps(report))
   return 0
 
