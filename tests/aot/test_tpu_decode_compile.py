@@ -8,7 +8,8 @@ server calls the step (own jit, state donated) and asserts on the compiled execu
   - the new state is written over the donated state (`alias_bytes` = the state's bytes) and there
     are no temporaries: no relayout or defensive copy of the state around the kernel, nor any
     `[B, H, K]` reshape copy (the kernel takes the caller's layout);
-  - `xla` compiles too, with no kernel.
+  - `xla` compiles too, with no kernel;
+  - the decode loop of tools/bench/kernel_device_time keeps the state in HBM (not VMEM) and in place.
 Shapes: the serving rows of docs/performance.md (H=24, K=V=128, B=1/32/128, bf16 inputs), float32
 inputs, and a small odd shape (H=3, K=8, V=16) like the tiny configs.
 """
@@ -54,3 +55,18 @@ def test_decode_step_compiles_on_jax_0_10_2(tpu_aot_jax0102, case):
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_decode_step_compiles_on_the_newest_jax(tpu_aot, case):
   _check(_run(tpu_aot, "v5e", case), case)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("aot,implementation", [("tpu_aot_jax0102", "auto"), ("tpu_aot", "auto"), ("tpu_aot", "xla")])
+def test_decode_benchmark_keeps_the_state_in_hbm(aot, implementation, request):
+  """tools/bench/kernel_device_time's decode loop at B=32 (a 50 MB state, small enough for v5e's
+  VMEM): no [B, H, K, V] buffer in VMEM (without DECODE_COMPILER_OPTIONS XLA keeps the loop carry
+  there and times VMEM, not the HBM a server reads), and one state copy, the non-donated argument's
+  on entry (the loop carries the state in place)."""
+  runner = request.getfixturevalue(aot)
+  chip = "v5e-2x2" if aot == "tpu_aot_jax0102" else "v5e"
+  report = runner.run(MODULE, "--chip", chip, "--batch", "32", "--implementation", implementation,
+                      "--bench-loop", timeout=300)
+  assert report["state_in_vmem"] is False, report
+  assert report["state_copies"] == 1, report
