@@ -125,7 +125,7 @@ def decode_case(b, h, kd=128, vd=128, implementation="auto"):
 
 def compile_decode_loop(fn, x):
   """`n` decode steps in one executable, `fn(state) -> (new state, o)`, compiled with
-  DECODE_COMPILER_OPTIONS (the state in HBM every step, as a server has it). The state is the loop
+  DECODE_COMPILER_OPTIONS on a TPU (the state in HBM every step, as a server has it). The state is the loop
   carry, written in place each step: no copy inside the loop (one copy of the argument on entry).
   `x` may be a `jax.ShapeDtypeStruct` (ahead-of-time compiles)."""
   def body(_, carry):
@@ -136,8 +136,10 @@ def compile_decode_loop(fn, x):
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, s)[1])
     return lax.fori_loop(0, n, body, (s, zeros))
 
+  from kda_plugin.ops.inference import target_platform  # noqa: PLC0415  (after jax is configured)
   n = jax.ShapeDtypeStruct((), jnp.int32, sharding=getattr(x, "sharding", None))
-  return jax.jit(run).lower(x, n).compile(DECODE_COMPILER_OPTIONS)
+  # the option is libtpu's: other backends reject it (an unknown option is a compile error)
+  return jax.jit(run).lower(x, n).compile(DECODE_COMPILER_OPTIONS if target_platform() == "tpu" else None)
 
 
 def time_decode_case(fn, x, *, repeats, loop_ms):
