@@ -96,7 +96,7 @@ def _kernel(q_ref, k_ref, g_ref, v_ref, beta_ref, s_ref, o_ref, so_ref, orow_ref
   lax.fori_loop(0, bb, sequence, 0)
 
 
-def decode_step_tpu(state, q, k, v, g, beta, *, scale, interpret=False):
+def decode_step_tpu(state, q, k, v, g, beta, *, scale, interpret=False, seqs_per_step_override=None):
   """One decode step for every sequence and head on the TPU.
 
   Args:
@@ -106,6 +106,8 @@ def decode_step_tpu(state, q, k, v, g, beta, *, scale, interpret=False):
     beta: float32 `[B, H]`.
     scale: the query scale (a Python float).
     interpret: run the kernel in Pallas interpret mode (CPU tests).
+    seqs_per_step_override: BB instead of `seqs_per_step`'s choice (tools/bench/decode_block_sweep.py
+      times the choices on a chip); must divide B and fit the VMEM plan.
 
   Returns:
     `(o [B, H, V] in q's dtype, new_state float32 [B, H, K, V])`; new_state is written over
@@ -113,11 +115,14 @@ def decode_step_tpu(state, q, k, v, g, beta, *, scale, interpret=False):
     copy.
 
   Raises:
-    ValueError: the shape is beyond the VMEM plan (`check_limits`).
+    ValueError: the shape is beyond the VMEM plan (`check_limits`), or a bad override.
   """
   b, h, kd, vd = state.shape
   check_limits(b, h, kd, vd)
-  bb = seqs_per_step(b, h, kd, vd)
+  bb = seqs_per_step(b, h, kd, vd) if seqs_per_step_override is None else seqs_per_step_override
+  if b % bb or vmem_limit_bytes(bb, h, kd, vd) > MAX_VMEM_BYTES:
+    raise ValueError(f"seqs_per_step_override={bb}: must divide B={b} and fit {MAX_VMEM_BYTES >> 20} MiB "
+                     f"of VMEM (needs {vmem_limit_bytes(bb, h, kd, vd) >> 20} MiB)")
   vecs = lambda d: pl.BlockSpec((bb, h, d), lambda i: (i, 0, 0))
   states = pl.BlockSpec((bb, h, kd, vd), lambda i: (i, 0, 0, 0))
   return pl.pallas_call(

@@ -102,10 +102,8 @@ def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation
   return fn, v, hbm, flops
 
 
-def decode_case(b, h, kd=128, vd=128, implementation="auto"):
-  """(fn(state) -> (new state, o), state, hbm_bytes, flops) for one `kda_decode_step` (bf16 q, k, v,
-  beta; float32 g and state); hbm_bytes: the state read and written once plus the small inputs."""
-  from kda_plugin.ops.decode import kda_decode_step  # noqa: PLC0415  (after jax is configured)
+def decode_inputs(b, h, kd=128, vd=128):
+  """Seeded decode-step inputs: unit q and k, bf16 q, k, v, beta; float32 g (<= 0) and state."""
   rng = np.random.default_rng(0)
   unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
   q = jnp.asarray(unit(rng.standard_normal((b, h, kd))), jnp.bfloat16)
@@ -114,13 +112,25 @@ def decode_case(b, h, kd=128, vd=128, implementation="auto"):
   g = jnp.asarray(-rng.uniform(0, 0.5, (b, h, kd)), jnp.float32)
   beta = jnp.asarray(rng.uniform(0, 1, (b, h)), jnp.bfloat16)
   state = jnp.asarray(rng.standard_normal((b, h, kd, vd)) * 0.1, jnp.float32)
+  return q, k, v, g, beta, state
+
+
+def decode_hbm_bytes(b, h, kd=128, vd=128):
+  """The state read and written once plus the small inputs."""
+  return 2 * b * h * kd * vd * 4 + b * h * (3 * kd + 2 * vd) * 2 + b * h * kd * 4
+
+
+def decode_case(b, h, kd=128, vd=128, implementation="auto"):
+  """(fn(state) -> (new state, o), state, hbm_bytes, flops) for one `kda_decode_step` on
+  `decode_inputs`."""
+  from kda_plugin.ops.decode import kda_decode_step  # noqa: PLC0415  (after jax is configured)
+  q, k, v, g, beta, state = decode_inputs(b, h, kd, vd)
 
   def fn(s):
     o, s2 = kda_decode_step(q, k, v, g, beta, s, implementation=implementation)
     return s2, o
 
-  hbm = 2 * b * h * kd * vd * 4 + b * h * (3 * kd + 2 * vd) * 2 + b * h * kd * 4
-  return fn, state, hbm, 6 * b * h * kd * vd
+  return fn, state, decode_hbm_bytes(b, h, kd, vd), 6 * b * h * kd * vd
 
 
 def compile_decode_loop(fn, x):
