@@ -72,9 +72,17 @@ PREFILL = {
     "one_8_token_doc_h24": (1, 8, 24, "bfloat16", "lane_dense", [8], 0.05),
     "b16_t2048_h8_4docs": (16, 2048, 8, "bfloat16", "lane_dense", [500, 530, 490, 528], 1.2),
 }
-# name: (B, H, target ms)
-DECODE = {"decode_h24_b32": (32, 24, 0.14), "decode_h24_b128": (128, 24, 0.60)}
-
+# name: (B, H, target ms, implementation). B=1's target is the XLA step's measured 0.056 ms (not to
+# regress); the `_xla` rows time the XLA step beside the kernel.
+DECODE = {"decode_h24_b1": (1, 24, 0.056, "auto"), "decode_h24_b32": (32, 24, 0.14, "auto"),
+          "decode_h24_b128": (128, 24, 0.60, "auto"), "decode_h24_b32_xla": (32, 24, 0.14, "xla"),
+          "decode_h24_b128_xla": (128, 24, 0.60, "xla")}
+# A server's decode state lives in HBM between steps (one executable call a token, dozens of layers'
+# states). Inside one looping jit, XLA's memory-space assignment would keep a state that fits VMEM
+# (v5e: 128 MiB; B=32 H=24 is 50 MB) there for the whole loop, timing VMEM instead of HBM (it
+# measured 0.113 ms at B=32, below the 0.123 ms HBM floor). This option keeps it in HBM on v5e
+# (checked by tests/aot/test_tpu_decode_compile.py; an unknown option is a compile error).
+DECODE_COMPILER_OPTIONS = {"xla_vf_vmem_memory_space_assignment": False}
 
 def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation="pallas_tpu"):
   """(fn(v, consts) -> (o, final), v, consts, hbm_bytes, flops) for one kda_inference call (bounded
@@ -105,24 +113,54 @@ def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation
   return fn, v, consts, hbm, flops
 
 
-def decode_case(b, h, kd=128, vd=128):
-  """(fn(state, consts) -> (state, o), state, consts, hbm_bytes, flops) for one decode step."""
-  from kda_plugin.ops.decode import kda_decode_step  # noqa: PLC0415  (after jax is configured)
+def decode_inputs(b, h, kd=128, vd=128):
+  """Seeded decode-step inputs: unit q and k, bf16 q, k, v, beta; float32 g (<= 0) and state."""
   rng = np.random.default_rng(0)
   unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-  consts = dict(q=jnp.asarray(unit(rng.standard_normal((b, h, kd))), jnp.bfloat16),
-                k=jnp.asarray(unit(rng.standard_normal((b, h, kd))), jnp.bfloat16),
-                v=jnp.asarray(rng.standard_normal((b, h, vd)), jnp.bfloat16),
-                g=jnp.asarray(-rng.uniform(0, 0.5, (b, h, kd)), jnp.float32),
-                beta=jnp.asarray(rng.uniform(0, 1, (b, h)), jnp.bfloat16))
+  q = jnp.asarray(unit(rng.standard_normal((b, h, kd))), jnp.bfloat16)
+  k = jnp.asarray(unit(rng.standard_normal((b, h, kd))), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((b, h, vd)), jnp.bfloat16)
+  g = jnp.asarray(-rng.uniform(0, 0.5, (b, h, kd)), jnp.float32)
+  beta = jnp.asarray(rng.uniform(0, 1, (b, h)), jnp.bfloat16)
   state = jnp.asarray(rng.standard_normal((b, h, kd, vd)) * 0.1, jnp.float32)
+  return q, k, v, g, beta, state
 
-  def fn(s, c):
-    o, s2 = kda_decode_step(c["q"], c["k"], c["v"], c["g"], c["beta"], s)
+
+def decode_hbm_bytes(b, h, kd=128, vd=128):
+  """The state read and written once plus the small inputs."""
+  return 2 * b * h * kd * vd * 4 + b * h * (3 * kd + 2 * vd) * 2 + b * h * kd * 4
+
+
+def decode_case(b, h, kd=128, vd=128, implementation="auto"):
+  """(fn(state) -> (new state, o), state, hbm_bytes, flops) for one `kda_decode_step` on
+  `decode_inputs`."""
+  from kda_plugin.ops.decode import kda_decode_step  # noqa: PLC0415  (after jax is configured)
+  q, k, v, g, beta, state = decode_inputs(b, h, kd, vd)
+
+  def fn(s):
+    o, s2 = kda_decode_step(q, k, v, g, beta, s, implementation=implementation)
     return s2, o
 
-  hbm = 2 * b * h * kd * vd * 4 + b * h * (3 * kd + 2 * vd) * 2 + b * h * kd * 4
-  return fn, state, consts, hbm, 6 * b * h * kd * vd
+  return fn, state, decode_hbm_bytes(b, h, kd, vd), 6 * b * h * kd * vd
+
+
+def compile_decode_loop(fn, x):
+  """`n` decode steps in one executable, `fn(state) -> (new state, o)`, compiled with
+  DECODE_COMPILER_OPTIONS on a TPU (the state in HBM every step, as a server has it). The state is the loop
+  carry, written in place each step: no copy inside the loop (one copy of the argument on entry).
+  `x` may be a `jax.ShapeDtypeStruct` (ahead-of-time compiles)."""
+  def body(_, carry):
+    s, _o = carry
+    return fn(s)
+
+  def run(s, n):
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, s)[1])
+    return lax.fori_loop(0, n, body, (s, zeros))
+
+  from kda_plugin.ops.inference import target_platform  # noqa: PLC0415  (after jax is configured)
+  n = jax.ShapeDtypeStruct((), jnp.int32, sharding=getattr(x, "sharding", None))
+  # the option is libtpu's: other backends reject it (an unknown option is a compile error)
+  return jax.jit(run).lower(x, n).compile(DECODE_COMPILER_OPTIONS if target_platform() == "tpu" else None)
 
 
 def _looped(fn):
@@ -141,26 +179,32 @@ def _looped(fn):
   return run
 
 
-def compile_case(fn, x, consts):
-  """(the compiled loop, compile seconds): traced, lowered and compiled ahead of the timing."""
+def compile_case(kind, fn, x, consts):
+  """(run(n) -> the loop's outputs, compile seconds): the case's loop traced, lowered and compiled
+  ahead of the timing. kind "prefill": `_looped`; "decode": `compile_decode_loop`."""
   t0 = time.perf_counter()
-  compiled = _looped(fn).lower(x, consts, jnp.int32(4)).compile()
-  return compiled, time.perf_counter() - t0
+  if kind == "decode":
+    compiled = compile_decode_loop(fn, x)
+    run = lambda n: compiled(x, n)
+  else:
+    compiled = _looped(fn).lower(x, consts, jnp.int32(4)).compile()
+    run = lambda n: compiled(x, consts, n)
+  return run, time.perf_counter() - t0
 
 
-def time_case(compiled, x, consts, *, repeats, loop_ms):
+def time_compiled(run, *, repeats, loop_ms):
   """(per-call ms samples, iterations per loop) of a compiled loop (`compile_case`)."""
-  jax.block_until_ready(compiled(x, consts, jnp.int32(4)))  # first run: allocation, transfers
+  jax.block_until_ready(run(jnp.int32(4)))  # first run: allocation, transfers
   t0 = time.perf_counter()
-  jax.block_until_ready(compiled(x, consts, jnp.int32(4)))
+  jax.block_until_ready(run(jnp.int32(4)))
   est = (time.perf_counter() - t0) / 4 * 1e3
   iters = int(min(2000, max(8, loop_ms / max(est, 1e-3))))
   n = jnp.int32(iters)
-  jax.block_until_ready(compiled(x, consts, n))
+  jax.block_until_ready(run(n))
   samples = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    jax.block_until_ready(compiled(x, consts, n))
+    jax.block_until_ready(run(n))
     samples.append((time.perf_counter() - t0) * 1e3 / iters)
   return samples, iters
 
@@ -197,11 +241,12 @@ def _build(name, *, smoke, implementation):
                                              implementation=implementation)
     shape = dict(batch=b, seq_len=t, heads=h, dtype=dtype, layout=layout, documents=len(lengths))
   else:
-    b, h, target = DECODE[name]
+    b, h, target, impl = DECODE[name]
     if smoke:
       b, h = min(b, SMOKE_DECODE_B), min(h, SMOKE_HEADS)
-    fn, x, consts, hbm, flops = decode_case(b, h)
-    shape = dict(batch=b, heads=h, state="float32", inputs="bfloat16")
+    fn, x, hbm, flops = decode_case(b, h, implementation=impl)
+    consts = None  # the decode step's small inputs are constants of its loop (`decode_case`)
+    shape = dict(batch=b, heads=h, state="float32", inputs="bfloat16", implementation=impl)
   return shape, fn, x, consts, hbm, flops, None if smoke else target  # targets are for the real shapes
 
 
@@ -272,7 +317,7 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   compiled = {}
   with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
-    futures = {pool.submit(compile_case, fn, x, consts): name
+    futures = {pool.submit(compile_case, "prefill" if name in PREFILL else "decode", fn, x, consts): name
                for name, (fn, x, consts, *_) in built.items()}
     for fut in concurrent.futures.as_completed(futures):
       name = futures[fut]
@@ -293,10 +338,9 @@ def main(argv=None) -> int:
       results[name]["skipped"] = f"not timed: past --budget-s {args.budget_s:g}"
       print(f"{name:24s} SKIPPED (budget)", flush=True)
       continue
-    _, x, consts, hbm, flops, target = built[name]
+    hbm, flops, target = built[name][3:]
     try:
-      samples, iters = time_case(compiled.pop(name), x, consts, repeats=args.repeats,
-                                 loop_ms=args.loop_ms)
+      samples, iters = time_compiled(compiled.pop(name), repeats=args.repeats, loop_ms=args.loop_ms)
     except Exception as e:  # noqa: BLE001
       results[name]["error"] = _error(e)
       print(f"{name:24s} FAILED {results[name]['error'][:200]}", flush=True)
