@@ -137,7 +137,7 @@ def build_schedule(seg, num_steps_: int, *, has_initial_state: bool, chunk: int 
 #
 # The TPU kernel's grid is (B, H, NC) with arithmetic block indices, so the schedule no longer steers
 # any DMA and need not be scalar-prefetched whole: each grid step builds only its own chunk's entry
-# in SMEM scratch from the chunk's labels (`pallas_tpu._build_piece_table`; `build_chunk_table` below
+# in SMEM scratch from the chunk's labels (`pallas_tpu_kernel._build_piece_table`; `build_chunk_table` below
 # is the same table in XLA, the definition the tests compare it with). An entry is `1 + 2 * P` int32
 # words, P = min(C, N) (a chunk holds at most one run per label and at most C runs): word 0 is the
 # chunk's piece count, then two words per piece in order, the label and a packed word (`PIECE_*` bit
