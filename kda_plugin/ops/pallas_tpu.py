@@ -49,23 +49,19 @@ MAX_KV = 256  # K and V padded above this would overflow the VMEM plan (states a
 def matmul_precision(dtype) -> cm.Dots:
   """The MXU precision of every matmul but the cumulative gate's: bf16 operands with float32
   accumulation (one MXU pass) for bfloat16 inputs, the UT inverse included (their 5e-3 relative
-  tolerance holds: tests/kernels/test_inference_numerics.py, b3_packed_bounded_bf16 rel L2 of o
-  3.1e-3 with a bf16 or a float32 inverse alike); float32 at HIGHEST (six passes) for float32 inputs
-  (1e-4 absolute). Two exceptions for bfloat16 inputs: the state update and the state's
-  contribution to the output are bf16x3 (`Dots.tn3` / `nn3`: the nearly-parallel-keys case needs
-  them, see `_chunk_math.piece_state_update`), and the inverse's 16-row diagonal blocks are float32
-  on the VPU. The cumulative gate is exact for both (`_chunk_math.cumsum_rows_split`): summed from
-  one bf16 pass it would be off by ~0.1 nats over a chunk. tools/tpu_cost.py, TPU7x seed shape
-  (ESTIMATE): 0.962 ms with a float32 inverse, 0.472 ms with the bf16 one (before the 16-row VPU
-  blocks)."""
+  tolerance holds: tests/kernels/test_inference_numerics.py); float32 at HIGHEST (six passes) for
+  float32 inputs (1e-4 absolute). One exception for bfloat16 inputs: the state update and the
+  state's contribution to the output are bf16x3 (`Dots.tn3` / `nn3`: the nearly-parallel-keys case
+  needs them, see `_chunk_math.piece_state_update`). The cumulative gate is exact for both
+  (`_chunk_math.cumsum_rows_split`): summed from one bf16 pass it would be off by ~0.1 nats over a
+  chunk."""
   return cm.Dots(bf16=jnp.dtype(dtype) == jnp.bfloat16)
 
 
 def heads_per_step(num_heads: int, kp: int, vp: int) -> int:
   """Heads one grid step processes (their chains are independent and issued stage by stage, so their
   MXU latencies overlap, and the step count drops by that factor): the largest of 8, 4, 2, 1 dividing
-  H, 4 at most for K or V of 256 (VMEM). tools/tpu_cost.py, TPU7x seed shape, float32 inverse
-  (ESTIMATE): 4 heads 1.026 ms, 8 heads 0.962 ms."""
+  H, 4 at most for K or V of 256 (VMEM)."""
   cap = 4 if max(kp, vp) > LANE else 8
   return next(d for d in (8, 4, 2, 1) if d <= cap and num_heads % d == 0)
 

@@ -6,9 +6,9 @@ in SMEM from the segment labels (`_build_piece_table`), the chunk's state-indepe
 all HG heads stage by stage (`_chunk_math.chunk_prep_heads`: their MXU latencies overlap), then
 walks the chunk's pieces (runs of one document inside it) through the carried state. Several chunks
 per step because each grid step has a fixed cost (pipeline bookkeeping, DMA issue and wait) that a
-64-row chunk of 8 heads does not hide; the chunks of one step share one basic block where their
-control flow allows, so the scheduler can overlap one chunk's state-independent work with the
-previous chunk's state chain.
+64-row chunk of 8 heads does not hide. Every piece takes the same path: the carry holds zeros
+whenever no document is open, so a piece without an incoming state is the stateful arithmetic on a
+zero state (exact: U - W 0 = U), with no second branch.
 
 Refs, in order (blocks of the step; shapes without the squeezed batch dim):
   seg_prev, seg_cur, seg_next: int32 SMEM `[W]`, W = max(128, CPS * 64) labels: the step's label
@@ -38,9 +38,11 @@ from kda_plugin.ops import _segment_schedule as ss
 
 C = ss.CHUNK
 LANE = 128
-# The UT inverse's 16-row diagonal blocks by forward substitution on the VPU (float32), then two
-# MXU doublings (`_chunk_math.unit_lower_inverses`): the shift the cost model chose (docs/performance.md).
-VPU_INVERSE_BLOCK_SHIFT = 4
+# The UT inverse from its exact 2-row diagonal blocks by five MXU doublings
+# (`_chunk_math.unit_lower_inverses`): on v5e the VPU is the busier unit, so the VPU forward
+# substitution of larger diagonal blocks costs more than the doublings it saves (the estimates per
+# block size are in docs/performance.md).
+VPU_INVERSE_BLOCK_SHIFT = 1
 
 
 def _bits(word, offset, width):
@@ -175,6 +177,11 @@ def kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref, 
     dtb = dtb_ref[...]
   beta_all = beta_ref[...].astype(jnp.float32)
   seg_w = seg_cur_ref.shape[0]
+
+  @pl.when(s == 0)
+  def _():  # the carry holds zeros whenever no document is open (a piece reads it unconditionally)
+    carry_ref[...] = jnp.zeros(carry_ref.shape, jnp.float32)
+
   for j in range(chunks_per_step):
     c = s * chunks_per_step + j
     _build_piece_table(table_ref, seg_prev_ref, seg_cur_ref, seg_next_ref, c, num_chunks, has_h0,
@@ -258,49 +265,41 @@ def _chunk(j, c, off, srcs, beta_all, a_exp, dtb, o_ref, h0_ref, fs_ref, carry_r
       word = table_ref[base + 2 + ss.WORDS_PER_PIECE * p_i]
       first, last = _bits(word, ss.PIECE_FIRST, 8), _bits(word, ss.PIECE_LAST, 8)
       cont, ends = _bits(word, ss.PIECE_CONT, 1), _bits(word, ss.PIECE_ENDS, 1)
-      has_state = _bits(word, ss.PIECE_HAS_STATE, 1)
       slot = label - 1
       mask = seg_col == label
 
-      def finish(vnews, s_bases):
-        # stage by stage across the heads (each stage's matmuls issued together: their MXU
-        # latencies overlap instead of adding up head after head)
-        updates = [cm.piece_state_update(g_scr[h_at(i)], k_scr[h_at(i)], mask, last, vnews[i], dots)
-                   for i in range(hg)]
-        for i in range(hg):
-          vacc_scr[h_at(i)] = vacc_scr[h_at(i)] + vnews[i]
-          s_end = updates[i] if s_bases is None else s_bases[i] + updates[i]
+      if has_h0:  # a document starting here enters with its slot's initial state
+        @pl.when(cont == 0)
+        def _():
+          for i in range(hg):
+            pltpu.sync_copy(h0_ref.at[b, slot, hb * hg + i], carry_ref.at[i])
 
-          @pl.when(ends == 0)
-          def _():
-            carry_ref[i] = s_end
+      # without an incoming state the carry holds zeros (see `kernel`), and the same arithmetic
+      # gives the stateless piece exactly: u - W 0 = u, (q~ e) 0 = 0, Diag(e) 0 = 0
+      hs = [h_at(i) for i in range(hg)]
+      outs = cm.piece_with_state_heads(
+          [g_scr[h] for h in hs], [q_scr[h] for h in hs], [k_scr[h] for h in hs],
+          [beta_scr[h] for h in hs], [tinv_scr[h] for h in hs], [u_scr[h] for h in hs], mask,
+          first, last, [carry_ref[i] for i in range(hg)], dots)
+      # stage by stage across the heads (each stage's matmuls issued together: their MXU
+      # latencies overlap instead of adding up head after head)
+      updates = [cm.piece_state_update(g_scr[h], k_scr[h], mask, last, vnew, dots)
+                 for h, (vnew, _, _) in zip(hs, outs)]
+      for i, ((vnew, o_add, s_base), update) in enumerate(zip(outs, updates)):
+        oacc_scr[h_at(i)] = oacc_scr[h_at(i)] + o_add
+        vacc_scr[h_at(i)] = vacc_scr[h_at(i)] + vnew
+        s_end = s_base + update
 
+        @pl.when(ends == 0)
+        def _():
+          carry_ref[i] = s_end
+
+        @pl.when(ends == 1)
+        def _():
           if want_final:
-            @pl.when(ends == 1)
-            def _():
-              state_scr[i] = s_end
-              pltpu.sync_copy(state_scr.at[i], fs_ref.at[b, slot, hb * hg + i])
-
-      @pl.when(has_state == 1)
-      def _():
-        if has_h0:  # a document starting here enters with its slot's initial state
-          @pl.when(cont == 0)
-          def _():
-            for i in range(hg):
-              pltpu.sync_copy(h0_ref.at[b, slot, hb * hg + i], carry_ref.at[i])
-
-        hs = [h_at(i) for i in range(hg)]
-        outs = cm.piece_with_state_heads(
-            [g_scr[h] for h in hs], [q_scr[h] for h in hs], [k_scr[h] for h in hs],
-            [beta_scr[h] for h in hs], [tinv_scr[h] for h in hs], [u_scr[h] for h in hs], mask,
-            first, last, [carry_ref[i] for i in range(hg)], dots)
-        for i, (_, o_add, _) in enumerate(outs):
-          oacc_scr[h_at(i)] = oacc_scr[h_at(i)] + o_add
-        finish([vnew for vnew, _, _ in outs], [s_base for _, _, s_base in outs])
-
-      @pl.when(has_state == 0)
-      def _():
-        finish([jnp.where(mask, u_scr[h_at(i)], 0.0) for i in range(hg)], None)
+            state_scr[i] = s_end
+            pltpu.sync_copy(state_scr.at[i], fs_ref.at[b, slot, hb * hg + i])
+          carry_ref[i] = jnp.zeros((kp, vp), jnp.float32)  # the next document starts from zeros
 
       return carry
 
@@ -308,3 +307,4 @@ def _chunk(j, c, off, srcs, beta_all, a_exp, dtb, o_ref, h0_ref, fs_ref, carry_r
     for i in range(hg):
       o = oacc_scr[h_at(i)] + dots.nn(aqk_scr[h_at(i)], vacc_scr[h_at(i)])
       o_ref[r0:r0 + C, i * vp:(i + 1) * vp] = jnp.where(valid_row, o, 0.0).astype(out_dtype)
+
