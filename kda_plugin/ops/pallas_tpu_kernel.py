@@ -38,11 +38,15 @@ from kda_plugin.ops import _segment_schedule as ss
 
 C = ss.CHUNK
 LANE = 128
-# The UT inverse from its exact 2-row diagonal blocks by five MXU doublings
-# (`_chunk_math.unit_lower_inverses`): on v5e the VPU is the busier unit, so the VPU forward
-# substitution of larger diagonal blocks costs more than the doublings it saves (the estimates per
-# block size are in docs/performance.md).
-VPU_INVERSE_BLOCK_SHIFT = 1
+
+
+def inverse_block_shift(dots) -> int:
+  """log2 of the UT inverse's diagonal blocks inverted on the VPU before the MXU doublings
+  (`_chunk_math.unit_lower_inverses`). bf16 products (one MXU pass): 1, the exact 2-row blocks then
+  five doublings, since the VPU is the busier unit. float32 at HIGHEST (six passes a product): 4,
+  16-row blocks by forward substitution then two doublings, since the MXU is. (Estimates per block
+  size: docs/performance.md.)"""
+  return 1 if dots.bf16 else 4
 
 
 def _bits(word, offset, width):
@@ -246,7 +250,7 @@ def _chunk(j, c, off, srcs, beta_all, a_exp, dtb, o_ref, h0_ref, fs_ref, carry_r
     # the in-kernel bounded gate bounds every row's log decay: the diagonal score blocks factor
     prepped = cm.chunk_prep_heads(qs, ks, Gs, betas, seg_col, seg_row, blocked=True, dots=dots,
                                   inverse_dots=dots, lower_bound=lower_bound if gate else None,
-                                  vpu_block_shift=VPU_INVERSE_BLOCK_SHIFT)
+                                  vpu_block_shift=inverse_block_shift(dots))
     for i, (tinv, aqk) in enumerate(prepped):
       g_scr[h_at(i)] = Gs[i]
       q_scr[h_at(i)] = qs[i]
