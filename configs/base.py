@@ -26,7 +26,8 @@ RENAMED = {"kda_impl": "kda_implementation"}
 # only (every key not listed below): the others steer one job of one tool, not the model.
 # tools.generate / tools.perplexity (and output_json/overwrite, shared with the others).
 SERVING_KEYS = (
-    "prompt", "prompts_file", "prompt_ids", "max_new_tokens", "decode_sampling_strategy",
+    "prompt", "prompts_file", "prompt_ids", "chat", "system", "messages", "messages_file", "max_new_tokens",
+    "decode_sampling_strategy",
     "decode_sampling_temperature", "decode_sampling_top_k", "decode_sampling_nucleus_p", "seed",
     "decode_stop_at_eos", "generate_add_bos", "generate_batch_size", "prefill_length_multiple",
     "eval_data", "eval_format", "max_target_length", "eval_add_bos", "eval_add_eos",
@@ -142,6 +143,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.prompt = ""  # tools.generate: one text prompt (needs a tokenizer); exactly one of prompt/prompts_file/prompt_ids
   c.prompts_file = ""  # tools.generate: UTF-8 file, one prompt per non-blank line (text, or ids without a tokenizer)
   c.prompt_ids = ""  # tools.generate: one prompt as token ids "1,2,3" (no tokenizer needed, used verbatim)
+  # tools.generate chat mode: the messages rendered with the checkpoint's chat template (a Kimi tokenizer's).
+  c.chat = False  # true: chat; prompt= is then the user's message (system= may precede it)
+  c.system = ""  # chat: a system message before prompt= ("" = none: the template's default, if any)
+  c.messages = ""  # chat: the whole chat as a JSON list of {"role": ..., "content": ...} (instead of prompt=)
+  c.messages_file = ""  # chat: a UTF-8 JSON file holding that list, or {"messages": [...]} (instead of prompt=)
   c.max_new_tokens = 32  # tools.generate: tokens to generate per prompt (fewer when EOS comes first)
   c.decode_sampling_strategy = "greedy"  # "greedy", "weighted" (softmax draw), "topk" or "nucleus" (model/engine/sampling.py)
   c.decode_sampling_temperature = 1.0  # > 0; logits are divided by it before a draw (ignored by greedy)

@@ -2,7 +2,7 @@ r"""Converts Hugging Face Kimi-Linear safetensors checkpoints to the project's c
 
 Usage:
   python -m tools.convert_checkpoint hf_model_path=HF_DIR output_path=DIR \
-      [weight_dtype=auto|float32|bfloat16] [overwrite=false] [tokenizer_path=FILE] [allow_non_finite=false]
+      [weight_dtype=auto|float32|bfloat16] [overwrite=false] [tokenizer_path=FILE|DIR|none] [allow_non_finite=false]
   python -m tools.convert_checkpoint direction=to_hf load_parameters_path=DIR output_path=HF_DIR \
       [weight_dtype=auto|float32|bfloat16] [max_shard_size=5GB] [overwrite=false]
 
@@ -26,10 +26,22 @@ Keys:
                         stay float32, as in the model. The summary line says how many tensors were cast.
   overwrite             true: replace an existing output directory of the same kind (a project
                         checkpoint, an HF directory with config.json, or an empty directory).
-  tokenizer_path        to_orbax: a sentencepiece .model file to copy into the checkpoint (optional).
+  tokenizer_path        to_orbax: the tokenizer to copy into the checkpoint: a sentencepiece .model file
+                        (stored as DIR/tokenizer.model) or a Kimi tokenizer directory (tiktoken.model +
+                        tokenizer_config.json). Default: hf_model_path's own tokenizer when it holds one
+                        (tiktoken.model: a Kimi checkpoint), else none; `none`: no tokenizer.
   max_shard_size        to_hf: bytes per safetensors shard (units B, KB, MB, GB; decimal); default 5GB.
   allow_non_finite      false (default): a tensor holding a NaN or an infinity is refused (one line naming
                         the first such tensor); true: convert it anyway, for debugging.
+
+Tokenizer: to_orbax copies a Kimi tokenizer's files byte for byte into DIR/tokenizer/ (tiktoken.model,
+tokenizer_config.json with its chat template, and generation_config.json, special_tokens_map.json,
+chat_template.jinja, tokenization_*.py when present), lists their CRC-32 in DIR/checksums.json and
+stores tokenizer_path=tokenizer in DIR/config.json: tools.generate (chat=true), tools.perplexity and
+tools.serve (POST /v1/chat/completions) then find the tokenizer and chat template from
+load_parameters_path=DIR alone. The tokenizer must fit the model (vocabulary size, bos/eos/pad ids),
+checked before anything is written. to_hf writes those files back into the HF directory, byte for
+byte (each checked against its checksum first).
 
 HF config.json: to_orbax stores the source's config.json unchanged as DIR/hf_config.json. to_hf
 writes the keys the model defines (shapes, layer layout, special ids, ...) from DIR/config.json and
@@ -144,6 +156,8 @@ def _summary_line(s: dict) -> str:
   # A small checkpoint moves at MB/s; "0.00 GB/s" would say nothing.
   speed = f"{rate / 1e9:.2f} GB/s" if rate >= 1e8 else f"{rate / 1e6:.1f} MB/s"
   extra = f", {s['shards']} shard(s)" if "shards" in s else ""
+  if s.get("tokenizer"):
+    extra += f", tokenizer: {len(s['tokenizer'])} file(s)"
   casts = s.get("casts") or {}
   dtypes = ("cast " + ", ".join(f"{n} tensor(s) {k.replace('->', ' -> ')}" for k, n in casts.items())
             if casts else "every tensor in its stored dtype")

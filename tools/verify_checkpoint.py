@@ -13,7 +13,8 @@ Keys:
                         copy you know to be good. Refused when checksums.json exists.
 
 Reads every parameter once, piece by piece (host memory: ~256 MB or the largest parameter), and
-compares zlib's CRC-32 of its bytes with DIR/checksums.json, as loading does
+compares zlib's CRC-32 of its bytes with DIR/checksums.json, and so the files the checkpoint carries
+(its tokenizer, hf_config.json) that checksums.json lists, as loading does
 (`model.checkpoint.format.check_parameters`; generate, perplexity, serve and training's
 load_parameters_path verify the same way unless `verify_checksums=false`).
 
@@ -64,7 +65,8 @@ def run(argv: Sequence[str]) -> int:
     print(f"unverified: {path}: {res['parameters']} parameters, {res['bytes'] / 1e9:.3f} GB readable and "
           f"{finite}, but no {ck.CHECKSUMS_FILE} to check them against ({seconds:.1f} s)")
     return 1
-  print(f"ok: {path}: {res['parameters']} parameters, {res['bytes'] / 1e9:.3f} GB, checksums match (crc32), "
+  files = f" and {res['files']} carried file(s) (tokenizer, hf_config.json)" if res.get("files") else ""
+  print(f"ok: {path}: {res['parameters']} parameters, {res['bytes'] / 1e9:.3f} GB{files}, checksums match (crc32), "
         f"{finite}, in {seconds:.1f} s")
   return 0
 

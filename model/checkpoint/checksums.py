@@ -1,4 +1,5 @@
-"""A checkpoint's integrity data: `checksums.json` (one CRC-32 per parameter) and the finite-value check.
+"""A checkpoint's integrity data: `checksums.json` (one CRC-32 per parameter and per carried file, such as
+the tokenizer's) and the finite-value check.
 
 The file's format is in model/checkpoint/format.py's docstring; `format.check_parameters` verifies
 a checkpoint against it and `format.ParameterWriter` writes it.
@@ -10,7 +11,7 @@ import json
 import os
 import pathlib
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import jax
 import numpy as np
@@ -61,9 +62,22 @@ def checksum_entry(array) -> dict:
   return {"crc32": crc32(a), "dtype": str(np.dtype(a.dtype)), "shape": [int(d) for d in a.shape]}
 
 
-def write_checksums_file(directory: pathlib.Path, entries: Mapping[str, dict]) -> None:
-  """Writes `directory/checksums.json` atomically (a temporary file renamed into place)."""
+def file_entry(path: str | os.PathLike) -> dict:
+  """`{"crc32": ..., "bytes": n}` of a file's bytes, as checksums.json's "files" section stores it."""
+  crc, size = 0, 0
+  with open(path, "rb") as f:
+    while block := f.read(1 << 20):
+      crc, size = zlib.crc32(block, crc), size + len(block)
+  return {"crc32": f"{crc & 0xFFFFFFFF:08x}", "bytes": size}
+
+
+def write_checksums_file(directory: pathlib.Path, entries: Mapping[str, dict],
+                         files: Mapping[str, dict] | None = None) -> None:
+  """Writes `directory/checksums.json` atomically (a temporary file renamed into place); `files`:
+  `{relative path: file_entry(...)}` of the files the checkpoint carries besides params/ (omitted when empty)."""
   data = {"format": 1, "algorithm": "crc32", "parameters": dict(sorted(entries.items()))}
+  if files:
+    data["files"] = dict(sorted(files.items()))
   with atomic_writer(directory / CHECKSUMS_FILE) as f:
     f.write(json.dumps(data, indent=1) + "\n")
 
@@ -84,3 +98,52 @@ def read_checksums(path: str | os.PathLike) -> dict[str, dict] | None:
     return data["parameters"]
   except (ValueError, AttributeError, UnicodeDecodeError) as e:
     raise CheckpointError(f"{f}: not a valid checksums file ({type(e).__name__}: {e})") from None
+
+
+def read_file_checksums(path: str | os.PathLike) -> dict[str, dict] | None:
+  """`{relative path: {"crc32", "bytes"}}` of the files checkpoint `path` carries besides params/ (its
+  tokenizer, hf_config.json), `{}` when checksums.json lists none, None when there is no checksums.json.
+
+  Raises:
+    CheckpointError: a checksums.json whose "files" is not an object of such entries.
+  """
+  f = pathlib.Path(path) / CHECKSUMS_FILE
+  if not f.is_file():
+    return None
+  try:
+    files = json.loads(f.read_text()).get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(v, dict) and "crc32" in v for v in files.values()):
+      raise ValueError("\"files\" must be {path: {\"crc32\": ..., \"bytes\": ...}}")
+    return files
+  except (ValueError, AttributeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{f}: not a valid checksums file ({type(e).__name__}: {e})") from None
+
+
+def check_files(path: str | os.PathLike, names: Iterable[str] | None = None) -> int:
+  """Verifies the carried files of checkpoint `path` (all listed in checksums.json, or only `names`)
+  against their recorded CRC-32 and size; returns how many were checked (0 without checksums.json).
+
+  Raises:
+    CheckpointError: a listed file that is missing or whose bytes differ (named, both CRCs), or a name
+      in `names` that checksums.json does not list.
+  """
+  files = read_file_checksums(path)
+  if files is None:
+    return 0
+  p = pathlib.Path(path)
+  todo = sorted(files) if names is None else list(names)
+  for name in todo:
+    if name not in files:
+      raise CheckpointError(f"load_parameters_path={os.fspath(p)}: {CHECKSUMS_FILE} lists no checksum of {name}: "
+                            f"the checkpoint is corrupt")
+    f = p / name
+    if not f.is_file():
+      raise CheckpointError(f"load_parameters_path={os.fspath(p)}: {name} is missing (listed in {CHECKSUMS_FILE}): "
+                            f"the checkpoint is incomplete; restore it from a good copy")
+    got, want = file_entry(f), files[name]
+    if got["crc32"] != want.get("crc32") or got["bytes"] != want.get("bytes", got["bytes"]):
+      raise CheckpointError(f"load_parameters_path={os.fspath(p)}: {name} does not match its checksum (crc32 "
+                            f"recorded {want.get('crc32')}, read {got['crc32']}; {got['bytes']} bytes): the file is "
+                            f"corrupt or was edited; restore the checkpoint from a good copy (verify_checksums=false "
+                            f"loads it anyway)")
+  return len(todo)

@@ -16,7 +16,14 @@ Layout of a checkpoint directory `DIR` (what `load_parameters_path=DIR` points a
                         "dtype": "float32", "shape": [..]}}}`; written with params/, inside the same
                         atomic rename. Loading verifies it (`check_parameters`); a checkpoint written
                         before checksums were recorded has none and loads with a one-line notice.
-  DIR/tokenizer.model   a copy of the tokenizer file, when one was given (optional).
+                        A "files" section lists the other files the checkpoint carries, the same
+                        way per file: `{"tokenizer/tiktoken.model": {"crc32": ..., "bytes": n}, ...}`
+                        (the tokenizer and hf_config.json); loading verifies them too.
+  DIR/tokenizer.model   a copy of a sentencepiece tokenizer file, when one was given (optional); or
+  DIR/tokenizer/        a Kimi (tiktoken) tokenizer directory's files, byte for byte: tiktoken.model,
+                        tokenizer_config.json (with the chat template), generation_config.json, ...
+                        (`model.checkpoint.tokenizer_files`); config.json's tokenizer_path is then
+                        "tokenizer", so every tool finds tokenizer and chat template from DIR alone.
 
 Saving goes through `ParameterWriter`, which writes into a hidden temporary sibling of DIR and renames
 it into place only when everything is written, so a failure or interrupt never leaves a partial DIR.
@@ -45,14 +52,15 @@ import numpy as np
 from flax import nnx
 
 from model.atomic import atomic_directory, check_writable, remove_tree
-from model.checkpoint.checksums import CHECKSUMS_FILE, checksum_entry, crc32, non_finite, read_checksums, write_checksums_file
+from model.checkpoint.checksums import (CHECKSUMS_FILE, check_files, checksum_entry, crc32, file_entry, non_finite,
+                                        read_checksums, read_file_checksums, write_checksums_file)
+from model.checkpoint.tokenizer_files import TOKENIZER_DIR, TOKENIZER_FILE, is_tokenizer_dir, tokenizer_dir_files
 from model.checkpoint.orbax_logs import held_absl_warnings, quiet_orphaned_reads
 from model.errors import CheckpointError
 from model.config import ConfigError, apply_overrides, checkpoint_json, config_from_json, set_value, validate_config
 
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
-TOKENIZER_FILE = "tokenizer.model"
 # Chunks of at most this many bytes in the stored zarr arrays, so that a sharded restore reads
 # about its own shard rather than whole multi-GB tensors.
 _CHUNK_BYTES = 64 * 2**20
@@ -179,20 +187,23 @@ class ParameterWriter:
     with ParameterWriter(out_dir, config, tokenizer_path=tok, overwrite=False) as w:
       for piece in pieces:          # disjoint nested dicts of the pure parameter tree
         w.write(piece)              # written to disk before returning; the caller may free it
-    # out_dir now holds config.json, params/ (and tokenizer.model); on error nothing is left.
+    # out_dir now holds config.json, params/ (and the tokenizer); on error nothing is left.
 
   Args:
     path: the checkpoint directory to create.
     config: the model's ConfigDict (stored as config.json; `load_parameters_path` cleared and
-      `tokenizer_path` replaced by the copied file's name).
-    tokenizer_path: a tokenizer file to copy in as `tokenizer.model`; default `config.tokenizer_path`
-      when that names an existing file, else none.
+      `tokenizer_path` replaced by the copy's name, relative to the checkpoint).
+    tokenizer_path: the tokenizer to copy in: a sentencepiece file (stored as `tokenizer.model`) or a
+      Kimi tokenizer directory (its files stored in `tokenizer/`, `tokenizer_files.tokenizer_dir_files`);
+      default `config.tokenizer_path` when that names an existing file or such a directory, else none.
     overwrite: replace an existing checkpoint at `path` (only a directory that is a checkpoint, or
       empty, is ever replaced; anything else is refused).
 
+  Every copied file (and every `add_file`) gets its CRC-32 in checksums.json's "files" section.
+
   Raises:
     CheckpointError: `path` exists and overwrite is False (or it is not a checkpoint), or the
-      tokenizer file is missing; both before anything is written.
+      tokenizer is missing or a directory without tiktoken.model; both before anything is written.
   """
 
   def __init__(self, path: str | os.PathLike, config, *, tokenizer_path: str | os.PathLike | None = None,
@@ -200,31 +211,64 @@ class ParameterWriter:
     self.path = pathlib.Path(path).absolute()
     check_writable(self.path, overwrite, is_checkpoint, "a checkpoint")
     self.overwrite = overwrite
-    if tokenizer_path is None and config.get("tokenizer_path") and os.path.isfile(config.tokenizer_path):
+    if tokenizer_path is None and config.get("tokenizer_path") and (
+        os.path.isfile(config.tokenizer_path) or is_tokenizer_dir(config.tokenizer_path)):
       tokenizer_path = config.tokenizer_path
-    if tokenizer_path is not None and not os.path.isfile(tokenizer_path):
-      raise CheckpointError(f"tokenizer_path {os.fspath(tokenizer_path)!r} is not a file")
+    self.tokenizer_files: list[tuple[str, str]] = []   # (source path, name inside the checkpoint)
+    if tokenizer_path is not None:
+      tokenizer_path = os.fspath(tokenizer_path)
+      if os.path.isdir(tokenizer_path):
+        try:
+          names = tokenizer_dir_files(tokenizer_path)
+        except FileNotFoundError as e:
+          raise CheckpointError(f"tokenizer_path: {e}") from None
+        self.tokenizer_files = [(os.path.join(tokenizer_path, n), f"{TOKENIZER_DIR}/{n}") for n in names]
+      elif os.path.isfile(tokenizer_path):
+        self.tokenizer_files = [(tokenizer_path, TOKENIZER_FILE)]
+      else:
+        raise CheckpointError(f"tokenizer_path {tokenizer_path!r} does not exist (expected a sentencepiece .model "
+                              f"file or a Kimi tokenizer directory with tiktoken.model)")
     self.tokenizer_path = tokenizer_path
     self.config = config
     self.tmp: pathlib.Path | None = None
     self._written: set[str] = set()
     self._checksums: dict[str, dict] = {}
+    self._file_checksums: dict[str, dict] = {}
     self.bytes_written = 0
+
+  @property
+  def stored_tokenizer_path(self) -> str:
+    """config.json's tokenizer_path: relative to the checkpoint ("tokenizer.model", "tokenizer"), or ""."""
+    if not self.tokenizer_files:
+      return ""
+    return TOKENIZER_FILE if self.tokenizer_files[0][1] == TOKENIZER_FILE else TOKENIZER_DIR
 
   def __enter__(self):
     self._atomic = atomic_directory(self.path, overwrite=self.overwrite, replaceable=is_checkpoint,
                                     what="a checkpoint")
     self.tmp = self._atomic.__enter__()
     try:
-      stored = apply_overrides(self.config, ["load_parameters_path=",
-                                             f"tokenizer_path={TOKENIZER_FILE if self.tokenizer_path else ''}"])
+      stored = apply_overrides(self.config, ["load_parameters_path=", f"tokenizer_path={self.stored_tokenizer_path}"])
       (self.tmp / CONFIG_FILE).write_text(checkpoint_json(stored) + "\n")
-      if self.tokenizer_path:
-        shutil.copyfile(self.tokenizer_path, self.tmp / TOKENIZER_FILE)
+      for src, name in self.tokenizer_files:
+        (self.tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, self.tmp / name)
+        self._file_checksums[name] = file_entry(self.tmp / name)
     except BaseException:
       self._atomic.__exit__(*sys.exc_info())
       raise
     return self
+
+  def add_file(self, name: str, data: bytes) -> None:
+    """Writes `data` as the file `name` (relative, e.g. "hf_config.json") of the checkpoint, listed with
+    its CRC-32 in checksums.json."""
+    if self.tmp is None:
+      raise RuntimeError("ParameterWriter.add_file outside its `with` block")
+    if name in self._file_checksums or name in (CONFIG_FILE, CHECKSUMS_FILE) or name.split("/")[0] == PARAMS_DIR:
+      raise CheckpointError(f"{self.path}: the file {name} is written twice or is the checkpoint's own")
+    (self.tmp / name).parent.mkdir(parents=True, exist_ok=True)
+    (self.tmp / name).write_bytes(data)
+    self._file_checksums[name] = file_entry(self.tmp / name)
 
   def write(self, tree: Mapping) -> None:
     """Writes one piece of the pure parameter tree (nested dicts of arrays, or an nnx.State).
@@ -258,7 +302,7 @@ class ParameterWriter:
           raise CheckpointError(f"no parameters were written to {self.path}")
         with _context():
           _ocp().partial.finalize(self.tmp / PARAMS_DIR)
-        write_checksums_file(self.tmp, self._checksums)
+        write_checksums_file(self.tmp, self._checksums, self._file_checksums)
     except BaseException:
       remove_tree(partial)
       self._atomic.__exit__(*sys.exc_info())
@@ -365,14 +409,15 @@ def check_parameters(path: str | os.PathLike, *, verify_checksums: bool = True,
   """Reads every stored parameter once, piece by piece (host memory: about SCAN_PIECE_BYTES or the
   largest parameter), verifies its CRC-32 against checksums.json and refuses non-finite values: the
   load-time check of `model.loading.restore` and the work of `tools.verify_checkpoint`. Values are
-  checked in their stored dtype. With both checks off nothing is read.
+  checked in their stored dtype. With both checks off nothing is read. The carried files checksums.json
+  lists (the tokenizer, hf_config.json) are verified too (`checksums.check_files`).
 
   A checkpoint without checksums.json (written before checksums were recorded) is not an error:
   one line `note: ...` goes to stderr, once per checkpoint and process.
 
   Returns:
     `{"parameters": n, "bytes": bytes read, "checksums": True (verified) / False (none recorded) /
-    None (not asked)}`.
+    None (not asked), "files": carried files verified}`.
 
   Raises:
     CheckpointError: one line naming the first parameter (in stored order) whose bytes do not match
@@ -392,7 +437,8 @@ def check_parameters(path: str | os.PathLike, *, verify_checksums: bool = True,
     odd = sorted(set(sums) ^ set(stored))
     raise CheckpointError(f"load_parameters_path={os.fspath(p)}: {CHECKSUMS_FILE} does not list the same "
                           f"parameters as params/ (e.g. {odd[0]}): the checkpoint is corrupt")
-  out = {"parameters": len(stored), "bytes": 0, "checksums": None if not verify_checksums else sums is not None}
+  out = {"parameters": len(stored), "bytes": 0, "checksums": None if not verify_checksums else sums is not None,
+         "files": check_files(p) if sums is not None else 0}
   if sums is None and allow_non_finite:
     return out
   for group in _pieces(stored):
@@ -423,8 +469,17 @@ def record_checksums(path: str | os.PathLike) -> int:
   for group in _pieces(stored):
     for name, arr in _read_named(p, stored, group).items():
       entries[name] = checksum_entry(arr)
-  write_checksums_file(p, entries)
+  write_checksums_file(p, entries, {name: file_entry(p / name) for name in carried_files(p)})
   return len(entries)
+
+
+def carried_files(path: str | os.PathLike) -> list[str]:
+  """The files checkpoint `path` holds besides config.json, checksums.json and params/ (relative paths,
+  sorted): its tokenizer (tokenizer.model, tokenizer/...) and hf_config.json."""
+  p = pathlib.Path(path)
+  skip = {CONFIG_FILE, CHECKSUMS_FILE, PARAMS_DIR}
+  return sorted(f.relative_to(p).as_posix() for f in p.rglob("*")
+                if f.is_file() and f.relative_to(p).parts[0] not in skip)
 
 
 def _pieces(stored: dict):

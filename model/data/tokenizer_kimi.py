@@ -51,9 +51,7 @@ TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG_FILE = "generation_config.json"
-# The files of a Kimi tokenizer directory that a checkpoint conversion carries along when present
-# (the first two are required). tokenization_kimi.py is HF's remote code for AutoTokenizer.
-TOKENIZER_FILES = (TIKTOKEN_FILE, CONFIG_FILE, TEMPLATE_FILE, "special_tokens_map.json", "tokenization_kimi.py")
+# The files a checkpoint conversion carries along are listed by model.checkpoint.tokenizer_files.
 NUM_RESERVED_SPECIAL = 256
 
 # Kimi's pre-tokenizer (the `pat_str` of tokenization_kimi.py): runs of Han characters; words (letters

@@ -31,6 +31,8 @@ from model.engine import executables, sampling
 from model.engine.api import GenerationError, SamplingParams, check_vocab_limit
 from model.nn.kimi_linear import last_token_logits
 
+MAX_STOP_IDS = 8   # stop ids one Generator may hold (a runtime int32 vector of the compiled decode step)
+
 
 def check_max_new_tokens(max_new_tokens: int) -> None:
   """GenerationError unless `max_new_tokens` >= 1 (the one check: the tool calls it before the model
@@ -127,6 +129,8 @@ class Generator:
     model: the model (its parameters are split out once; the model object is not modified).
     max_length: prompt + generated tokens a request may need (normally `config.max_cache_length`).
     eos_id: the id that ends a sequence (when `stop_at_eos`), or None.
+    stop_ids: the ids that end a sequence (when `stop_at_eos`), at most MAX_STOP_IDS of them, e.g. a
+      Kimi tokenizer's `stop_ids` (<|im_end|> and generation_config.json's EOS ids); default {eos_id}.
     pad_id: the id fed to finished sequences and reported for them.
     batch_size: prompts per packed prefill and decode batch; more run in consecutive groups.
     prefill_multiple, cache_multiple: prefill row length and MLA cache length are rounded up to
@@ -141,7 +145,7 @@ class Generator:
 
   def __init__(self, model, *, max_length: int, eos_id: int | None, pad_id: int = 0, batch_size: int = 8,
                prefill_multiple: int = 64, cache_multiple: int = 64, vocab_limit: int | None = None,
-               mesh=None, rules=None, decode_chunk: int = 8):
+               mesh=None, rules=None, decode_chunk: int = 8, stop_ids=None):
     for name, v in (("max_length", max_length), ("batch_size", batch_size),
                     ("prefill_multiple", prefill_multiple), ("cache_multiple", cache_multiple),
                     ("decode_chunk", decode_chunk)):
@@ -152,6 +156,10 @@ class Generator:
     self.vocab_limit = check_vocab_limit(vocab_limit, self.vocab_size)
     self.max_length = int(max_length)
     self.eos_id = eos_id
+    stops = sorted({int(i) for i in stop_ids}) if stop_ids is not None else ([] if eos_id is None else [int(eos_id)])
+    if len(stops) > MAX_STOP_IDS:
+      raise GenerationError(f"stop_ids holds {len(stops)} ids; at most {MAX_STOP_IDS} are supported")
+    self.stop_ids = frozenset(stops)
     self.pad_id = int(pad_id)
     self.batch_size = int(batch_size)
     self.prefill_multiple = int(prefill_multiple)
@@ -210,16 +218,16 @@ class Generator:
 
     chunk = self.decode_chunk
 
-    def step(leaves, tok, cache, done, eos, pad, vocab_limit, rng, index):
+    def step(leaves, tok, cache, done, stops, pad, vocab_limit, rng, index):
       # `chunk` decode steps in one call (a scan: one dispatch and one host transfer per chunk).
-      # eos, pad and vocab_limit are runtime scalars (eos = -1: never stop): no recompilation.
+      # stops (int32 [MAX_STOP_IDS], -1 = unused), pad and vocab_limit are runtime values: no recompilation.
       model = model_of(leaves)
 
       def one(carry, i):
         tok, cache, done = carry
         logits, cache = model.decode(tok, cache)
         new = jnp.where(done, pad, _sample_rows(logits, rng, index + i, params, vocab_limit))
-        return (new, cache, done | (new == eos)), (new, ~done)
+        return (new, cache, done | jnp.any(new[:, None] == stops[None, :], axis=-1)), (new, ~done)
 
       (tok, cache, done), (toks, live) = jax.lax.scan(one, (tok, cache, done), jnp.arange(chunk))
       return toks, live, tok, cache, done
@@ -227,6 +235,7 @@ class Generator:
     rng = jax.random.key(0)
     ids = jax.ShapeDtypeStruct((1, row_length), jnp.int32)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    stop_vec = jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32)
     # On a mesh, trace in its context (KDA kernels per shard); decode keeps the prefill's layouts.
     with (partitioning.mesh_context(self.mesh, self._rules) if self.mesh is not None else contextlib.nullcontext()):
       prefill_c = jax.jit(prefill).lower(self._leaves, ids, ids, rng, scalar).compile()
@@ -240,13 +249,13 @@ class Generator:
       per_step = _leading_axis(tok_sh)   # [chunk, S] outputs: S laid out as the tokens are
       step_c = jax.jit(step, donate_argnums=(2,),
                        out_shardings=(per_step, per_step, tok_sh, cache_sh, tok_sh)).lower(
-          self._leaves, vec, cache_shape, flags, scalar, scalar, scalar, rng, scalar).compile()
+          self._leaves, vec, cache_shape, flags, stop_vec, scalar, scalar, rng, scalar).compile()
     # A warm-up run: a fresh executable's one-time set-up costs belong with compilation, not with TTFT.
     zeros = jnp.zeros((1, row_length), jnp.int32)
     limit = jnp.int32(self.vocab_limit)
     tok, cache = prefill_c(self._leaves, zeros, zeros, rng, limit)
-    jax.block_until_ready(step_c(self._leaves, tok, cache, jnp.ones((num_slots,), bool), jnp.int32(-1),
-                                 jnp.int32(0), limit, rng, jnp.int32(1)))
+    jax.block_until_ready(step_c(self._leaves, tok, cache, jnp.ones((num_slots,), bool),
+                                 jnp.full((MAX_STOP_IDS,), -1, jnp.int32), jnp.int32(0), limit, rng, jnp.int32(1)))
     return prefill_c, step_c
 
   # --- generation -----------------------------------------------------------------------------------
@@ -259,7 +268,7 @@ class Generator:
       prompts: token-id sequences (lists or 1-D integer arrays), any lengths.
       max_new_tokens: tokens to generate per prompt (fewer when EOS comes first).
       sampling_params: the sampling strategy. seed: PRNG seed of the random strategies.
-      stop_at_eos: stop a sequence at `eos_id` (the EOS token is kept in its output).
+      stop_at_eos: stop a sequence at one of `stop_ids` (that token is kept in its output).
       on_tokens: optional `fn(group_start, tokens int32 [n], live bool [n])` called after the first
         token and after every decode step (streaming); `live[i]`: tokens[i] belongs to prompt
         group_start + i's output.
@@ -293,9 +302,11 @@ class Generator:
                  timings, first):
     ids, seg = pack_prompts(group, n, row)
     real = np.arange(n) < len(group)
-    stop = stop_at_eos and self.eos_id is not None
-    eos = int(self.eos_id) if stop else -1
-    ids, seg, eos_arg, pad_arg = jnp.asarray(ids), jnp.asarray(seg), jnp.int32(eos), jnp.int32(self.pad_id)
+    stop = stop_at_eos and bool(self.stop_ids)
+    stops = np.full((MAX_STOP_IDS,), -1, np.int32)
+    if stop:
+      stops[:len(self.stop_ids)] = sorted(self.stop_ids)
+    ids, seg, eos_arg, pad_arg = jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(stops), jnp.int32(self.pad_id)
     limit = jnp.int32(self.vocab_limit)
     t0 = time.perf_counter()
     tok, cache = prefill(self._leaves, ids, seg, rng, limit)
@@ -306,7 +317,7 @@ class Generator:
     timings.prefill_s += t1 - t0
     timings.prefill_tokens += int(sum(len(p) for p in group))
     outputs = [[int(tok_host[i])] for i in range(len(group))]
-    done_host = ~real | (tok_host == eos)
+    done_host = ~real | (np.isin(tok_host, list(self.stop_ids)) if stop else False)
     if on_tokens is not None:
       on_tokens(start, tok_host[:len(group)], real[:len(group)])
     done = jnp.asarray(done_host)
@@ -330,6 +341,6 @@ class Generator:
     timings.decode_s += time.perf_counter() - t2
     results = []
     for p, out in zip(group, outputs):
-      reason = "eos" if stop and out and out[-1] == self.eos_id else "length"
+      reason = "eos" if stop and out and out[-1] in self.stop_ids else "length"
       results.append(SequenceResult(list(p), out, reason))
     return results

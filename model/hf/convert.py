@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -27,7 +28,9 @@ from tqdm import tqdm
 from model import loading
 from model.atomic import atomic_directory, check_writable
 from model.checkpoint import format as ck
-from model.checkpoint.checksums import non_finite
+from model.checkpoint import tokenizer_files
+from model.checkpoint.checksums import check_files, non_finite
+from model.data.chat_template import ChatTemplateError
 from model.config import apply_overrides
 from model.data.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
 from model.errors import UserError
@@ -261,18 +264,20 @@ def hf_to_orbax(args: ConvertArgs) -> dict:
     raise ConversionError(f"hf_model_path {args.hf_model_path!r} is not a directory")
   check_writable(args.output_path, args.overwrite, ck.is_checkpoint, "a checkpoint")
   hf_cfg = hl.read_hf_config(src_root)
-  if args.tokenizer_path and not os.path.isfile(args.tokenizer_path):
-    raise ConversionError(f"tokenizer_path {args.tokenizer_path!r} is not a file")
+  tokenizer = _source_tokenizer(args, src_root)
   src = SafetensorsSource(src_root)
   explicit = args.weight_dtype != "auto"
   wd = args.weight_dtype if explicit else _source_weight_dtype(hf_cfg, src)
   cfg, ignored = hl.config_from_hf(hf_cfg, name=src_root.absolute().name, weight_dtype=wd)
   if ignored:
     print(f"note: config.json keys not used by the model: {', '.join(ignored)}", file=sys.stderr)
-  if args.tokenizer_path:  # a copied tokenizer must be one the model can use: checked before anything is written
+  if tokenizer:  # a copied tokenizer must be one the model can use: checked before anything is written
+    name = (f"tokenizer_path={tokenizer!r}" if args.tokenizer_path else
+            f"in hf_model_path ({tokenizer!r}; tokenizer_path=none converts without it)")
     try:
-      check_tokenizer_fits(load_tokenizer(args.tokenizer_path), cfg, name=f"tokenizer_path={args.tokenizer_path!r}",
-                           advise=False)
+      check_tokenizer_fits(load_tokenizer(tokenizer), cfg, name=name, advise=False)
+    except ChatTemplateError as e:
+      raise ConversionError(f"the tokenizer {name}: {e}") from None
     except TokenizerError as e:
       raise ConversionError(f"{e} (of hf_model_path's config.json): give the tokenizer made for this model") from None
   entries = parameter_table(cfg)
@@ -280,9 +285,9 @@ def hf_to_orbax(args: ConvertArgs) -> dict:
   total = sum(src.info[use[n]].nbytes for e in entries for n in e.hf_names)
 
   n_tensors, cast_pairs = 0, []
-  with ck.ParameterWriter(args.output_path, cfg, tokenizer_path=args.tokenizer_path or None,
+  with ck.ParameterWriter(args.output_path, cfg, tokenizer_path=tokenizer or None,
                           overwrite=args.overwrite) as writer, _progress(total, "to_orbax") as bar:
-    (writer.tmp / HF_CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    writer.add_file(HF_CONFIG_FILE, (json.dumps(hf_cfg, indent=2) + "\n").encode())
     piece, piece_bytes = {}, 0
     for e in entries:
       if piece and piece_bytes + e.nbytes > PIECE_BYTES:
@@ -307,7 +312,33 @@ def hf_to_orbax(args: ConvertArgs) -> dict:
   seconds = time.perf_counter() - t0
   return {"direction": "to_orbax", "tensors": n_tensors, "parameters": len(entries), "bytes_read": total,
           "bytes_written": writer.bytes_written, "seconds": seconds, "output": os.fspath(writer.path),
-          "weight_dtype": wd, "casts": _casts(cast_pairs)}
+          "weight_dtype": wd, "casts": _casts(cast_pairs),
+          "tokenizer": [name for _, name in writer.tokenizer_files]}
+
+
+def _source_tokenizer(args: ConvertArgs, src_root: pathlib.Path) -> str:
+  """The tokenizer to_orbax carries into the checkpoint: `tokenizer_path` when given (a sentencepiece
+  file or a Kimi tokenizer directory; "none" for no tokenizer), else hf_model_path itself when it holds a
+  Kimi tokenizer (tiktoken.model), else "" (none).
+
+  Raises:
+    ConversionError: a tokenizer_path that does not exist, or a directory without tiktoken.model and
+      tokenizer_config.json.
+  """
+  given = args.tokenizer_path
+  if given.lower() == "none":
+    return ""
+  if not given:
+    return os.fspath(src_root) if tokenizer_files.is_tokenizer_dir(src_root) else ""
+  if os.path.isdir(given):
+    try:
+      tokenizer_files.tokenizer_dir_files(given)
+    except FileNotFoundError as e:
+      raise ConversionError(f"tokenizer_path: {e}") from None
+  elif not os.path.isfile(given):
+    raise ConversionError(f"tokenizer_path {given!r} does not exist (expected a sentencepiece .model file or a "
+                          f"Kimi tokenizer directory with tiktoken.model)")
+  return given
 
 
 # ------------------------------------------------------------------------------------------------
@@ -429,10 +460,26 @@ def orbax_to_hf(args: ConvertArgs) -> dict:
     if nshard > 1:
       index = {"metadata": {"total_size": total}, "weight_map": weight_map}
       (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    carried = _write_tokenizer_back(pathlib.Path(args.load_parameters_path), tmp)
   seconds = time.perf_counter() - t0
   return {"direction": "to_hf", "tensors": len(tensors), "parameters": len(entries), "bytes_read": total,
           "bytes_written": total, "seconds": seconds, "output": os.fspath(pathlib.Path(args.output_path).absolute()),
-          "shards": nshard, "weight_dtype": label, "casts": casts}
+          "shards": nshard, "weight_dtype": label, "casts": casts, "tokenizer": carried}
+
+
+def _write_tokenizer_back(ckpt: pathlib.Path, out: pathlib.Path) -> list[str]:
+  """Copies the Kimi tokenizer checkpoint `ckpt` carries (DIR/tokenizer/) into the HF directory `out`,
+  byte for byte, after checking each file against checksums.json; returns the names written."""
+  src = ckpt / tokenizer_files.TOKENIZER_DIR
+  if not src.is_dir():
+    return []
+  names = sorted(f.name for f in src.iterdir() if f.is_file())
+  check_files(ckpt, [f"{tokenizer_files.TOKENIZER_DIR}/{n}" for n in names])
+  for n in names:
+    if (out / n).exists():
+      raise ConversionError(f"{ckpt}: the tokenizer file {n} would overwrite the converted {n}")
+    shutil.copyfile(src / n, out / n)
+  return names
 
 
 def majority_dtype(tensors: Sequence[tuple[str, tuple, np.dtype]]) -> str:

@@ -9,9 +9,12 @@ Routes:
   `return_token_ids=true` adds the generated ids (vLLM's field).
 - `POST /v1/chat/completions`: chat messages rendered with the tokenizer's chat template
   (`protocol.chat_to_engine_request`; 400 `chat_template_missing` for a tokenizer without one). The
-  answer is a "chat.completion" whose choice has `message` {role, content}; `stream=true` sends
-  "chat.completion.chunk" events: a `{"role": "assistant"}` delta, content deltas, a chunk with
-  `finish_reason`, the usage chunk with `stream_options.include_usage`, then `data: [DONE]`.
+  answer is a "chat.completion" with `n` choices (index 0..n-1, each one engine request, run
+  concurrently) whose `message` is {role, content}; `stream=true` sends "chat.completion.chunk"
+  events, per choice a `{"role": "assistant"}` delta, content deltas and a chunk with `finish_reason`
+  (choices interleaved as their tokens come), then the usage chunk with `stream_options.include_usage`
+  (the prompt counted once, the completions of all choices), then `data: [DONE]`.
+  `return_token_ids=true` adds each choice's `token_ids` and the prompt's `prompt_token_ids` (vLLM's fields).
 - `GET /v1/models`, `GET /health` (503 while draining or when the engine loop is gone), `GET /metrics`.
 
 Requests are validated before they reach the engine (`model.server.protocol`); every refusal has the
@@ -95,9 +98,10 @@ async def _read_body(request: fastapi.Request, limit: int) -> bytes:
 class _Generation:
   """One admitted request: its queue of engine events and the response it builds from them."""
 
-  def __init__(self, state: ServerState, prepared: protocol.Prepared, body: protocol.CompletionRequest):
-    self.state, self.prepared, self.body = state, prepared, body
-    self.request = prepared.request
+  def __init__(self, state: ServerState, prepared: protocol.Prepared, body: protocol.CompletionRequest,
+               index: int = 0):
+    self.state, self.prepared, self.body, self.index = state, prepared, body, index
+    self.request = prepared.requests[index]
     self.rid = self.request.request_id
     tok = state.tokenizer
     self.text = TextStream(tok, self.request.prompt_ids, prepared.stop, self.request.stop_token_ids)
@@ -207,18 +211,29 @@ class _Generation:
 
 
 class _ChatGeneration(_Generation):
-  """An admitted chat request: its choices carry a `message` (or a stream's `delta`), not `text`."""
+  """One choice of an admitted chat request (choice `index` of its n): its choices carry a `message`
+  (or a stream's `delta`), not `text`. The response's id is the chat request's, shared by its choices."""
 
   def chat_choice(self, message: dict, finish: str | None, key: str, start: int = 0, stop: int | None = None) -> dict:
-    out = {"index": 0, key: message, "logprobs": None, "finish_reason": finish}
+    out = {"index": self.index, key: message, "logprobs": None, "finish_reason": finish}
     if self.body.return_token_ids:
       out["token_ids"] = self.token_ids[start:stop]
     return out
 
-  def envelope(self, choices: list, usage: dict | None) -> dict:
+  def envelope(self, choices: list, usage: dict | None, *, with_prompt: bool = False) -> dict:
     kind = "chat.completion.chunk" if self.body.stream else "chat.completion"
-    return {"id": self.rid, "object": kind, "created": int(time.time()), "model": self.state.model_name,
-            "choices": choices, "usage": usage}
+    out = {"id": self.prepared.request_id, "object": kind, "created": int(time.time()),
+           "model": self.state.model_name, "choices": choices, "usage": usage}
+    if with_prompt and self.body.return_token_ids:   # vLLM's field: the rendered prompt's ids
+      out["prompt_token_ids"] = list(self.request.prompt_ids)
+    return out
+
+
+def _chat_usage(gens: list[_ChatGeneration]) -> dict:
+  """The usage of a chat request's choices: the prompt once, the completions of every choice."""
+  p, c = len(gens[0].request.prompt_ids), sum(len(g.token_ids) for g in gens)
+  return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+          "prompt_tokens_details": {"cached_tokens": max(int(g.cached) for g in gens)}}
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -254,36 +269,41 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[protocol.CompletionRequest
   return body, prepared
 
 
-def _admit(state: ServerState) -> None:
+def _admit(state: ServerState, n: int = 1) -> None:
+  """503 while draining, when the engine loop is gone, or when `n` more requests would reach max_waiting."""
   if state.draining:
     raise ApiError(503, "the server is shutting down and admits no new requests", None, "draining",
                    type="service_unavailable")
   if not state.loop.alive:
     raise ApiError(503, "the engine loop has stopped", None, "engine_stopped", type="service_unavailable")
+  if n > state.max_waiting:
+    raise bad_request(f"n={n} choices exceed this server's max_waiting={state.max_waiting} requests", "n")
   waiting = state.loop.num_waiting()
-  if waiting >= state.max_waiting:
+  if waiting + n - 1 >= state.max_waiting:
     raise ApiError(503, f"{protocol.plural(waiting, 'request')} waiting (max_waiting={state.max_waiting}); retry later",
                    None, "max_waiting", type="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-async def _until_done_or_gone(gen: _Generation, request: fastapi.Request) -> str:
-  """The whole text of a non-streaming request; cancels it when the client disconnects first."""
-  text = []
+async def _until_done_or_gone(gens: list[_Generation], request: fastapi.Request) -> list[str]:
+  """The whole text of each generation of a non-streaming request (they run concurrently); cancels
+  them when the client disconnects first."""
+  texts: list[list[str]] = [[] for _ in gens]
 
-  async def drain():
+  async def drain(gen, text):
     while (d := await gen.next_delta()) is not None:
       text.append(d[0])
 
-  task = asyncio.ensure_future(drain())
+  task = asyncio.ensure_future(asyncio.gather(*(drain(g, t) for g, t in zip(gens, texts))))
   try:
     while True:
       done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
       if done:
         task.result()
-        return "".join(text)
+        return ["".join(t) for t in texts]
       if await request.is_disconnected():
         task.cancel()
-        gen.cancel()
+        for gen in gens:
+          gen.cancel()
         raise ApiError(499, "the client closed the connection", None, "client_closed")
   finally:
     if not task.done():
@@ -354,25 +374,30 @@ def build_app(state: ServerState) -> fastapi.FastAPI:
     prepared = protocol.chat_to_engine_request(body, request_id=f"chatcmpl-{uuid.uuid4().hex}",
                                                tokenizer=state.tokenizer, vocab_size=state.vocab_size,
                                                max_model_len=state.max_model_len)
-    _admit(state)
-    gen = _ChatGeneration(state, prepared, body)
-    gen.start()
+    _admit(state, len(prepared.requests))
+    gens = [_ChatGeneration(state, prepared, body, i) for i in range(len(prepared.requests))]
+    for gen in gens:
+      gen.start()
     if not body.stream:
       try:
-        text = await _until_done_or_gone(gen, request)
+        texts = await _until_done_or_gone(gens, request)
       finally:
-        if gen.finish is None:
-          gen.cancel()
-        gen.record()
-      return gen.envelope([gen.chat_choice({"role": "assistant", "content": text}, gen.finish, "message")],
-                          gen.usage())
-    try:   # the first event before the headers: a refusal is still an HTTP error status
-      first = await gen.next_delta()
+        for gen in gens:
+          if gen.finish is None:
+            gen.cancel()
+          gen.record()
+      return gens[0].envelope([g.chat_choice({"role": "assistant", "content": t}, g.finish, "message")
+                               for g, t in zip(gens, texts)], _chat_usage(gens), with_prompt=True)
+    firsts = []
+    try:   # each choice's first event before the headers: a refusal is still an HTTP error status
+      for gen in gens:
+        firsts.append(await gen.next_delta())
     except BaseException:
-      gen.cancel()
-      gen.record()
+      for gen in gens:
+        gen.cancel()
+        gen.record()
       raise
-    return StreamingResponse(_chat_stream(gen, first), media_type="text/event-stream",
+    return StreamingResponse(_chat_stream(gens, firsts), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
   @app.post("/v1/completions")
@@ -385,7 +410,7 @@ def build_app(state: ServerState) -> fastapi.FastAPI:
     gen.start()
     if not body.stream:
       try:
-        text = await _until_done_or_gone(gen, request)
+        text, = await _until_done_or_gone([gen], request)
       finally:
         if gen.finish is None:
           gen.cancel()
@@ -430,31 +455,60 @@ async def _stream(gen: _Generation, first):
     gen.record()
 
 
-async def _chat_stream(gen: _ChatGeneration, first):
-  """SSE chunks of a chat: a role delta, content deltas, one chunk with finish_reason (an empty delta),
-  the usage chunk when asked for, then [DONE]."""
-  include_usage = gen.body.stream_options is not None and gen.body.stream_options.include_usage
+async def _chat_stream(gens: list[_ChatGeneration], firsts: list):
+  """SSE chunks of a chat's n choices, interleaved as their tokens come: per choice a role delta, content
+  deltas and one chunk with finish_reason (an empty delta); then the usage chunk when asked for, then
+  [DONE]. Every chunk carries one choice, named by its `index`."""
+  body = gens[0].body
+  include_usage = body.stream_options is not None and body.stream_options.include_usage
+  merged: asyncio.Queue = asyncio.Queue()
+  sent = [0] * len(gens)      # tokens of each choice whose ids went out (return_token_ids)
+
+  async def pump(i: int, gen: _ChatGeneration):
+    try:
+      while (d := await gen.next_delta()) is not None:
+        merged.put_nowait((i, d, None))
+    except ApiError as e:
+      merged.put_nowait((i, None, e))
+      return
+    merged.put_nowait((i, None, None))
+
+  def chunks(i: int, delta):
+    gen, (text, n) = gens[i], delta
+    if text or (n and body.return_token_ids):
+      yield _sse(gen.envelope([gen.chat_choice({"content": text}, None, "delta", sent[i], len(gen.token_ids))], None))
+      sent[i] = len(gen.token_ids)
+    if gen.finish is not None:
+      yield _sse(gen.envelope([gen.chat_choice({}, gen.finish, "delta", sent[i], len(gen.token_ids))], None))
+      sent[i] = len(gen.token_ids)
+
+  tasks = []
   try:
-    yield _sse(gen.envelope([gen.chat_choice({"role": "assistant", "content": ""}, None, "delta", 0, 0)], None))
-    delta, done = first, 0
-    while delta is not None:
-      text, n = delta
-      if text or (n and gen.body.return_token_ids):
-        yield _sse(gen.envelope([gen.chat_choice({"content": text}, None, "delta", done, len(gen.token_ids))],
-                                None))
-        done = len(gen.token_ids)
-      if gen.finish is not None:
-        yield _sse(gen.envelope([gen.chat_choice({}, gen.finish, "delta", done, len(gen.token_ids))], None))
-        done = len(gen.token_ids)
-      try:
-        delta = await gen.next_delta()
-      except ApiError as e:
-        yield _sse(e.body())
+    for i, gen in enumerate(gens):
+      yield _sse(gen.envelope([gen.chat_choice({"role": "assistant", "content": ""}, None, "delta", 0, 0)], None,
+                              with_prompt=i == 0))
+    for i, first in enumerate(firsts):
+      for chunk in chunks(i, first):
+        yield chunk
+    tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens)]
+    running = len(gens)
+    while running:
+      i, delta, error = await merged.get()
+      if error is not None:
+        yield _sse(error.body())
         break
+      if delta is None:
+        running -= 1
+        continue
+      for chunk in chunks(i, delta):
+        yield chunk
     if include_usage:
-      yield _sse(gen.envelope([], gen.usage()))
+      yield _sse(gens[0].envelope([], _chat_usage(gens)))
     yield "data: [DONE]\n\n"
-  finally:   # also when the client went away (the task is cancelled): free the slot
-    if gen.finish is None:
-      gen.cancel()
-    gen.record()
+  finally:   # also when the client went away (the task is cancelled): free the slots
+    for task in tasks:
+      task.cancel()
+    for gen in gens:
+      if gen.finish is None:
+        gen.cancel()
+      gen.record()

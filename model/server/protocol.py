@@ -24,9 +24,11 @@ Sampling (how the OpenAI fields map to `model.engine.api.SamplingParams`):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import secrets
+from collections.abc import Sequence
 from typing import Annotated
 
 import pydantic
@@ -154,6 +156,7 @@ class StreamOptions(pydantic.BaseModel):
 
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default, when a request gives no max_tokens (or null)
+MAX_N = 128               # choices one chat request may ask for (OpenAI's limit)
 
 
 class CompletionRequest(pydantic.BaseModel):
@@ -267,10 +270,16 @@ def sampling_of(req: CompletionRequest, vocab_size: int) -> SamplingParams:
 
 
 class Prepared:
-  """A validated completion: the engine request plus what the response needs."""
+  """A validated completion: the engine request(s) plus what the response needs.
 
-  def __init__(self, request: Request, stop: tuple[str, ...], prompt_text: str | None):
-    self.request, self.stop, self.prompt_text = request, stop, prompt_text
+  `requests` holds one engine request per choice (`n` of a chat request; one for a completion),
+  `request` is the first."""
+
+  def __init__(self, request: Request | Sequence[Request], stop: tuple[str, ...], prompt_text: str | None,
+               request_id: str | None = None):
+    self.requests = (request,) if isinstance(request, Request) else tuple(request)
+    self.request, self.stop, self.prompt_text = self.requests[0], stop, prompt_text
+    self.request_id = request_id or self.request.request_id   # the response's id
 
 
 def prompt_ids_of(req: CompletionRequest, tokenizer, *, add_bos: bool) -> tuple[list[int], str | None]:
@@ -368,17 +377,19 @@ def chat_to_engine_request(req: ChatCompletionRequest, *, request_id: str, token
   (`encode_chat`: special-token text in a message stays text) and builds the engine's `Request`.
 
   `max_completion_tokens` wins over `max_tokens` (OpenAI's deprecated name); with neither, the request
-  may run to max_model_len.
+  may run to max_model_len. `n` > 1 gives n engine requests (`Prepared.requests`, ids
+  `<request_id>-<i>`) of the same prompt, choice i drawn with seed + i (mod 2**32), as vLLM seeds the
+  samples of one request; greedy choices are therefore identical.
 
   Raises:
-    ApiError (400): as `to_engine_request` (n != 1, penalties, stream_options without stream, sampling
-      values, stop strings, seed), logprobs true, bad messages or tools (naming the field the chat
+    ApiError (400): as `to_engine_request` (penalties, stream_options without stream, sampling
+      values, stop strings, seed), n outside [1, MAX_N], logprobs true, bad messages or tools (naming the field the chat
       template's checks name: `messages`, `messages[i].role`, `messages[i].content`, ...), a template
       that raised (`messages`), a prompt of max_model_len tokens or more (`messages`), prompt +
       max tokens > max_model_len (the max-tokens field given).
   """
-  if req.n != 1:
-    raise bad_request(f"n must be 1, got {short(req.n)}: send several requests instead", "n")
+  if not 1 <= req.n <= MAX_N:
+    raise bad_request(f"n must be in [1, {MAX_N}], got {short(req.n)}", "n")
   for name in ("presence_penalty", "frequency_penalty"):
     value = getattr(req, name)
     if value is not None and value != 0:
@@ -415,5 +426,8 @@ def chat_to_engine_request(req: ChatCompletionRequest, *, request_id: str, token
                       f"{short(len(ids) + max_tokens)} > max_model_len={max_model_len} tokens (pass a "
                       f"{limit_param} of at most {max_model_len - len(ids)})", limit_param, "context_length_exceeded")
   request = Request(request_id, tuple(ids), int(max_tokens), sampling, seed, _stop_ids(req, tokenizer))
-  return Prepared(request, stop, prompt.text)
+  if req.n == 1:
+    return Prepared(request, stop, prompt.text)
+  return Prepared([dataclasses.replace(request, request_id=f"{request_id}-{i}", seed=(seed + i) % 2**32)
+                   for i in range(req.n)], stop, prompt.text, request_id)
 

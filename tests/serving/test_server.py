@@ -12,22 +12,19 @@ near-tie: the two largest log-probs of an uncached forward over prompt + common 
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
 import json
-import os
 import pathlib
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
+
+from tests.helpers.server import running_server  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEMO = REPO / "kda_plugin" / "assets" / "demo"
@@ -38,7 +35,6 @@ MAX_WAITING = 20
 # Small: every prompt here fits, the static engine's one prefill row stays short and the continuous
 # engine has few shape buckets to compile (its compile time dominates this module).
 MAX_NUM_BATCHED_TOKENS = 64
-START_TIMEOUT_S = 600      # load + warm-up compile on a contended 2-core host
 NEAR_TIE = 1e-5
 
 TEXTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed any further, hear me speak.",
@@ -50,77 +46,12 @@ TEXTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed
          "Double, double toil and trouble;", "Lord, what fools these mortals be!"]
 
 
-def _read_line(stream, pattern, deadline, proc, log):
-  while time.monotonic() < deadline:
-    line = stream.readline()
-    if not line:
-      if proc.poll() is not None:
-        log.seek(0)
-        raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read()}")
-      continue
-    m = re.search(pattern, line)
-    if m:
-      return m
-  raise TimeoutError(f"no line matching {pattern!r} in {START_TIMEOUT_S} s")
-
-
-class Server:
-  def __init__(self, proc, port):
-    self.proc, self.port = proc, port
-    self.url = f"http://127.0.0.1:{port}"
-    self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-  def get(self, path):
-    with urllib.request.urlopen(self.url + path, timeout=30) as r:
-      return r.status, r.read().decode()
-
-  def raw(self, method, path, body: bytes, headers=None, with_headers=False):
-    """(status, parsed JSON body[, response headers]) of one raw request."""
-    conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-    try:
-      conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
-      r = conn.getresponse()
-      data = r.read()
-      out = r.status, json.loads(data) if data else None
-      return (*out, {k.lower(): v for k, v in r.getheaders()}) if with_headers else out
-    finally:
-      conn.close()
-
-  def metric(self, name):
-    _, text = self.get("/metrics")
-    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} missing from /metrics:\n{text}"
-    return float(m.group(1))
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  log = open(tmp_path_factory.mktemp("serve") / "stderr.log", "w+")   # a file: a full pipe would block the server
-  argv = [sys.executable, "-m", "tools.serve", f"load_parameters_path={DEMO}", f"engine={ENGINE}", "port=0",
-          f"max_num_seqs={MAX_NUM_SEQS}", f"max_model_len={MAX_MODEL_LEN}",
-          f"max_num_batched_tokens={MAX_NUM_BATCHED_TOKENS}", f"max_waiting={MAX_WAITING}"]
-  proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-  try:
-    m = _read_line(proc.stdout, r"listening on http://127\.0\.0\.1:(\d+)", time.monotonic() + START_TIMEOUT_S,
-                   proc, log)
-    srv = Server(proc, int(m.group(1)))
-    deadline = time.monotonic() + 60
-    while True:
-      try:
-        if srv.get("/health")[0] == 200:
-          break
-      except OSError:
-        pass
-      assert time.monotonic() < deadline, "/health never answered 200"
-      time.sleep(0.2)
+  with running_server([f"load_parameters_path={DEMO}", f"engine={ENGINE}", f"max_num_seqs={MAX_NUM_SEQS}",
+                       f"max_model_len={MAX_MODEL_LEN}", f"max_num_batched_tokens={MAX_NUM_BATCHED_TOKENS}",
+                       f"max_waiting={MAX_WAITING}"], tmp_path_factory.mktemp("serve")) as srv:
     yield srv
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-    proc.wait(timeout=30)
-    proc.stdout.close()
-    log.close()
 
 
 @pytest.fixture(scope="module")

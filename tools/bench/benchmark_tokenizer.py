@@ -27,7 +27,7 @@ import time
 
 from model.data.tokenizer_kimi import MAX_ENCODE_CHARS, KimiTokenizer
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "kimi_tokenizer"
 
 _EN = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "

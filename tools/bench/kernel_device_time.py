@@ -62,9 +62,17 @@ PREFILL = {
     "one_8_token_doc_h24": (1, 8, 24, "bfloat16", "lane_dense", [8], 0.05),
     "b16_t2048_h8_4docs": (16, 2048, 8, "bfloat16", "lane_dense", [500, 530, 490, 528], 1.2),
 }
-# name: (B, H, target ms)
-DECODE = {"decode_h24_b32": (32, 24, 0.14), "decode_h24_b128": (128, 24, 0.60)}
-
+# name: (B, H, target ms, implementation). B=1's target is the XLA step's measured 0.056 ms (not to
+# regress); the `_xla` rows time the XLA step beside the kernel.
+DECODE = {"decode_h24_b1": (1, 24, 0.056, "auto"), "decode_h24_b32": (32, 24, 0.14, "auto"),
+          "decode_h24_b128": (128, 24, 0.60, "auto"), "decode_h24_b32_xla": (32, 24, 0.14, "xla"),
+          "decode_h24_b128_xla": (128, 24, 0.60, "xla")}
+# A server's decode state lives in HBM between steps (one executable call a token, dozens of layers'
+# states). Inside one looping jit, XLA's memory-space assignment would keep a state that fits VMEM
+# (v5e: 128 MiB; B=32 H=24 is 50 MB) there for the whole loop, timing VMEM instead of HBM (it
+# measured 0.113 ms at B=32, below the 0.123 ms HBM floor). This option keeps it in HBM on v5e
+# (checked by tests/aot/test_tpu_decode_compile.py; an unknown option is a compile error).
+DECODE_COMPILER_OPTIONS = {"xla_vf_vmem_memory_space_assignment": False}
 
 def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation="pallas_tpu"):
   """(fn(v) -> (o, final), v, hbm_bytes, flops) for one kda_inference call (bounded in-kernel gate,
@@ -94,8 +102,8 @@ def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation
   return fn, v, hbm, flops
 
 
-def decode_case(b, h, kd=128, vd=128):
-  from kda_plugin.ops.decode import kda_decode_step  # noqa: PLC0415  (after jax is configured)
+def decode_inputs(b, h, kd=128, vd=128):
+  """Seeded decode-step inputs: unit q and k, bf16 q, k, v, beta; float32 g (<= 0) and state."""
   rng = np.random.default_rng(0)
   unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
   q = jnp.asarray(unit(rng.standard_normal((b, h, kd))), jnp.bfloat16)
@@ -104,13 +112,63 @@ def decode_case(b, h, kd=128, vd=128):
   g = jnp.asarray(-rng.uniform(0, 0.5, (b, h, kd)), jnp.float32)
   beta = jnp.asarray(rng.uniform(0, 1, (b, h)), jnp.bfloat16)
   state = jnp.asarray(rng.standard_normal((b, h, kd, vd)) * 0.1, jnp.float32)
+  return q, k, v, g, beta, state
+
+
+def decode_hbm_bytes(b, h, kd=128, vd=128):
+  """The state read and written once plus the small inputs."""
+  return 2 * b * h * kd * vd * 4 + b * h * (3 * kd + 2 * vd) * 2 + b * h * kd * 4
+
+
+def decode_case(b, h, kd=128, vd=128, implementation="auto"):
+  """(fn(state) -> (new state, o), state, hbm_bytes, flops) for one `kda_decode_step` on
+  `decode_inputs`."""
+  from kda_plugin.ops.decode import kda_decode_step  # noqa: PLC0415  (after jax is configured)
+  q, k, v, g, beta, state = decode_inputs(b, h, kd, vd)
 
   def fn(s):
-    o, s2 = kda_decode_step(q, k, v, g, beta, s)
+    o, s2 = kda_decode_step(q, k, v, g, beta, s, implementation=implementation)
     return s2, o
 
-  hbm = 2 * b * h * kd * vd * 4 + b * h * (3 * kd + 2 * vd) * 2 + b * h * kd * 4
-  return fn, state, hbm, 6 * b * h * kd * vd
+  return fn, state, decode_hbm_bytes(b, h, kd, vd), 6 * b * h * kd * vd
+
+
+def compile_decode_loop(fn, x):
+  """`n` decode steps in one executable, `fn(state) -> (new state, o)`, compiled with
+  DECODE_COMPILER_OPTIONS on a TPU (the state in HBM every step, as a server has it). The state is the loop
+  carry, written in place each step: no copy inside the loop (one copy of the argument on entry).
+  `x` may be a `jax.ShapeDtypeStruct` (ahead-of-time compiles)."""
+  def body(_, carry):
+    s, _o = carry
+    return fn(s)
+
+  def run(s, n):
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, s)[1])
+    return lax.fori_loop(0, n, body, (s, zeros))
+
+  from kda_plugin.ops.inference import target_platform  # noqa: PLC0415  (after jax is configured)
+  n = jax.ShapeDtypeStruct((), jnp.int32, sharding=getattr(x, "sharding", None))
+  # the option is libtpu's: other backends reject it (an unknown option is a compile error)
+  return jax.jit(run).lower(x, n).compile(DECODE_COMPILER_OPTIONS if target_platform() == "tpu" else None)
+
+
+def time_decode_case(fn, x, *, repeats, loop_ms):
+  """`time_case` for a decode step, looped by `compile_decode_loop`."""
+  t0 = time.perf_counter()
+  compiled = compile_decode_loop(fn, x)
+  jax.block_until_ready(compiled(x, jnp.int32(4)))
+  compile_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  jax.block_until_ready(compiled(x, jnp.int32(4)))
+  est = (time.perf_counter() - t0) / 4 * 1e3
+  iters = int(min(2000, max(8, loop_ms / max(est, 1e-3))))
+  jax.block_until_ready(compiled(x, jnp.int32(iters)))
+  samples = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(x, jnp.int32(iters)))
+    samples.append((time.perf_counter() - t0) * 1e3 / iters)
+  return samples, iters, compile_s
 
 
 def _looped(fn):
@@ -181,11 +239,12 @@ def main(argv=None) -> int:
       fn, x, hbm, flops = prefill_case(b, t, h, dtype, layout, lengths)
       shape = dict(batch=b, seq_len=t, heads=h, dtype=dtype, layout=layout, documents=len(lengths))
     else:
-      b, h, target = DECODE[name]
-      fn, x, hbm, flops = decode_case(b, h)
-      shape = dict(batch=b, heads=h, state="float32", inputs="bfloat16")
+      b, h, target, impl = DECODE[name]
+      fn, x, hbm, flops = decode_case(b, h, implementation=impl)
+      shape = dict(batch=b, heads=h, state="float32", inputs="bfloat16", implementation=impl)
+    timer = time_case if name in PREFILL else time_decode_case
     try:
-      samples, iters, compile_s = time_case(fn, x, repeats=args.repeats, loop_ms=args.loop_ms)
+      samples, iters, compile_s = timer(fn, x, repeats=args.repeats, loop_ms=args.loop_ms)
     except Exception as e:  # noqa: BLE001  (a case that fails is recorded, the others still run)
       results.append(dict(name=name, **shape, error=f"{type(e).__name__}: {str(e)[:400]}"))
       print(f"{name:24s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
