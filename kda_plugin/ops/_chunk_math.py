@@ -232,6 +232,13 @@ def _diag_scores_all_blocks(q, k, G):
   return lax.fori_loop(0, SUB, body, (zero, zero))
 
 
+def _nt_by_columns(dots, a, b):
+  """`a [2C, D] @ b [C, D]^T` as `(b a^T)^T`: the MXU streams the C rows of b through the 2C
+  columns of a, half the LHS pushes of streaming a's 2C rows through C (64 of 128) columns; the
+  same products and sums, transposed once on the XLU."""
+  return dots.nt(b, a).T
+
+
 def _below_diag_scores(q, k, G, segf, dots=F32):
   """Scores of every entry below the diagonal 16x16 blocks, `(akk, aqk)` `[C, C]`, in ONE matmul.
 
@@ -241,9 +248,9 @@ def _below_diag_scores(q, k, G, segf, dots=F32):
   <= 1 and neither can overflow (an underflowed factor only hides a product that is smaller still);
   a kept entry (r, i of one document) has p in that document too. The C/16 - 1 column
   blocks are stacked along the contraction (their key rows are disjoint, so the sum over the
-  stacked channels is the sum over blocks) and the k and q rows along M: one `[2C, (C/16-1) K] x
-  [C, (C/16-1) K]^T` product, one MXU round trip instead of 2 (C/16 - 1) (tools/tpu_cost.py: the
-  step's chain is a sum of MXU round trips). Only masks and aligned concatenations: Mosaic and Triton.
+  stacked channels is the sum over blocks) and the k and q rows side by side: one product
+  (`_nt_by_columns`), one MXU round trip instead of 2 (C/16 - 1) (tools/tpu_cost.py: the step's
+  chain is a sum of MXU round trips). Only masks, aligned concatenations and one transpose.
   """
   c = G.shape[0]
   rows = iota(G.shape, 0)
@@ -260,12 +267,12 @@ def _below_diag_scores(q, k, G, segf, dots=F32):
     q_parts.append(q * below)
     key_parts.append(jnp.where((rows >= blk * SUB) & (rows <= p), k_inside, 0.0))
   lhs = jnp.concatenate([jnp.concatenate(k_parts, axis=1), jnp.concatenate(q_parts, axis=1)], axis=0)
-  both = dots.nt(lhs, jnp.concatenate(key_parts, axis=1))
+  both = _nt_by_columns(dots, lhs, jnp.concatenate(key_parts, axis=1))
   return both[:c], both[c:]
 
 
 def _diag_scores_factored(q, k, G, segf, lower_bound, dots):
-  """All diagonal 16x16 blocks of `(akk, aqk)` `[C, C]` in one `[2C, K] x [C, K]^T` matmul.
+  """All diagonal 16x16 blocks of `(akk, aqk)` `[C, C]` in one matmul (`_nt_by_columns`).
 
   exp(G_r - G_i) = exp(G_r - ref) exp(ref - G_i) with ref = G_first - d (`factored_shift`), G_first
   the first row of the rows' own block, or ref = -d for rows whose document starts inside the block
@@ -280,7 +287,7 @@ def _diag_scores_factored(q, k, G, segf, lower_bound, dots):
   ref = jnp.where(starts_inside, 0.0, block_row(G, 0)) - factored_shift(lower_bound)
   row_f = jnp.exp(G - ref)
   k_col = k * jnp.exp(ref - G)
-  both = dots.nt(jnp.concatenate([k * row_f, q * row_f], axis=0), k_col)
+  both = _nt_by_columns(dots, jnp.concatenate([k * row_f, q * row_f], axis=0), k_col)
   r = iota((c, c), 0)
   same_block = jnp.right_shift(r, _SUB_SHIFT) == jnp.right_shift(iota((c, c), 1), _SUB_SHIFT)
   return jnp.where(same_block, both[:c], 0.0), jnp.where(same_block, both[c:], 0.0)
@@ -442,10 +449,11 @@ def piece_with_state_heads(Gs, qs, ks, betas, tinvs, us, mask, first, last, s_in
   o_add `[C, V]` = (q~ exp(G)) S_in, s_base `[K, V]` = Diag(exp(G_e)) S_in: G restarts at the
   document's first row, so G_r is the decay since the state entered (the chunk start for a
   continuing document, the document's first row otherwise). Stage by stage across the heads: every head's W and
-  o_add matmuls, then every head's W S_in, so that independent matmuls are issued together. o_add = (q~ e) S_in is bf16x3 with bfloat16 inputs (`Dots.nn3`): with one
-  pass the output of the nearly-parallel-keys case is at relative L2 4.9e-3 of its 5e-3 budget,
-  4.3e-3 with it (tools/tpu_cost.py: no change to the TPU7x seed estimate, the piece loop is off the
-  step's critical chain). Returns `[(vnew, o_add, s_base)]` per head."""
+  o_add matmuls, then every head's W S_in, so that independent matmuls are issued together.
+  o_add = (q~ e) S_in is bf16x3 with bfloat16 inputs (`Dots.nn3`): with one pass the output of the
+  nearly-parallel-keys case sits at the edge of its tolerance (figures: docs/performance.md).
+  With a zero S_in the results are exactly the stateless piece's (vnew = U on the piece, o_add and
+  s_base zero). Returns `[(vnew, o_add, s_base)]` per head."""
   del first
   eg = [(0.0, jnp.exp(jnp.where(mask, G, NEG_INF))) for G in Gs]
   ws = [dots.nn(tinv, beta * k * e) for tinv, beta, k, (_, e) in zip(tinvs, betas, ks, eg)]
@@ -459,7 +467,7 @@ def piece_state_update(G, k, mask, last, vnew, dots=F32):
   """sum_{i in piece} (k_i exp(G_e - G_i)) vnew_i^T, `[K, V]`: the piece's writes seen at row e.
 
   bf16x3 with bfloat16 inputs (`Dots.tn3`): the state accumulates these writes over the whole
-  document, and with one bf16 pass the nearly-parallel-keys case misses its tolerance (final state
-  relative L2 5.0e-3, 2.2e-3 with bf16x3: tests/kernels/test_inference_numerics.py)."""
+  document, and with one bf16 pass the nearly-parallel-keys case misses its tolerance
+  (tests/kernels/test_inference_numerics.py; figures: docs/performance.md)."""
   e = jnp.exp(jnp.where(mask, row_at(G, last) - G, NEG_INF))
   return dots.tn3(k * e, vnew)

@@ -3,7 +3,7 @@
 A packed row of `Tp` tokens is cut into `NC = Tp / C` chunks of `C = 64` rows. A *piece* is the part of
 one document that lies inside one chunk (a contiguous run of one label). The TPU kernel's grid is
 (B, H, NC) with arithmetic block indices, so nothing about the packing steers a DMA: each grid step
-builds its own chunk's entry in SMEM scratch from the chunk's labels (`pallas_tpu._build_piece_table`)
+builds its own chunk's entry in SMEM scratch from the chunk's labels (`pallas_tpu_kernel._build_piece_table`)
 and loops over the chunk's pieces, the "short loop over the segments present in the chunk" of
 docs/packing.md section 'Segment-native chunk algorithm'. `build_chunk_table` below is the same table
 in XLA: the definition the tests compare the kernel's table with.

@@ -211,8 +211,8 @@ def _count_ops(fn, *args):
 @pytest.mark.parametrize("blocked", [True, False], ids=["mosaic_blocked", "triton_unblocked"])
 def test_chunk_prep_op_budget(blocked):
   """Per-chunk work of chunk_prep (C = 64, K = 128): 20 C*K exps (16 for the diagonal blocks, 4 for
-  the blocks below), ONE score matmul [2C,3K]x[C,3K]^T for every entry below the diagonal blocks
-  of Akk and Aqk, the per-document cumulative gate's three products and 10 [C,C] matmuls for the
+  the blocks below), ONE score matmul [C,3K]x[2C,3K]^T (transposed once after: the C key rows
+  stream through the 2C score columns) for every entry below the diagonal blocks of Akk and Aqk, the per-document cumulative gate's three products and 10 [C,C] matmuls for the
   inverse."""
   kd = 128
   x = jnp.zeros((C, kd), jnp.float32)
@@ -221,4 +221,4 @@ def test_chunk_prep_op_budget(blocked):
                           jnp.zeros((1, C), jnp.int32))
   assert exps == 20 * C * kd
   # the cumulative gate per document: three [C, C] x [C, K] products (bf16 pieces of g)
-  assert dots == {((C, C), (C, kd)): 3, ((2 * C, 3 * kd), (C, 3 * kd)): 1, ((C, C), (C, C)): 10}
+  assert dots == {((C, C), (C, kd)): 3, ((C, 3 * kd), (2 * C, 3 * kd)): 1, ((C, C), (C, C)): 10}

@@ -83,22 +83,22 @@ def test_table_holds_a_full_chunk_of_single_row_documents():
 
 
 def _kernel_tables(seg, n, has_h0):
-  """The TPU kernel's in-kernel builder (`pallas_tpu._build_piece_table`, interpret mode), one
+  """The TPU kernel's in-kernel builder (`pallas_tpu_kernel._build_piece_table`, interpret mode), one
   entry per chunk, from the same three 128-label SMEM blocks the kernel reads."""
   from jax.experimental import pallas as pl  # noqa: PLC0415
   from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
 
-  from kda_plugin.ops import pallas_tpu  # noqa: PLC0415
+  from kda_plugin.ops import pallas_tpu_kernel  # noqa: PLC0415
 
   rows, tp = seg.shape
-  nc, lane = tp // C, pallas_tpu.LANE
+  nc, lane = tp // C, pallas_tpu_kernel.LANE
   tp2 = -(-tp // lane) * lane
   npair, words = tp2 // lane, -(-ss.chunk_table_words(n) // lane) * lane
   flat = jnp.asarray(np.pad(seg, ((0, 0), (0, tp2 - tp))).reshape(-1))
   smem = lambda f: pl.BlockSpec((lane,), f, memory_space=pltpu.SMEM)
 
   def kernel(prev_ref, cur_ref, next_ref, out_ref):
-    pallas_tpu._build_piece_table(out_ref, prev_ref, cur_ref, next_ref, pl.program_id(1), nc, has_h0)
+    pallas_tpu_kernel._build_piece_table(out_ref, prev_ref, cur_ref, next_ref, pl.program_id(1), nc, has_h0)
 
   out = pl.pallas_call(
       kernel, grid=(rows, nc),
