@@ -33,6 +33,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kda_plugin.ops.inference import target_platform
+
 NEG = -1e30  # finite "minus infinity": a fully masked row gives zeros, not NaN
 # Tokens per tile of the tiled path (queries and keys alike): scores of one tile pair are
 # [B, H, TILE, TILE] float32 (B=1, H=8: 2 MiB).
@@ -44,7 +46,9 @@ SPLASH_BLOCKS = (512, 256, 128)
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
-  """The implementation `impl` names on `platform` (default: jax's default backend).
+  """The implementation `impl` names on `platform` (default: the platform traced for,
+  `kda_plugin.ops.inference.target_platform`: the abstract mesh's device under
+  `jax.sharding.use_abstract_mesh`, as in an ahead-of-time compile, else jax's default backend).
 
   "auto" is "splash" on TPU and "tiled" everywhere else. "splash" on another platform raises: the
   Mosaic kernel compiles only for TPU (tests run it on CPU through `interpret=True` explicitly).
@@ -54,7 +58,7 @@ def resolve_impl(impl: str, platform: str | None = None) -> str:
   """
   if impl not in IMPLS:
     raise ValueError(f"mla_impl must be one of {IMPLS}, got {impl!r}")
-  platform = platform or jax.default_backend()
+  platform = platform or target_platform()
   if impl == "auto":
     return "splash" if platform == "tpu" else "tiled"
   if impl == "splash" and platform != "tpu":

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model import partitioning
 from model.nn import attention
 from model.nn import cache as cache_lib
 from model.nn.layers import RMSNorm, as_dtype, linear
@@ -146,22 +147,38 @@ class MultiHeadLatentAttention(nnx.Module):
     lat = self.latent(x)
     k, v = self.expand(lat)
     impl = attention.resolve_impl(self.impl)
-    if impl == "splash":  # the kernel's operands in the compute dtype (bfloat16 on the MXU)
-      q, k, v = (a.astype(self.dtype) for a in (q, k, v))
     seg = segment_ids
+    o, lse = self._self_attention(q, k, v, seg, impl, with_lse=prefix is not None)
     if prefix is None:
-      if impl == "splash":
-        o, _ = attention.splash_attention(q, k, v, seg, scale=self.scale, with_lse=False)
-      else:
-        o, _ = attention.segment_attention(q, k, v, seg, scale=self.scale, impl=impl)
       return self._out(o), lat
-    o, lse = attention.segment_attention(q, k, v, seg, scale=self.scale, impl=impl)
     # The window's own softmax parts (m, l, acc) = (lse, 1, o): acc / l = o and l * exp(m) = exp(lse);
     # padding tokens (no key) give (NEG, 0, 0).
     window = (lse, jnp.broadcast_to((seg > 0)[:, None, :], lse.shape).astype(jnp.float32),
               jnp.transpose(o, (0, 2, 1, 3)))
     o = self._attend_prefix_then_window(q.astype(jnp.float32), window, prefix, prefix_lengths, seg)
     return self._out(o), lat
+
+  def _self_attention(self, q, k, v, seg, impl, *, with_lse):
+    """Causal attention of the row's own tokens within their documents (`model/nn/attention.py`):
+    `(o [B, T, H, dv] float32, lse [B, H, T] float32 or None)`.
+
+    "splash" runs the Pallas kernel on each device's batch rows and heads (`partitioning.per_shard`:
+    GSPMD cannot split a Pallas call), its operands in the compute dtype (bfloat16 on the MXU); its
+    residual-saving form (`with_lse`, for merging a cached prefix) has no VJP, so training and a
+    prefill without a cache take the differentiable form. "tiled" and "dense" compute in float32.
+    """
+    if impl != "splash":
+      return attention.segment_attention(q, k, v, seg, scale=self.scale, impl=impl)
+    s = partitioning
+
+    def kernel(q, k, v, seg):
+      o, lse = attention.splash_attention(q, k, v, seg, scale=self.scale, with_lse=with_lse)
+      return (o,) if lse is None else (o, jnp.transpose(lse, (0, 2, 1)))
+
+    outs = s.per_shard(kernel, tuple(a.astype(self.dtype) for a in (q, k, v)) + (seg,),
+                       in_axes=(s.HEADS_BTHK,) * 3 + (s.BATCH_TOKENS,),
+                       out_axes=(s.HEADS_BTHK, s.HEADS_BTH)[:1 + bool(with_lse)])
+    return outs[0], (jnp.transpose(outs[1], (0, 2, 1)) if with_lse else None)
 
   def _absorbed_weights(self):
     """`kv_b_proj` split per head: `(W_uk [r, nH, dn], W_uv [r, nH, dv])` in float32, rounded through
