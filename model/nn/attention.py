@@ -33,8 +33,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kda_plugin.ops.inference import target_platform
-
 NEG = -1e30  # finite "minus infinity": a fully masked row gives zeros, not NaN
 # Tokens per tile of the tiled path (queries and keys alike): scores of one tile pair are
 # [B, H, TILE, TILE] float32 (B=1, H=8: 2 MiB).
@@ -45,10 +43,19 @@ IMPLS = ("auto", "splash", "tiled", "dense")
 SPLASH_BLOCKS = (512, 256, 128)
 
 
+def target_platform() -> str:
+  """The platform traced for: the abstract mesh's device under `jax.set_mesh` /
+  `jax.sharding.use_abstract_mesh` (an ahead-of-time compile for a TPU from a CPU host), else
+  `jax.default_backend()` (the same rule as `kda_plugin.ops.inference.target_platform`)."""
+  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+  device = getattr(get_mesh(), "abstract_device", None) if get_mesh is not None else None
+  platform = device.platform if device is not None else jax.default_backend()
+  return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def resolve_impl(impl: str, platform: str | None = None) -> str:
   """The implementation `impl` names on `platform` (default: the platform traced for,
-  `kda_plugin.ops.inference.target_platform`: the abstract mesh's device under
-  `jax.sharding.use_abstract_mesh`, as in an ahead-of-time compile, else jax's default backend).
+  `target_platform`).
 
   "auto" is "splash" on TPU and "tiled" everywhere else. "splash" on another platform raises: the
   Mosaic kernel compiles only for TPU (tests run it on CPU through `interpret=True` explicitly).

@@ -6,6 +6,8 @@ Source: DeepSeek-V2 MLA as used by transformers `KimiLinearAttention` / Moonshot
 key = `[k_nope | k_r]` (k_r shared by every head, never rotated: NoPE); query = `q_proj(x)` per head
 `[q_nope | q_r]` (or `q_b_proj(q_a_layernorm(q_a_proj x))` with q_lora_rank); softmax scale
 `(dn + dr) ** -0.5`; causal attention within each document; `o_proj`.
+The row's own causal attention never forms `[T, T]` scores: `model/nn/attention.py`, chosen by
+`mla_impl` (auto: the Pallas splash kernel on TPU, the tiled XLA online softmax elsewhere).
 
 The cache keeps, per token, the normalised `c_kv` followed by `k_r` (r + dr values); keys and
 values are re-expanded from it. Parameters (HF name -> here, `.weight` -> `.kernel` transposed):
