@@ -92,6 +92,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.qk_rope_head_dim = 64  # per-token shared key width (named rope; Kimi-Linear applies no rotation)
   c.v_head_dim = 128  # per-head value width
   c.mla_kv_norm_eps = 1e-6  # epsilon of kv_a_layernorm / q_a_layernorm (HF KimiLinearRMSNorm default)
+  c.mla_impl = "auto"  # MLA attention without [T,T] scores: auto (splash on TPU, else tiled), splash, tiled, dense (model/nn/attention.py)
 
   # ---- Mixture of experts -------------------------------------------------------------------------
   c.first_k_dense_replace = 1  # layers [0, k) (0-indexed) use the dense FFN, the rest MoE

@@ -250,6 +250,8 @@ def validate_config(cfg) -> None:
     raise ConfigError(f"hidden_act must be 'silu' (SwiGLU), got {cfg.hidden_act!r}")
   if cfg.moe_impl not in ("dense", "ragged"):
     raise ConfigError(f"moe_impl must be 'dense' or 'ragged', got {cfg.moe_impl!r}")
+  if cfg.mla_impl not in ("auto", "splash", "tiled", "dense"):
+    raise ConfigError(f"mla_impl must be one of auto, splash, tiled, dense, got {cfg.mla_impl!r}")
   lb = cfg.kda_gate_lower_bound
   if lb is not None and not -5.0 <= lb < 0.0:
     raise ConfigError(f"kda_gate_lower_bound must be None or in [-5, 0), got {lb}")
@@ -355,6 +357,7 @@ class ModelArgs:
   max_cache_length: int
   scan_layers: bool = False
   remat_policy: str = "none"
+  mla_impl: str = "auto"
 
   @classmethod
   def from_config(cls, cfg, *, validate: bool = True) -> "ModelArgs":

@@ -6,6 +6,8 @@ Source: DeepSeek-V2 MLA as used by transformers `KimiLinearAttention` / Moonshot
 key = `[k_nope | k_r]` (k_r shared by every head, never rotated: NoPE); query = `q_proj(x)` per head
 `[q_nope | q_r]` (or `q_b_proj(q_a_layernorm(q_a_proj x))` with q_lora_rank); softmax scale
 `(dn + dr) ** -0.5`; causal attention within each document; `o_proj`.
+The row's own causal attention never forms `[T, T]` scores: `model/nn/attention.py`, chosen by
+`mla_impl` (auto: the Pallas splash kernel on TPU, the tiled XLA online softmax elsewhere).
 
 The cache keeps, per token, the normalised `c_kv` followed by `k_r` (r + dr values); keys and
 values are re-expanded from it. Parameters (HF name -> here, `.weight` -> `.kernel` transposed):
@@ -22,16 +24,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model import partitioning
+from model.nn import attention
 from model.nn import cache as cache_lib
 from model.nn.layers import RMSNorm, as_dtype, linear
 
-_NEG = -1e30  # finite "minus infinity": a fully masked row gives zeros, not NaN
+_NEG = attention.NEG  # finite "minus infinity": a fully masked row gives zeros, not NaN
 # Cached tokens per step of the prefix loop (`_attend_prefix_then_window`): bounds the prefix scores to
 # [B, H, T, N, PREFIX_BLOCK] and the loop's wasted work (the last block's invalid tail) to this many.
 PREFIX_BLOCK = 128
-# Tokens per tile of the window attention of a cached prefill (`_window_parts`): rows of more than one
-# whole tile skip the tile pairs that share no document.
-WINDOW_TILE = 256
 # Tokens per region of the prefix attention (after the first N; `_attend_prefix_then_window`): each
 # region loops over as many prefix blocks as its own tokens need.
 PREFIX_REGION = 256
@@ -57,6 +58,7 @@ class MultiHeadLatentAttention(nnx.Module):
     d, nh = args.hidden_size, args.num_attention_heads
     self.num_heads, self.dn, self.dr, self.dv = nh, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
     self.rank = args.kv_lora_rank
+    self.impl = args.mla_impl  # resolved per call (model/nn/attention.py resolve_impl: the platform traced for)
     self.scale = float(self.dn + self.dr) ** -0.5
     self.dtype = as_dtype(args.dtype)
     wdt = as_dtype(args.weight_dtype)
@@ -143,71 +145,42 @@ class MultiHeadLatentAttention(nnx.Module):
     Returns:
       `(y [B, T, d], latent [B, T, r + dr])`; the latent is what a cache stores for these tokens.
     """
-    q = self.query(x).astype(jnp.float32)
+    q = self.query(x)
     lat = self.latent(x)
     k, v = self.expand(lat)
-    t = x.shape[1]
+    impl = attention.resolve_impl(self.impl)
     seg = segment_ids
+    o, lse = self._self_attention(q, k, v, seg, impl, with_lse=prefix is not None)
     if prefix is None:
-      causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-      mask = (seg[:, :, None] == seg[:, None, :]) & causal[None] & (seg > 0)[:, :, None]   # [B, T, T]
-      scores = jnp.einsum("bthd,bshd->bhts", q, k.astype(jnp.float32)) * self.scale
-      p = _masked_softmax(scores, mask[:, None])
-      o = jnp.einsum("bhts,bshd->bthd", p, v.astype(jnp.float32))
       return self._out(o), lat
-    window = self._window_parts(q, k.astype(jnp.float32), v.astype(jnp.float32), seg)
-    o = self._attend_prefix_then_window(q, window, prefix, prefix_lengths, seg)
+    # The window's own softmax parts (m, l, acc) = (lse, 1, o): acc / l = o and l * exp(m) = exp(lse);
+    # padding tokens (no key) give (NEG, 0, 0).
+    window = (lse, jnp.broadcast_to((seg > 0)[:, None, :], lse.shape).astype(jnp.float32),
+              jnp.transpose(o, (0, 2, 1, 3)))
+    o = self._attend_prefix_then_window(q.astype(jnp.float32), window, prefix, prefix_lengths, seg)
     return self._out(o), lat
 
-  def _window_parts(self, q, k, v, seg):
-    """Unnormalised softmax parts of causal attention within the row's documents:
-    `(m [B, H, T], l [B, H, T], acc [B, H, T, dv])` with `o = acc / l` (running max `m`).
+  def _self_attention(self, q, k, v, seg, impl, *, with_lse):
+    """Causal attention of the row's own tokens within their documents (`model/nn/attention.py`):
+    `(o [B, T, H, dv] float32, lse [B, H, T] float32 or None)`.
 
-    A row of whole `WINDOW_TILE` tiles (more than one) is visited tile pair by tile pair (flash
-    attention's online softmax): query tile i visits only key tiles from the one holding the start
-    of its earliest document up to itself, so the work follows the documents' own lengths (a row
-    packed with decode tokens and a few prompt chunks), not the row length squared. Other rows take
-    the dense `[B, H, T, T]` form.
+    "splash" runs the Pallas kernel on each device's batch rows and heads (`partitioning.per_shard`:
+    GSPMD cannot split a Pallas call), its operands in the compute dtype (bfloat16 on the MXU); its
+    residual-saving form (`with_lse`, for merging a cached prefix) has no VJP, so training and a
+    prefill without a cache take the differentiable form. "tiled" and "dense" compute in float32.
     """
-    b, t, h, _ = q.shape
-    pos = jnp.arange(t)
-    tile = WINDOW_TILE
-    if t <= tile or t % tile:
-      mask = (seg[:, :, None] == seg[:, None, :]) & (pos[:, None] >= pos[None, :])[None] & (seg > 0)[:, :, None]
-      s = jnp.where(mask[:, None], jnp.einsum("bthd,bshd->bhts", q, k) * self.scale, _NEG)
-      m = jnp.max(s, axis=-1)
-      p = jnp.where(mask[:, None], jnp.exp(s - m[..., None]), 0.0)
-      return m, jnp.sum(p, axis=-1), jnp.einsum("bhts,bshd->bhtd", p, v)
-    start = jnp.where(seg > 0, pos[None] - _positions_in_run(seg), pos[None])            # [B, T] document start
-    first_tile = jnp.min(start.reshape(b, t // tile, tile), axis=(0, 2)) // tile          # [T / tile]
+    if impl != "splash":
+      return attention.segment_attention(q, k, v, seg, scale=self.scale, impl=impl)
+    s = partitioning
 
-    def query_tile(i, out):
-      qi = jax.lax.dynamic_slice_in_dim(q, i * tile, tile, axis=1)
-      si = jax.lax.dynamic_slice_in_dim(seg, i * tile, tile, axis=1)
-      pi = i * tile + jnp.arange(tile)
+    def kernel(q, k, v, seg):
+      o, lse = attention.splash_attention(q, k, v, seg, scale=self.scale, with_lse=with_lse)
+      return (o,) if lse is None else (o, jnp.transpose(lse, (0, 2, 1)))
 
-      def key_tile(j, carry):
-        m, l, acc = carry
-        kj = jax.lax.dynamic_slice_in_dim(k, j * tile, tile, axis=1)
-        vj = jax.lax.dynamic_slice_in_dim(v, j * tile, tile, axis=1)
-        sj = jax.lax.dynamic_slice_in_dim(seg, j * tile, tile, axis=1)
-        pj = j * tile + jnp.arange(tile)
-        mask = (si[:, :, None] == sj[:, None, :]) & (pi[:, None] >= pj[None, :])[None] & (si > 0)[:, :, None]
-        s = jnp.where(mask[:, None], jnp.einsum("bthd,bshd->bhts", qi, kj) * self.scale, _NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        rescale = jnp.exp(m - m_new)
-        p = jnp.where(mask[:, None], jnp.exp(s - m_new[..., None]), 0.0)
-        return (m_new, l * rescale + jnp.sum(p, axis=-1),
-                acc * rescale[..., None] + jnp.einsum("bhts,bshd->bhtd", p, vj))
-
-      init = (jnp.full((b, h, tile), _NEG, jnp.float32), jnp.zeros((b, h, tile), jnp.float32),
-              jnp.zeros((b, h, tile, v.shape[-1]), jnp.float32))
-      parts = jax.lax.fori_loop(first_tile[i], i + 1, key_tile, init)
-      return tuple(jax.lax.dynamic_update_slice_in_dim(o, x, i * tile, axis=2) for o, x in zip(out, parts))
-
-    out = (jnp.zeros((b, h, t), jnp.float32), jnp.zeros((b, h, t), jnp.float32),
-           jnp.zeros((b, h, t, v.shape[-1]), jnp.float32))
-    return jax.lax.fori_loop(0, t // tile, query_tile, out)
+    outs = s.per_shard(kernel, tuple(a.astype(self.dtype) for a in (q, k, v)) + (seg,),
+                       in_axes=(s.HEADS_BTHK,) * 3 + (s.BATCH_TOKENS,),
+                       out_axes=(s.HEADS_BTHK, s.HEADS_BTH)[:1 + bool(with_lse)])
+    return outs[0], (jnp.transpose(outs[1], (0, 2, 1)) if with_lse else None)
 
   def _absorbed_weights(self):
     """`kv_b_proj` split per head: `(W_uk [r, nH, dn], W_uv [r, nH, dv])` in float32, rounded through
@@ -237,7 +210,7 @@ class MultiHeadLatentAttention(nnx.Module):
     are merged at the end.
 
     Args:
-      q: float32 `[B, T, nH, dn + dr]`. window: the window's own softmax parts (`_window_parts`).
+      q: float32 `[B, T, nH, dn + dr]`. window: the window's own softmax parts `(m, l [B, H, T], acc [B, H, T, dv])`.
       prefix: latent `[B, N, L, r + dr]`. prefix_lengths: int32 `[B, N]`. seg: int32 `[B, T]` (label
       n reads slot n-1's prefix; 0 = padding).
 

@@ -51,7 +51,7 @@ STATE_ITEM, DATA_ITEM, META_ITEM = "state", "data", "meta"
 RESUME_FREE_KEYS = frozenset({
     "output_dir", "overwrite", "resume", "stop_at_step", "checkpoint_every", "checkpoint_keep", "eval_every",
     "eval_batch_size", "eval_max_windows", "log_every", "export_every", "export_dtype", "train_data",
-    "tokenizer_path", "load_parameters_path", "attention", "kda_implementation", "kda_impl", "moe_impl", "model_name",
+    "tokenizer_path", "load_parameters_path", "attention", "kda_implementation", "kda_impl", "moe_impl", "mla_impl", "model_name",
     "logical_axis_rules", "distributed_init", "coordinator_address", "num_processes", "process_id",
 })
 _RESUME_FREE_PREFIXES = ("ici_", "dcn_")
