@@ -102,7 +102,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.norm_topk_prob = True  # renormalise the chosen (unbiased) sigmoid scores to sum to 1
   c.n_group = 1  # expert groups for group-limited routing (1: plain top-k)
   c.topk_group = 1  # groups kept per token
-  c.moe_impl = "dense"  # "dense" (every expert on every token, masked) or "ragged" (sorted ragged_dot)
+  # "dense" (every expert on every token, masked: E/k times the FLOPs) or "ragged" (tokens sorted by expert,
+  # jax.lax.ragged_dot). Dense stays the default, for serving too: on TPU (libtpu 0.0.52 / jax 0.12) XLA expands
+  # ragged_dot into every group for every sorted row (an [E, N*k, I] convolution: N*k*E expert-row products, k
+  # times dense's N*E, and 2 GiB per call at 8192 tokens, top-8, E=16; docs/performance.md).
+  c.moe_impl = "dense"
 
   # ---- Special tokens -----------------------------------------------------------------------------
   c.bos_token_id = 163584  # beginning of sequence
