@@ -48,14 +48,16 @@ CASES = [
 
 
 def check_kernel_reads_in_place(hlo: str, batch: int, seq: int, min_calls: int) -> None:
-  """Every Mosaic call takes exactly four `[B, T, H*K]` bf16 operands (q, k, v, g), none of them made
-  by a copy or transpose."""
-  calls = hlo_operands.custom_calls(hlo)
-  assert len(calls) >= min_calls, f"{len(calls)} tpu_custom_call(s), expected >= {min_calls}"
+  """The KDA kernel's Mosaic calls (the `tpu_custom_call`s with `[B, T, H*K]` bf16 operands; the
+  others are the MoE's grouped matmuls) take exactly four such operands (q, k, v, g), none of them
+  made by a copy or transpose."""
+  qkvg_shape = ("bf16", (batch, seq, HK))
+  calls = [c for c in hlo_operands.custom_calls(hlo) if qkvg_shape in hlo_operands.operand_shapes(c)]
+  assert len(calls) >= min_calls, f"{len(calls)} KDA kernel call(s), expected >= {min_calls}"
   by_name, by_comp = hlo_operands.parse(hlo)
   for call in calls:
     shapes = hlo_operands.operand_shapes(call)
-    qkvg = [n for n, s in zip(call.operands, shapes) if s == ("bf16", (batch, seq, HK))]
+    qkvg = [n for n, s in zip(call.operands, shapes) if s == qkvg_shape]
     assert len(qkvg) == 4, (call.name, shapes)
     for name in qkvg:
       made_by = hlo_operands.producer(name, by_name)
