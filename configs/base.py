@@ -104,7 +104,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.norm_topk_prob = True  # renormalise the chosen (unbiased) sigmoid scores to sum to 1
   c.n_group = 1  # expert groups for group-limited routing (1: plain top-k)
   c.topk_group = 1  # groups kept per token
-  c.moe_impl = "dense"  # "dense" (every expert on every token, masked) or "ragged" (sorted ragged_dot)
+  # auto (megablox on one TPU device, dense elsewhere: model.nn.moe.resolve_moe_impl), dense (every expert on every
+  # token, masked: E/k times the FLOPs), ragged (sorted rows through jax.lax.ragged_dot, which XLA on TPU expands
+  # over every group) or megablox (sorted rows through jax's Pallas TPU grouped matmul)
+  c.moe_impl = "auto"
 
   # ---- Special tokens -----------------------------------------------------------------------------
   c.bos_token_id = 163584  # beginning of sequence

@@ -114,22 +114,28 @@ class KDABackend:
 
   # --- the KDA core ------------------------------------------------------------------------------
   def kda(self, q, k, v, g_raw, beta, *, a_log, dt_bias, lower_bound, mode, segment_ids,
-          initial_state, output_final_state, max_num_segments, implementation="auto"):
+          initial_state, output_final_state, max_num_segments, implementation="auto", num_heads=None):
     if mode not in SEQUENCE_MODES:
       raise ValueError(f"kda() serves modes {SEQUENCE_MODES}; use kda_decode() for decode, got {mode!r}")
     op = self.routes[mode]
     self._traced(mode, implementation)
-    if op == "kda_inference":
+    if op == "kda_inference":  # takes the lane-dense layout itself (the TPU kernel reads it in place)
       return kda_inference(
           q, k, v, g_raw, beta, segment_ids=segment_ids, initial_state=initial_state,
           output_final_state=output_final_state, a_log=a_log, dt_bias=dt_bias,
           lower_bound=lower_bound, use_qk_l2norm=True, max_num_segments=max_num_segments,
-          implementation=implementation)
+          num_heads=num_heads, implementation=implementation)
+    lane_dense = num_heads is not None
+    if lane_dense:  # the chunked and reference ops take [B, T, H, D]
+      if q.ndim != 3:
+        raise ValueError(f"num_heads={num_heads} means lane-dense [B, T, H*K] inputs, got q of shape {q.shape}")
+      q, k, v, g_raw = (x.reshape(x.shape[:2] + (num_heads, -1)) for x in (q, k, v, g_raw))
     g = self.gate(g_raw, a_log, dt_bias, lower_bound)
     o, state = _OPS[op](self.l2norm(q), self.l2norm(k), v, g, beta, initial_state=initial_state,
                         output_final_state=output_final_state, segment_ids=segment_ids,
                         max_num_segments=max_num_segments)
-    return o.astype(q.dtype), state
+    o = o.astype(q.dtype)
+    return (o.reshape(o.shape[:2] + (-1,)) if lane_dense else o), state
 
   def kda_decode(self, q, k, v, g_raw, beta, state, *, a_log, dt_bias, lower_bound, implementation="auto"):
     self._traced("decode", implementation)

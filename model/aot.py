@@ -35,7 +35,6 @@ from model import loading, partitioning
 from model.errors import ConfigError
 from model.nn import cache as cache_lib
 from model.nn import scan as scan_lib
-from model.nn.kimi_linear import last_token_logits
 from model.training import steps
 
 MODES = ("train", "prefill", "decode")
@@ -240,8 +239,7 @@ def lower(cfg, mode: str, mesh, *, stacked_params: bool = True):
 
       def prefill(st, input_ids, segment_ids):
         with as_model(st) as m:
-          logits, cache = m.prefill(input_ids, segment_ids, num_slots=n, cache_length=length)
-        return last_token_logits(logits, segment_ids, n), cache
+          return m.prefill(input_ids, segment_ids, num_slots=n, cache_length=length, logits_at="last")
 
       return jax.jit(prefill).lower(params, ids, ids), info
     info.update(num_slots=1, seq_len=1)

@@ -56,13 +56,14 @@ class AttentionBackend(Protocol):
     ...
 
   def kda(self, q, k, v, g_raw, beta, *, a_log, dt_bias, lower_bound, mode, segment_ids, initial_state,
-          output_final_state, max_num_segments, implementation="auto") -> tuple[Any, Any]:
+          output_final_state, max_num_segments, implementation="auto", num_heads=None) -> tuple[Any, Any]:
     """Gate activation, q/k L2 norm and the KDA core over a packed sequence (docs/kda.md).
 
     Args:
-      q, k: `[B, T, H, K]` after the short conv, NOT yet L2-normalised.
-      v: `[B, T, H, V]`.
-      g_raw: `[B, T, H, K]` raw gate input `f_b_proj(f_a_proj(x))` (not yet activated).
+      q, k: `[B, T, H, K]` after the short conv, NOT yet L2-normalised; or lane-dense `[B, T, H*K]`
+        (head h in lanes h*K..(h+1)*K-1, the layout of the mixer's projections) when `num_heads=H`.
+      v: `[B, T, H, V]` (lane-dense: `[B, T, H*V]`).
+      g_raw: like q: raw gate input `f_b_proj(f_a_proj(x))` (not yet activated).
       beta: float32 `[B, T, H]` in [0, 1].
       a_log: float32 `[H]`; dt_bias: float32 `[H*K]`; lower_bound: None (softplus gate) or float.
       mode: one of `SEQUENCE_MODES`.
@@ -70,8 +71,11 @@ class AttentionBackend(Protocol):
       output_final_state: return the per-slot final states.
       max_num_segments: N (static).
       implementation: the kernel choice of the op serving `mode` (`config.kda_implementation`).
+      num_heads: H when q, k, v, g_raw come lane-dense (3-D), else None. The KDA mixer always passes
+        lane-dense inputs: a backend serves them without a relayout where its kernel can.
     Returns:
-      `(o [B, T, H, V] in q's dtype, final_state float32 [B, N, H, K, V] or None)`.
+      `(o in q's layout ([B, T, H, V], or [B, T, H*V] lane-dense) and dtype,
+      final_state float32 [B, N, H, K, V] or None)`.
     """
     ...
 

@@ -34,6 +34,9 @@ _BOOL = {"true": True, "false": False}
 REMAT_POLICY_NAMES = ("none", "full", "nothing_saveable", "minimal", "dots_saveable")
 
 
+# model/nn/moe.py's expert implementations (config key moe_impl; "auto" is the rule in its docstring).
+MOE_IMPLS = ("auto", "dense", "ragged", "megablox")
+
 def available_configs() -> list[str]:
   """Names accepted by `load_config` (module names of `configs/` with dashes)."""
   return sorted(p.stem.replace("_", "-") for p in _CONFIGS_DIR.glob("*.py")
@@ -248,8 +251,8 @@ def validate_config(cfg) -> None:
       raise ConfigError(f"{key} must be one of {list(_DTYPES)}, got {cfg[key]!r}")
   if cfg.hidden_act != "silu":
     raise ConfigError(f"hidden_act must be 'silu' (SwiGLU), got {cfg.hidden_act!r}")
-  if cfg.moe_impl not in ("dense", "ragged"):
-    raise ConfigError(f"moe_impl must be 'dense' or 'ragged', got {cfg.moe_impl!r}")
+  if cfg.moe_impl not in MOE_IMPLS:
+    raise ConfigError(f"moe_impl must be one of {', '.join(MOE_IMPLS)}, got {cfg.moe_impl!r}")
   if cfg.mla_impl not in ("auto", "splash", "tiled", "dense"):
     raise ConfigError(f"mla_impl must be one of auto, splash, tiled, dense, got {cfg.mla_impl!r}")
   lb = cfg.kda_gate_lower_bound

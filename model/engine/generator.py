@@ -29,7 +29,6 @@ from flax import nnx
 from model import partitioning
 from model.engine import executables, sampling
 from model.engine.api import GenerationError, SamplingParams, check_vocab_limit
-from model.nn.kimi_linear import last_token_logits
 
 MAX_STOP_IDS = 8   # stop ids one Generator may hold (a runtime int32 vector of the compiled decode step)
 
@@ -212,8 +211,9 @@ class Generator:
     model_of = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
     def prefill(leaves, ids, seg, rng, vocab_limit):
-      logits, cache = model_of(leaves).prefill(ids, seg, num_slots=num_slots, cache_length=cache_length)
-      tok = _sample_rows(last_token_logits(logits, seg, num_slots), rng, 0, params, vocab_limit)
+      last, cache = model_of(leaves).prefill(ids, seg, num_slots=num_slots, cache_length=cache_length,
+                                             logits_at="last")
+      tok = _sample_rows(last, rng, 0, params, vocab_limit)
       return tok, cache
 
     chunk = self.decode_chunk

@@ -20,7 +20,6 @@ from flax import nnx
 from model import partitioning
 from model.engine import sampling
 from model.nn import cache as cache_lib
-from model.nn.kimi_linear import last_token_logits
 
 
 def _reset(cache, fresh):
@@ -36,8 +35,7 @@ def build_step(graphdef, treedef, num_slots: int):
   """The pure step function (see the module docstring) for a model split into (graphdef, treedef)."""
   def step(leaves, cache, ids, seg, fresh, greedy, temperature, top_k, top_p, seeds, positions, vocab_limit):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    logits, cache = model.prefill(ids, seg, cache=_reset(cache, fresh))
-    last = last_token_logits(logits, seg, num_slots)
+    last, cache = model.prefill(ids, seg, cache=_reset(cache, fresh), logits_at="last")
     tok, logprob, top2 = sampling.sample_step(last, vocab_limit, greedy, temperature, top_k, top_p, seeds, positions)
     return tok, logprob, top2, cache
   return step
@@ -111,9 +109,9 @@ def build_split_step(graphdef, treedef, num_slots: int, num_prefill: int):
       sub, last, mid = carry
       row_ids = jax.lax.dynamic_slice_in_dim(ids, i, 1, axis=0)
       row_seg = jax.lax.dynamic_slice_in_dim(seg, i, 1, axis=0)
-      row_logits, sub = model.prefill(row_ids, row_seg, cache=sub)
+      row_last, sub = model.prefill(row_ids, row_seg, cache=sub, logits_at="last")
       present = jnp.any(row_seg[0][None, :] == labels[:, None], axis=-1)                       # [P]
-      row_last = last_token_logits(row_logits, row_seg, num_prefill).astype(jnp.float32)
+      row_last = row_last.astype(jnp.float32)
       last = jnp.where(present[:, None], row_last, last)
       mid = jax.tree.map(lambda m, x: jnp.where(i == 0, x, m), mid, kda_fields(sub))
       return sub, last, mid

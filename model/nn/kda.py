@@ -77,7 +77,9 @@ class KimiDeltaAttention(nnx.Module):
     return x.reshape(x.shape[:-1] + (self.num_heads, self.head_dim))
 
   def _output(self, o, x):
-    # Gated per-head RMSNorm (fla FusedRMSNormGated, activation sigmoid), then o_proj.
+    # Gated per-head RMSNorm (fla FusedRMSNormGated, activation sigmoid), then o_proj. o: lane-dense
+    # `[..., H*V]` (x's leading dims); the per-head view is index arithmetic inside one fusion.
+    o = self._heads(o)
     gate = self._heads(self.g_b_proj(self.g_a_proj(x))).astype(jnp.float32)
     y = self.o_norm.normalize(o) * self.o_norm.scale[...].astype(jnp.float32) * jax.nn.sigmoid(gate)
     y = y.astype(self.dtype)
@@ -109,23 +111,29 @@ class KimiDeltaAttention(nnx.Module):
       convs.append(be.short_conv(proj(x), conv.kernel[...], segment_ids=segment_ids, cache=cin,
                                  max_num_segments=num_slots))
     (q, cq), (k, ck), (v, cv) = convs
-    g_raw = self._heads(self.f_b_proj(self.f_a_proj(x)))
+    g_raw = self.f_b_proj(self.f_a_proj(x))
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+    kd = self.head_dim
 
     def kernel(q, k, v, g_raw, beta, segment_ids, h0, a_log, dt_bias):
+      # q, k, v, g_raw arrive lane-dense [B, T, H*K] as the projections made them (this shard's
+      # heads): the TPU kernel reads that layout in place, while [B, T, H, K] would cost a relayout
+      # copy of each before the call (TPU tiles (8, 128) cover (T, H*K) in one and (H, K) in the other).
       o, st = be.kda(q, k, v, g_raw, beta, mode=mode, segment_ids=segment_ids, initial_state=h0,
                      output_final_state=return_cache, max_num_segments=num_slots,
-                     implementation=self.implementation,
+                     implementation=self.implementation, num_heads=q.shape[-1] // kd,
                      a_log=a_log, dt_bias=dt_bias, lower_bound=self.lower_bound)
       return (o, st) if return_cache else (o,)
 
-    # Inside a mesh the kernel runs on each device's rows and heads (heads are independent).
+    # Inside a mesh the kernel runs on each device's rows and heads (heads are independent; the
+    # lane-dense H*K axis splits on head boundaries, as the projections' "heads" axis does).
     s = partitioning
+    lane_dense = s.HEADS_BTH  # [B, T, H*K]: batch, length, heads (x head dim)
     outs = s.per_shard(
-        kernel, (self._heads(q), self._heads(k), self._heads(v), g_raw, beta, segment_ids,
+        kernel, (q, k, v, g_raw, beta, segment_ids,
                  None if cache is None else to_slots(cache.state), self.A_log[...], self.dt_bias[...]),
-        in_axes=(s.HEADS_BTHK,) * 4 + (s.HEADS_BTH, s.BATCH_TOKENS, s.STATE_BNHKV, s.HEAD_PARAM, s.HEAD_PARAM),
-        out_axes=(s.HEADS_BTHK, s.STATE_BNHKV)[:1 + bool(return_cache)])
+        in_axes=(lane_dense,) * 4 + (s.HEADS_BTH, s.BATCH_TOKENS, s.STATE_BNHKV, s.HEAD_PARAM, s.HEAD_PARAM),
+        out_axes=(lane_dense, s.STATE_BNHKV)[:1 + bool(return_cache)])
     o, state = outs[0], (outs[1] if return_cache else None)
     y = self._output(o, x)
     if not return_cache:
@@ -161,4 +169,4 @@ class KimiDeltaAttention(nnx.Module):
                  self.dt_bias[...]),
         in_axes=(s.HEADS_SHK,) * 4 + (s.HEADS_SH, s.STATE_SHKV, s.HEAD_PARAM, s.HEAD_PARAM),
         out_axes=(s.HEADS_SHK, s.STATE_SHKV))
-    return self._output(o, x), cache_lib.KDALayerCache(state, cq, ck, cv)
+    return self._output(o.reshape(o.shape[:-2] + (-1,)), x), cache_lib.KDALayerCache(state, cq, ck, cv)

@@ -28,6 +28,7 @@ from model.nn.moe import SparseMoeBlock
 from model.nn import scan as scan_lib
 
 MODES = ("train", "eval")
+LOGITS_AT = ("all", "last")  # `prefill(logits_at=...)`: every token's logits, or each document's last
 
 
 class Mixer(Protocol):
@@ -155,7 +156,8 @@ class KimiLinearForCausalLM(nnx.Module):
       return None
     return scan_lib.scan_plan([(t, i >= a.first_k_dense_replace) for i, t in enumerate(a.layer_types)])
 
-  def _run(self, input_ids, segment_ids, mode, num_slots, cache=None, return_cache=False, cache_length=None):
+  def _run(self, input_ids, segment_ids, mode, num_slots, cache=None, return_cache=False, cache_length=None,
+           logits_at: str = "all"):
     # Logical activation axes (no-ops outside a mesh; see model/partitioning.py).
     x = partitioning.constrain(self.model.embed_tokens(input_ids), partitioning.HIDDEN)
     lengths = None if cache is None else cache.lengths
@@ -169,8 +171,28 @@ class KimiLinearForCausalLM(nnx.Module):
                                         lambda h: partitioning.constrain(h, partitioning.HIDDEN),
                                         plan=self.scan_plan(), remat_policy=self.args.remat_policy,
                                         train=mode == "train")
+    if logits_at == "last":
+      return self.last_logits(x, segment_ids, num_slots), new_layers
     logits = partitioning.constrain(self.lm_head(self.model.norm(x)), partitioning.LOGITS)
     return logits, new_layers
+
+  def last_logits(self, hidden, segment_ids, num_slots: int):
+    """The LM head at each document's last token only: `[B * N, vocab]` in decode layout (zeros for
+    empty slots), equal to `last_token_logits(lm_head(norm(hidden)), segment_ids, num_slots)`.
+
+    Args:
+      hidden: `[B, T, d]`, the last decoder layer's output (before the final norm).
+      segment_ids: int32 `[B, T]`. num_slots: N.
+
+    The head runs on B*N rows instead of B*T: a prompt's [T, vocab] logits (8192 x 163840 bf16 is
+    2.5 GiB) are never formed when only the next token is sampled.
+    """
+    b, _, d = hidden.shape
+    last, present = last_token_index(segment_ids, num_slots)                              # [B, N]
+    h = jnp.take_along_axis(hidden, last[..., None], axis=1).reshape(b * num_slots, d)
+    h = partitioning.constrain(h, partitioning.DECODE_HIDDEN)
+    logits = partitioning.constrain(self.lm_head(self.model.norm(h)), partitioning.DECODE_LOGITS)
+    return jnp.where(present.reshape(-1, 1), logits, jnp.zeros((), logits.dtype))
 
   # --- public API --------------------------------------------------------------------------------
   def __call__(self, input_ids, segment_ids=None, positions=None, *, mode: str = "train",
@@ -211,7 +233,7 @@ class KimiLinearForCausalLM(nnx.Module):
     return cache_lib.ModelCache(layers, jnp.zeros((s,), jnp.int32))
 
   def prefill(self, input_ids, segment_ids=None, positions=None, *, cache=None, num_slots: int | None = None,
-              cache_length: int | None = None):
+              cache_length: int | None = None, logits_at: str = "all"):
     """Forward over packed prompts that also returns the caches, in decode layout.
 
     Row b's document with label n becomes decode sequence `s = b * num_slots + n - 1`.
@@ -223,13 +245,20 @@ class KimiLinearForCausalLM(nnx.Module):
         windows and MLA latent prefix (`cache.lengths` tokens).
       num_slots: N; default from `cache`, else `config.max_num_segments` (1 without segment_ids).
       cache_length: L of the MLA latent cache; default from `cache`, else `config.max_cache_length`.
+      logits_at: "all" (the logits of every token, `[B, T, vocab]`) or "last" (only each document's
+        last token, `[B * N, vocab]` in decode layout, zeros for empty slots: what sampling the next
+        token needs; the LM head runs on B*N rows, see `last_logits`).
 
     Returns:
-      `(logits [B, T, vocab], ModelCache)`; `lengths[s]` = incoming length + the document's tokens.
+      `(logits, ModelCache)`: logits as `logits_at` says; `lengths[s]` = incoming length + the
+      document's tokens.
 
     Raises:
-      ValueError: shapes, or (when concrete) a label above N or more tokens than L for a slot.
+      ValueError: shapes, an unknown `logits_at`, or (when concrete) a label above N or more tokens
+        than L for a slot.
     """
+    if logits_at not in LOGITS_AT:
+      raise ValueError(f"logits_at must be one of {LOGITS_AT}, got {logits_at!r}")
     input_ids, segment_ids_ = self._check_inputs(input_ids, segment_ids, positions)
     b = input_ids.shape[0]
     if cache is not None:
@@ -250,7 +279,7 @@ class KimiLinearForCausalLM(nnx.Module):
       if int(jnp.max(lengths)) > length:
         raise ValueError(f"a document needs {int(jnp.max(lengths))} MLA cache entries but cache_length is {length}")
     logits, layers = self._run(input_ids, segment_ids_, "prefill", n, cache=cache, return_cache=True,
-                               cache_length=length)
+                               cache_length=length, logits_at=logits_at)
     return logits, cache_lib.ModelCache(tuple(layers), lengths)
 
   def decode(self, input_ids, cache):
@@ -293,14 +322,23 @@ class KimiLinearForCausalLM(nnx.Module):
     return (logits[:, None] if with_time else logits), cache_lib.ModelCache(tuple(layers), cache.lengths + 1)
 
 
+def last_token_index(segment_ids, num_slots: int):
+  """`(last int32 [B, N], present bool [B, N])`: the index of each slot's last token in its row (0 for
+  an empty slot) and whether the slot holds any token (label n is slot n - 1)."""
+  seg = jnp.asarray(segment_ids, jnp.int32)
+  t = seg.shape[1]
+  is_lab = seg[:, None, :] == jnp.arange(1, num_slots + 1)[None, :, None]             # [B, N, T]
+  last = jnp.max(jnp.where(is_lab, jnp.arange(t), -1), axis=-1)                       # [B, N]
+  return jnp.clip(last, 0, t - 1).astype(jnp.int32), last >= 0
+
+
 def last_token_logits(logits, segment_ids, num_slots: int):
   """Logits of each document's last token, in decode layout `[B * N, vocab]` (zeros for empty slots).
 
-  Use after `prefill` to sample each sequence's first generated token.
+  Use after `prefill(logits_at="all")`; `prefill(logits_at="last")` returns the same without forming
+  the other tokens' logits.
   """
   b, t, v = logits.shape
-  seg = jnp.asarray(segment_ids, jnp.int32)
-  is_lab = seg[:, None, :] == jnp.arange(1, num_slots + 1)[None, :, None]             # [B, N, T]
-  last = jnp.max(jnp.where(is_lab, jnp.arange(t), -1), axis=-1)                       # [B, N]
-  out = jnp.take_along_axis(logits, jnp.clip(last, 0, t - 1)[..., None], axis=1)      # [B, N, V]
-  return jnp.where((last >= 0)[..., None], out, 0).reshape(b * num_slots, v)
+  last, present = last_token_index(segment_ids, num_slots)
+  out = jnp.take_along_axis(logits, last[..., None], axis=1)                          # [B, N, V]
+  return jnp.where(present[..., None], out, 0).reshape(b * num_slots, v)

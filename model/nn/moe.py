@@ -28,6 +28,32 @@ from flax import nnx
 
 from model.nn.layers import SwiGLU, as_dtype, param
 
+GMM_ROWS = 128  # megablox row tile: the sorted (token, expert) rows are padded to a multiple of it
+
+
+def target_platform() -> str:
+  """The platform being traced for: the abstract mesh's device under an ahead-of-time compile, else
+  `jax.default_backend()` ("tpu", "gpu", "cpu", ...)."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  platform = device.platform if device is not None else jax.default_backend()
+  return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def resolve_moe_impl(impl: str) -> str:
+  """The expert implementation `impl` ("auto" included) runs as: "dense", "ragged" or "megablox".
+
+  "auto" is "megablox" on a TPU when the experts are not split over a mesh (one device, or no mesh:
+  the Pallas kernel runs on whole arrays; GSPMD cannot split it), and "dense" otherwise. Not
+  "ragged": XLA expands `jax.lax.ragged_dot` into every group for every row on TPU (an
+  [E, N*k, I] convolution, k times dense's work; docs/performance.md), and on CPU / GPU dense keeps
+  each token's arithmetic independent of the batch it shares.
+  """
+  if impl != "auto":
+    return impl
+  mesh = jax.sharding.get_abstract_mesh()
+  whole = mesh is None or mesh.empty or mesh.size == 1
+  return "megablox" if target_platform() == "tpu" and whole else "dense"
+
 
 class RouterBias(nnx.Variable):
   """The router's e_score_correction_bias (float32, updated outside gradient descent)."""
@@ -121,6 +147,7 @@ class Experts(nnx.Module):
     self.w2 = param(init, rngs.params(), (e, i, d), wdt, ("expert", "mlp", "embed"))
     self.dtype = as_dtype(args.dtype)
     self.impl = args.moe_impl
+    self.gmm_interpret = False  # run megablox in Pallas interpret mode (tests on a CPU)
 
   def _dense(self, x, weights, idx):
     # Every expert on every token, combined with a [N, E] weight matrix (zeros off the top-k).
@@ -132,19 +159,42 @@ class Experts(nnx.Module):
     return jnp.einsum("ne,ned->nd", combine, y.astype(jnp.float32))
 
   def _ragged(self, x, weights, idx):
-    # Sort the N*k (token, expert) pairs by expert and run each expert on its contiguous group.
+    # Sort the N*k (token, expert) pairs by expert and run each expert on its contiguous group, then
+    # put the results back in (token, choice) order (the inverse permutation: a gather, not a float32
+    # scatter-add) and sum each token's k results weighted in float32 (one fused reduction: no
+    # float32 [N*k, d] copy). Buffers: three [N*k, d] and two [N*k, I] in the compute dtype.
     n, k = idx.shape
     e = self.w1.shape[0]
     flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    tokens = order // k
-    xs = x[tokens]
+    order = jnp.argsort(flat, stable=True)                                   # sorted row -> pair
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))  # pair -> row
+    xs = x.astype(self.dtype)[order // k]
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     w1, w3, w2 = (p[...].astype(self.dtype) for p in (self.w1, self.w3, self.w2))
     h = jax.nn.silu(jax.lax.ragged_dot(xs, w1, sizes)) * jax.lax.ragged_dot(xs, w3, sizes)
-    y = jax.lax.ragged_dot(h, w2, sizes).astype(jnp.float32)
-    y = y * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[tokens].add(y)
+    y = jax.lax.ragged_dot(h, w2, sizes)[inverse].reshape(n, k, -1)
+    return jnp.sum(weights[..., None] * y.astype(jnp.float32), axis=1)
+
+  def _megablox(self, x, weights, idx):
+    # As _ragged, with the grouped matmuls in jax's Pallas TPU kernel (megablox gmm): each row tile
+    # multiplies only its own experts' weights (N*k rows x one expert each, no [E, N*k, I] expansion).
+    # The rows are padded to a multiple of GMM_ROWS; the padding joins the last group and is dropped.
+    from jax.experimental.pallas.ops.tpu.megablox import gmm  # noqa: PLC0415  (TPU kernel: only when chosen)
+    n, k = idx.shape
+    e = self.w1.shape[0]
+    m = n * k
+    rows = -(-m // GMM_ROWS) * GMM_ROWS
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=order.dtype))
+    xs = jnp.pad(x.astype(self.dtype)[order // k], ((0, rows - m), (0, 0)))
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32).at[e - 1].add(rows - m)
+    w1, w3, w2 = (p[...].astype(self.dtype) for p in (self.w1, self.w3, self.w2))
+    tiling = (GMM_ROWS, 128, 128)
+    mm = lambda a, w: gmm(a, w, sizes, self.dtype, tiling, None, None, False, self.gmm_interpret)
+    h = jax.nn.silu(mm(xs, w1)) * mm(xs, w3)
+    y = mm(h, w2)[inverse].reshape(n, k, -1)
+    return jnp.sum(weights[..., None] * y.astype(jnp.float32), axis=1)
 
   def _gathered(self, x, weights, idx):
     # Only the chosen experts' weights, gathered per (token, choice): reads N*k experts instead of E.
@@ -156,13 +206,17 @@ class Experts(nnx.Module):
   def __call__(self, x, weights, idx):
     """x `[N, d]`, weights/idx `[N, k]` -> float32 `[N, d]` = sum_k weight * expert_idx(x).
 
+    `moe_impl` ("auto": `resolve_moe_impl`) picks dense, ragged or megablox (TPU only; a CPU run
+    needs `gmm_interpret`).
+
     When fewer (token, expert) pairs than experts are routed (N*k < E, e.g. decoding a few
     sequences), only those experts' weights are gathered and run, whatever `moe_impl` says: the same
     sum, reading N*k experts instead of all E (decode is bound by reading weights)."""
     n, k = idx.shape
     if n * k < self.w1.shape[0]:
       return self._gathered(x, weights, idx)
-    return self._dense(x, weights, idx) if self.impl == "dense" else self._ragged(x, weights, idx)
+    impl = resolve_moe_impl(self.impl)
+    return {"dense": self._dense, "ragged": self._ragged, "megablox": self._megablox}[impl](x, weights, idx)
 
 
 class SparseMoeBlock(nnx.Module):

@@ -33,11 +33,12 @@ def test_bias_chooses_but_does_not_weight():
   np.testing.assert_allclose(np.asarray(w)[0], 2.0 * s / s.sum(), rtol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged"])
+@pytest.mark.parametrize("impl", ["dense", "ragged", "megablox"])
 def test_experts_match_numpy(impl):
   args = ModelArgs.from_config(load_config(["tiny", f"moe_impl={impl}", "num_experts=6", "num_experts_per_tok=3"]))
   with nnx.use_eager_sharding(False):  # no mesh here; axes stay metadata
     experts = Experts(args, nnx.Rngs(3))
+  experts.gmm_interpret = True  # megablox is a TPU kernel: Pallas interpret mode on the CPU
   rng = np.random.default_rng(5)
   x = rng.normal(0, 1, (10, args.hidden_size)).astype(np.float32)
   idx = np.stack([rng.choice(6, 3, replace=False) for _ in range(10)]).astype(np.int32)
@@ -51,3 +52,11 @@ def test_experts_match_numpy(impl):
       h = x[n] @ w1[e]
       want[n] += w[n, j] * ((h / (1 + np.exp(-h)) * (x[n] @ w3[e])) @ w2[e])
   np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
+
+
+def test_auto_moe_impl_rule():
+  """"auto": dense off a TPU (here: the CPU); megablox is chosen only for a TPU target (covered by
+  tests/aot/test_aot_shard_fit.py, whose prefill compiles for one v5e)."""
+  from model.nn.moe import resolve_moe_impl
+  assert resolve_moe_impl("auto") == "dense"
+  assert resolve_moe_impl("ragged") == "ragged" and resolve_moe_impl("megablox") == "megablox"
