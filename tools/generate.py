@@ -5,6 +5,7 @@ Usage:
       (prompt="text" | prompts_file=FILE | prompt_ids="1,2,3") max_new_tokens=N
       decode_sampling_strategy=greedy|weighted|topk|nucleus [decode_sampling_temperature=T]
       [decode_sampling_top_k=K] [decode_sampling_nucleus_p=P] [seed=S] [output_json=FILE [overwrite=true]]
+      [compilation_cache_dir=DIR|none]  (jax's persistent compilation cache; default ~/.cache/kda_plugin/jax)
 
 The model config comes from the checkpoint (DIR/config.json); any key=value of configs/base.py given
 here overrides it (e.g. attention=kda_reference, max_cache_length=4096, dtype=bfloat16).
@@ -49,7 +50,7 @@ import sys
 
 from model import partitioning
 from model.data.pipeline import DataFormatError, parse_ids_documents, read_text_file
-from model.engine import sampling
+from model.engine import compilation_cache, sampling
 from model.engine.api import GenerationError, SamplingParams
 from model.engine.generator import Generator, check_max_new_tokens
 from model.data.tokenizer import TokenizerError
@@ -201,6 +202,7 @@ def run(argv: list[str]) -> int:
   tokenizer = common.tokenizer_for(stored)
   vocab = int(stored.vocab_size)
   texts, prompts = read_prompts(cfg, given, tokenizer, vocab)
+  print(compilation_cache.enable(cfg.compilation_cache_dir), file=sys.stderr)  # before the first compilation
   model, mcfg, mesh = common.load(stored)  # mesh None on one device
   if mesh is not None:
     print(f"serving on {partitioning.describe_mesh(mesh)}", file=sys.stderr)
