@@ -294,19 +294,20 @@ def phase_server(args) -> dict:
           raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read()[-3000:]}")
       ready_s = time.perf_counter() - t0
       client = uds_client.openai_client(sock)
+      served = client.models.list().data[0].id
       vocab = json.loads((pathlib.Path(args.checkpoint) / "config.json").read_text())["vocab_size"]
       ids = np.random.default_rng(2).integers(3, min(200, vocab), 48).tolist()
       sent = time.perf_counter()
       first = None
       streamed, chunks = [], 0
-      stream = client.completions.create(model="m", prompt=ids, max_tokens=16, temperature=0, stream=True,
+      stream = client.completions.create(model=served, prompt=ids, max_tokens=16, temperature=0, stream=True,
                                          extra_body={"ignore_eos": True, "return_token_ids": True})
       for chunk in stream:
         if chunk.choices and chunk.choices[0].model_extra.get("token_ids"):
           first = first or time.perf_counter()
           streamed += chunk.choices[0].model_extra["token_ids"]
           chunks += 1
-      whole = client.completions.create(model="m", prompt=ids, max_tokens=16, temperature=0,
+      whole = client.completions.create(model=served, prompt=ids, max_tokens=16, temperature=0,
                                         extra_body={"ignore_eos": True, "return_token_ids": True})
       same = whole.choices[0].model_extra["token_ids"] == streamed
       proc.terminate()
@@ -318,6 +319,7 @@ def phase_server(args) -> dict:
       proc.stdout.close()
     log.seek(0)
     text = log.read()
+  print("--- the server's log:\n" + text[-6000:], flush=True)
   from tools.bench.serving_load import startup_figures
   return {"uds": sock, "listening_line": line.strip(), "listening_after_s": round(ready_s, 2),
           **startup_figures(text), "streamed_tokens": len(streamed), "stream_chunks": chunks,
