@@ -41,7 +41,7 @@ def test_a_phase_whose_package_is_missing_is_skipped_by_name(tmp_path):
 
 @pytest.mark.slow
 def test_every_phase_runs_in_smoke_mode(tmp_path):
-  """The whole check in smoke mode (about 2 minutes on a quiet 2-core host, 5 under load): every phase
+  """The whole check in smoke mode (5 to 10 minutes on the shared 2-core host: `slow`): every phase
   ok, batched greedy tokens identical to alone (f32), the server answers the openai client's stream
   over the unix socket and starts warm (every executable loaded from the run's persistent cache)."""
   proc, report = _run(tmp_path, "model ckpt serving identity server real")
@@ -54,7 +54,8 @@ def test_every_phase_runs_in_smoke_mode(tmp_path):
   model = phases["model"]["result"]
   assert model["decode"]["B=2"]["step_ms"] > 0 and model["decode"]["B=2"]["hbm_floor_ms"] > 0
   one = model["prefill"]["one_prompt"]
-  assert one["tokens_per_s"] > 0 and 0 < one["mfu"] < 1
+  assert one["tokens_per_s"] > 0 and one["flops_per_token"] > 0
+  assert abs(one["mfu"] - one["flops_per_token"] * one["tokens_per_s"] / 197e12) < 1e-4   # ~0 on a tiny model
   head = report["headline"]
   assert head["identity_f32_b32"] is True
   assert head["server_over_uds"] is True
