@@ -24,7 +24,9 @@
 #   .whl-tpu in the checkout; tools/bench/device_wheels.sh fills it), VENV (default /tmp/kda-e2e-venv),
 #   SKIP_INSTALL=1 (use PY as it is, the checkout on PYTHONPATH), KDA_COMMIT (the commit measured),
 #   E2E_SMOKE=1 (tiny model and shapes, CPU: the test), E2E_REAL=1, E2E_PHASES (default all:
-#   "model ckpt serving identity server real"), CACHE_DIR (default /tmp/kda_e2e_jax_cache).
+#   "model ckpt serving identity server real"), CACHE_DIR (default /tmp/kda_e2e_jax_cache),
+#   E2E_MODEL_SET (model config overrides for every phase's model, e.g. "moe_impl=ragged attention=kda_chunked"),
+#   KDA_COMPILE_THREADS (threads that compile an engine's executables; default half the cores).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
@@ -45,7 +47,7 @@ export PYTHONUNBUFFERED=1 KDA_COMPILATION_CACHE_DIR=$CACHE_DIR
 [ "$SMOKE" = 1 ] || export JAX_PLATFORMS=${JAX_PLATFORMS:-tpu,cpu}
 SECONDS=0
 TOTAL_BUDGET=570
-declare -A BUDGET=([install]=90 [model]=140 [ckpt]=130 [serving]=190 [identity]=80 [server]=60 [real]=120)
+declare -A BUDGET=([install]=70 [model]=130 [ckpt]=120 [serving]=220 [identity]=90 [server]=60 [real]=120)
 if [ "$SMOKE" = 1 ]; then   # a slow shared CPU: the figures do not matter, every phase must run
   TOTAL_BUDGET=1500
   BUDGET=([install]=60 [model]=300 [ckpt]=300 [serving]=400 [identity]=300 [server]=300 [real]=1)
@@ -158,6 +160,7 @@ need() {  # need PHASE KEY...: true when every import works, else records the sk
   return 1
 }
 
+MODEL_SET=(); for kv in ${E2E_MODEL_SET:-}; do MODEL_SET+=(--set "$kv"); done
 E2E=("$VPY" -m tools.bench.e2e_device)
 CKPT="$WORK/ckpt"
 CORE=(flax ml_collections tqdm kda_plugin)
@@ -165,11 +168,11 @@ CORE=(flax ml_collections tqdm kda_plugin)
 # --- model (device) beside ckpt (CPU) -------------------------------------------------------------------
 ckpt_pid=
 if wants ckpt && need ckpt "${CORE[@]}" orbax_v1; then
-  ( export JAX_PLATFORMS=cpu; run_phase ckpt "${E2E[@]}" checkpoint "${SMOKE_FLAG[@]}" --dir "$CKPT" --json "$WORK/ckpt.json" ) &
+  ( export JAX_PLATFORMS=cpu; run_phase ckpt "${E2E[@]}" checkpoint "${SMOKE_FLAG[@]}" "${MODEL_SET[@]}" --dir "$CKPT" --json "$WORK/ckpt.json" ) &
   ckpt_pid=$!
 fi
 if wants model && need model "${CORE[@]}"; then
-  run_phase model "${E2E[@]}" model "${SMOKE_FLAG[@]}" --json "$WORK/model.json" --stop-after-s $((BUDGET[model] - 45))
+  run_phase model "${E2E[@]}" model "${SMOKE_FLAG[@]}" "${MODEL_SET[@]}" --json "$WORK/model.json" --stop-after-s $((BUDGET[model] - 45))
 fi
 [ -n "$ckpt_pid" ] && wait "$ckpt_pid"
 
@@ -194,7 +197,7 @@ fi
 
 # --- identity: f32 batched vs alone --------------------------------------------------------------------
 if wants identity && need identity "${CORE[@]}"; then
-  run_phase identity "${E2E[@]}" identity "${SMOKE_FLAG[@]}" --json "$WORK/identity.json"
+  run_phase identity "${E2E[@]}" identity "${SMOKE_FLAG[@]}" "${MODEL_SET[@]}" --json "$WORK/identity.json"
 fi
 
 # --- server over a unix socket (warm start) ------------------------------------------------------------
