@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import os
 import sys
+import threading
 import time
 
 import jax
@@ -110,6 +111,7 @@ class ModelRunner:
         "continuous", self.num_slots, config.max_model_len, config.decode_path)
     self.compiled: dict[tuple, object] = {}
     self.compile_seconds = 0.0
+    self._compile_lock = threading.Lock()
     self.pool = SlotPool(model, self.num_slots, config.max_model_len, mesh=mesh, rules=rules)
     self._mid = None   # the last split step's sub-pool KDA states after its first stage (device)
 
@@ -166,7 +168,8 @@ class ModelRunner:
       exe = lowered.compile()
     seconds = time.perf_counter() - t0
     executables.put(self._key + shape, exe, seconds)
-    self.compile_seconds += seconds
+    with self._compile_lock:   # compile_all's threads
+      self.compile_seconds += seconds
     return CompileRecord(step_name(*shape), seconds, seen["hits"] > 0 if seen["requests"] else None)
 
   def compile_all(self, on_compiled=None, *, transfers: bool = False, threads: int | None = None) -> float:

@@ -467,12 +467,15 @@ def replay(args, label, keys, requests, warmup, max_len, prefix_len=None) -> dic
   """`measure` without the server: the same warm-up and workload on the engine in this process."""
   rep = _Replay(args, keys, max_len)
   warm = warmup_count(args)
+  t0 = time.perf_counter()
   if warm:
     rep.run(warmup[:1], 1)
     rep.run(warmup[1:warm], args.concurrency)
+  warmup_s = time.perf_counter() - t0   # engine=static compiles here, at its first group of each shape
   results, wall = rep.run(requests, args.concurrency)
   row = {"config": label + " (in-process replay, no HTTP)", **summarize(results, wall, prefix_len),
-         "load_after": os.getloadavg(), "compile": rep.compile_report.as_dict()}
+         "load_after": os.getloadavg(), "compile": rep.compile_report.as_dict(), "warmup_s": warmup_s}
+  print(f"[{row['config']}] start-up: {rep.compile_report.summary()}; warm-up requests {warmup_s:.1f} s", flush=True)
   print(f"[{row['config']}] {row['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {_fmt(row['ttft_p50_s'])} s, "
         f"TPOT p50 {_fmt(row['tpot_p50_s'], '.1f', 1e3)} ms; load {row['load_after'][0]:.1f}", flush=True)
   return row
