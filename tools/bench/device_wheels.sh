@@ -7,7 +7,8 @@
 # Usage: tools/bench/device_wheels.sh [NAME==VERSION ...]
 #   default: what the index lacked when it was last read (see docs/serving.md, "On the lent TPU"):
 #   orbax-checkpoint at the version this checkout's .venv has (the index holds an older one, without
-#   the orbax.checkpoint.experimental.v1 API that the checkpoint writer uses).
+#   the orbax.checkpoint.experimental.v1 API that the checkpoint writer uses), with its small needs
+#   uvloop, aiofiles, humanize, simplejson, etils at this .venv's versions.
 #   env: DEST (default .whl-tpu), PIP (default: .venv/bin/python -m pip, else python3 -m pip).
 # Then run the check with carry [".whl-tpu"]; the script finds it at $ROOT/.whl-tpu (WHEELS= overrides).
 set -euo pipefail
@@ -18,8 +19,13 @@ if [ -z "${PIP:-}" ]; then
 fi
 names=("$@")
 if [ ${#names[@]} -eq 0 ]; then
-  version=$($PIP show orbax-checkpoint 2>/dev/null | sed -n 's/^Version: //p')
-  names=("orbax-checkpoint==${version:-0.12.8}")
+  # orbax-checkpoint, and those of its needs that an index holding an older orbax may lack (small; a
+  # package the index has as well is simply installed once, at the version pip prefers)
+  for pkg in orbax-checkpoint uvloop aiofiles humanize simplejson etils; do
+    version=$($PIP show "$pkg" 2>/dev/null | sed -n 's/^Version: //p')
+    [ -n "$version" ] && names+=("$pkg==$version")
+  done
+  [ ${#names[@]} -gt 0 ] || names=("orbax-checkpoint==0.12.8")
 fi
 mkdir -p "$DEST"
 # the target: the chip's CPython 3.11 on x86-64, manylinux2014 (glibc 2.17: runs on any newer glibc)
