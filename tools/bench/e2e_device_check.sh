@@ -99,7 +99,8 @@ wants() { [[ " $PHASES " == *" $1 "* ]]; }
 
 # --- install ------------------------------------------------------------------------------------------
 echo "== environment: PY=$PY"
-"$PY" -c "import jax, sys; print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())" 2>&1 | tail -1 \
+# (jax.devices() would open the chip: ~15 s; the model phase reports the device)
+"$PY" -c "import jax, sys; print(sys.version.split()[0], 'jax', jax.__version__)" 2>&1 | tail -1 \
   || { echo "no Python with jax at PY=$PY"; exit 2; }
 
 install_project() {
@@ -231,11 +232,9 @@ log = (work / "install.log").read_text() if (work / "install.log").exists() else
 missing = re.findall(r"^MISSING from .*?: (.*)$", log, re.M)
 commit = os.environ.get("KDA_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                         text=True, cwd=sys.argv[6]).stdout.strip()
-try:
-  import jax
-  versions = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "backend": jax.default_backend()}
-except Exception as e:  # pragma: no cover
-  versions = {"jax": f"unavailable: {e}"}
+import jax   # no jax.devices() here: it would open the chip again (~15 s); the model phase names it
+model = phases.get("model", {}).get("result", {})
+versions = {"jax": jax.__version__, "device": model.get("device"), "backend": model.get("backend")}
 serving = phases.get("serving", {}).get("result", {})
 rows = {r["config"]: r for r in serving.get("rows", [])}
 cont = next((r for c, r in rows.items() if c.startswith("engine=continuous")), None)
