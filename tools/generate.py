@@ -5,7 +5,6 @@ Usage:
       (prompt="text" | prompts_file=FILE | prompt_ids="1,2,3") max_new_tokens=N
       decode_sampling_strategy=greedy|weighted|topk|nucleus [decode_sampling_temperature=T]
       [decode_sampling_top_k=K] [decode_sampling_nucleus_p=P] [seed=S] [output_json=FILE [overwrite=true]]
-      [compilation_cache_dir=DIR|none]  (jax's persistent compilation cache; default ~/.cache/kda_plugin/jax)
 
 The model config comes from the checkpoint (DIR/config.json); any key=value of configs/base.py given
 here overrides it (e.g. attention=kda_reference, max_cache_length=4096, dtype=bfloat16).
