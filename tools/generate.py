@@ -197,7 +197,7 @@ def run(argv: list[str]) -> int:
       raise UsageError(f"{key} must be an integer >= 1, got {cfg[key]}")
   # Checks that need the model's config (vocabulary size) but not its parameters: before the load.
   stored = common.checkpoint_config(cfg, overrides)  # config.json read and validated once
-  print(compilation_cache.enable(cfg.compilation_cache_dir), file=sys.stderr)  # before the first compilation
+  compilation_cache.enable(cfg.compilation_cache_dir)   # jax's persistent cache, before the first compilation
   params = sampling_params(cfg, vocab_size=stored.vocab_size)
   tokenizer = common.tokenizer_for(stored)
   vocab = int(stored.vocab_size)
