@@ -34,7 +34,7 @@ SERVING_KEYS = (
     "compare_attention", "compare_tolerance", "dump_logprobs", "output_json", "overwrite",
 ) + (  # tools.serve (the HTTP server; model/server/, model/engine/config.py EngineConfig)
     "engine", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_num_partial_prefills", "max_waiting",
-    "prefix_cache_bytes", "host", "port",
+    "prefix_cache_bytes", "host", "port", "uds",
 )
 # tools.train.
 TRAIN_KEYS = (
@@ -53,7 +53,7 @@ MESH_KEYS = (
 ) + (  # how this job loads a checkpoint (model/loading.py): job keys too, never stored
     "allow_non_finite", "verify_checksums", "allow_large_model",
 ) + (  # how this job compiles the model (model/nn/scan.py): same parameters and numerics, never stored
-    "scan_layers", "remat_policy",
+    "scan_layers", "remat_policy", "compilation_cache_dir",
 )
 TOOL_KEYS = SERVING_KEYS + TRAIN_KEYS + MESH_KEYS
 
@@ -141,6 +141,7 @@ def get_config() -> ml_collections.ConfigDict:
   # How a job compiles the model (model/nn/scan.py; parameters and numerics unchanged, never stored).
   c.scan_layers = False  # true: one jax.lax.scan over the repeated layer groups (48B: layers 2-25, 6 x [KDA, KDA, MLA, KDA])
   c.remat_policy = "none"  # training rematerialisation: none, full (= nothing_saveable), minimal, dots_saveable
+  c.compilation_cache_dir = ""  # jax's persistent compilation cache (serve/generate/benchmarks): "" = $KDA_COMPILATION_CACHE_DIR or ~/.cache/kda_plugin/jax; "none" = off
 
   # ---- Serving: generation and perplexity (tools.generate, tools.perplexity; model/engine/generator.py,
   # model/engine/scoring.py). The model config comes from the checkpoint; these keys only steer the tools.
@@ -182,6 +183,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.prefix_cache_bytes = 1 << 30  # byte budget of the prefix cache of KDA/MLA state snapshots (0 = off)
   c.host = "127.0.0.1"  # address the server listens on
   c.port = 8000  # TCP port the server listens on (0 = any free port, printed at start-up)
+  c.uds = ""  # listen on this unix-domain socket path instead of host/port ("" = TCP)
 
   # ---- Training (tools.train; model/training/steps.py) ------------------------------------------------
   # Data: the train side of the held-out split of `train_data`, tokenised with `tokenizer_path`

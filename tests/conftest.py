@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The tools turn jax's persistent compilation cache on (model/engine/compilation_cache.py); tests do not
+# write to the user's ~/.cache: those that check the cache give it a directory of their own.
+os.environ.setdefault("KDA_COMPILATION_CACHE_DIR", "none")
 
 # Compiling dominates this suite's time (tiny models, hundreds of distinct XLA:CPU programs). LLVM at -O0
 # roughly halves each compile (one Generator call on the demo model: 24.3 -> 15.5 CPU s) and leaves XLA's

@@ -69,7 +69,7 @@ import sys
 from model import partitioning
 from model.data.chat_template import ChatMessageError, ChatTemplateError
 from model.data.pipeline import DataFormatError, parse_ids_documents, read_text_file
-from model.engine import sampling
+from model.engine import compilation_cache, sampling
 from model.engine.api import GenerationError, SamplingParams
 from model.engine.generator import Generator, check_max_new_tokens
 from model.data.tokenizer import TokenizerError
@@ -298,6 +298,7 @@ def run(argv: list[str]) -> int:
       raise UsageError(f"{key} must be an integer >= 1, got {cfg[key]}")
   # Checks that need the model's config (vocabulary size) but not its parameters: before the load.
   stored = common.checkpoint_config(cfg, overrides)  # config.json read and validated once
+  compilation_cache.enable(cfg.compilation_cache_dir)   # jax's persistent cache, before the first compilation
   params = sampling_params(cfg, vocab_size=stored.vocab_size)
   tokenizer = common.tokenizer_for(stored)
   vocab = int(stored.vocab_size)

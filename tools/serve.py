@@ -4,7 +4,8 @@ Usage:
   python -m tools.serve load_parameters_path=DIR [engine=continuous|static] [max_num_seqs=8]
       [max_model_len=2048] [max_num_batched_tokens=2048] [max_num_partial_prefills=0] [max_waiting=128]
       [prefix_cache_bytes=N]
-      [host=127.0.0.1] [port=8000] [attention=kda_native] [ici_*_parallelism=...]
+      [host=127.0.0.1] [port=8000 | uds=PATH] [compilation_cache_dir=DIR|none] [attention=kda_native]
+      [ici_*_parallelism=...]
 
 Routes: POST /v1/completions (prompt as text or token ids; max_tokens, temperature, top_p, top_k, stop,
 seed, stream (server-sent events ending with `data: [DONE]`), logprobs, ignore_eos, return_token_ids),
@@ -30,10 +31,23 @@ Keys (vLLM's names; none is written into a checkpoint):
                           none (giving it there is an error).
   host, port              where to listen (port=0: any free port). The line "listening on http://HOST:PORT"
                           goes to stdout once the server accepts requests.
+  uds                     listen on this unix-domain socket path instead of TCP (`--uds PATH` works too;
+                          for machines where TCP cannot be opened, e.g. the lent TPU). The line is then
+                          "listening on unix:PATH"; clients use a unix-socket transport (httpx
+                          HTTPTransport(uds=PATH), the openai client over such an httpx client, curl
+                          --unix-socket PATH http://localhost/v1/models). The socket file is removed at exit.
+  compilation_cache_dir   jax's persistent compilation cache, so a restart loads the step executables
+                          instead of compiling them: "" (default) = $KDA_COMPILATION_CACHE_DIR, else
+                          ~/.cache/kda_plugin/jax; none = off (model/engine/compilation_cache.py).
   generate_add_bos        prepend BOS to text prompts (default true, as tools.generate).
   tokenizer_path          (a model key) sentencepiece .model for text prompts; default: the checkpoint's copy,
                           if any; tokenizer_path=none (or empty): no tokenizer, prompts as token ids only.
   ici_*_parallelism       with several devices: the mesh to serve on (model/partitioning.py).
+
+Start-up compiles every step executable of the engine before it listens (several at once, on
+$KDA_COMPILE_THREADS threads, default half the cores): a progress bar and one line per executable
+(name, seconds, compiled or loaded from the persistent cache) on stderr, then "compiled N step
+executables in S s" and the start-up time.
 
 SIGTERM or Ctrl-C drains: new requests get 503, running ones finish (those still running after 30 s
 are cancelled), then the server exits with status 0 (a SIGTERM before it listens: status 0 as well). A bad key or value, a missing checkpoint or an
@@ -42,20 +56,22 @@ address in use prints one `error:` line and exits with status 2 before serving.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 import time
 
-from tqdm import tqdm
-
 from model import partitioning
 from model.engine.api import Request
+from model.engine import compilation_cache
 from model.engine.config import EngineConfig
 from model.engine.factory import build_engine
 from model.errors import UsageError
 from model.server.app import ServerState, build_app
 from model.server.loop import EngineLoop
-from model.server.runner import bind, serve
+from model.engine.warmup import compile_engine
+from model.server.runner import bind, bind_unix, serve
 from tools import cli as common
 
 # What sizes the engine's memory: named in the one-line error when XLA runs out of memory.
@@ -74,18 +90,31 @@ def check_server_keys(cfg) -> None:
 
 
 def warm_up(engine, progress: bool = True) -> float:
-  """Compiles what the engine will run (`compile_all` where the engine has it: every shape bucket
-  of the continuous engine, so no request waits behind a compilation; a tqdm bar on stderr when
-  `progress`), then runs one 1-token request to its end; returns the seconds it took."""
+  """Compiles what the engine will run (`model.engine.warmup.compile_engine`: every step executable
+  of the continuous engine, so no request waits behind a compilation; a tqdm bar and a line per
+  executable on stderr when `progress`), then runs one 1-token request to its end; returns the
+  seconds it took. `engine.compile_report` holds the compilation's `CompileReport`."""
   t0 = time.perf_counter()
-  if hasattr(engine, "compile_all"):
-    bar = lambda it, total: tqdm(it, total=total, desc="compiling step shapes", unit="shape", file=sys.stderr,
-                                 leave=False)
-    engine.compile_all(progress=bar if progress else None)
+  engine.compile_report = compile_engine(engine, progress=progress)
   engine.add_request(Request("warm-up", (0,), 1))
   while engine.has_unfinished():
     engine.step(lambda event: None)
   return time.perf_counter() - t0
+
+
+def uds_argv(argv: list[str]) -> list[str]:
+  """`--uds PATH` (two arguments, as uvicorn spells it) as the key=value `uds=PATH`."""
+  out, i = [], 0
+  while i < len(argv):
+    if argv[i] == "--uds":
+      if i + 1 >= len(argv):
+        raise UsageError("--uds needs a path: --uds PATH (or uds=PATH)")
+      out.append(f"uds={argv[i + 1]}")
+      i += 2
+    else:
+      out.append(argv[i])
+      i += 1
+  return out
 
 
 class _StopBeforeListening(Exception):
@@ -111,13 +140,17 @@ def run(argv: list[str]) -> int:
 
 
 def _run(argv: list[str]) -> int:
+  started_at = time.perf_counter()
+  argv = uds_argv(argv)
   overrides, cfg = common.parse_args(argv)
   engine_config = EngineConfig.from_config(cfg, common.given_keys(argv))   # checked before anything loads
   check_server_keys(cfg)
   stored = common.checkpoint_config(cfg, overrides, extra=[f"max_cache_length={cfg.max_model_len}"])
   tokenizer = common.tokenizer_for(stored)
   vocab = int(stored.vocab_size)
-  sock = bind(cfg.host, cfg.port)   # an address in use fails now, before the model loads
+  # an address in use fails now, before the model loads
+  sock = bind_unix(cfg.uds) if cfg.uds else bind(cfg.host, cfg.port)
+  print(compilation_cache.enable(cfg.compilation_cache_dir), file=sys.stderr, flush=True)
   print(f"loading {stored.load_parameters_path} ...", file=sys.stderr, flush=True)
   model, mcfg, mesh = common.load(stored)
   if mesh is not None:
@@ -129,16 +162,21 @@ def _run(argv: list[str]) -> int:
   print(f"model {mcfg.model_name} from {mcfg.load_parameters_path}: attention={mcfg.attention}, dtype={mcfg.dtype}; "
         f"engine={cfg.engine}, max_num_seqs={cfg.max_num_seqs}, max_model_len={cfg.max_model_len}, "
         f"max_num_batched_tokens={cfg.max_num_batched_tokens}, {cache}; warm-up {seconds:.1f} s", file=sys.stderr)
+  print(f"start-up {time.perf_counter() - started_at:.1f} s (compile {engine.compile_report.seconds:.1f} s, "
+        f"warm-up {seconds:.1f} s)", file=sys.stderr, flush=True)
   loop = EngineLoop(engine)
   loop.start()
   state = ServerState(loop, tokenizer, model_name=str(mcfg.model_name), max_waiting=cfg.max_waiting,
                       add_bos=cfg.generate_add_bos)
-  port = sock.getsockname()[1]
-  started = lambda: print(f"listening on http://{cfg.host}:{port}", flush=True)
+  where = f"unix:{os.path.abspath(cfg.uds)}" if cfg.uds else f"http://{cfg.host}:{sock.getsockname()[1]}"
+  started = lambda: print(f"listening on {where}", flush=True)
   try:
     serve(build_app(state), state, sock, drain_timeout_s=DRAIN_TIMEOUT_S, on_started=started)
   finally:
     loop.stop()
+    if cfg.uds:
+      with contextlib.suppress(OSError):
+        os.unlink(cfg.uds)
   print("drained; exiting", file=sys.stderr)
   return 0
 

@@ -204,8 +204,9 @@ class ContinuousEngine:
     """Caches `seq`'s state after `num_tokens` prompt tokens (`ModelRunner.snapshot`)."""
     self.prefix_cache.insert(seq.keys[num_tokens // 64 - 1], self.runner.snapshot(slot, num_tokens, entry))
 
-  def compile_all(self, progress=None) -> float:
+  def compile_all(self, on_compiled=None, *, threads: int | None = None) -> float:
     """Compiles every step executable now and, with the prefix cache on, the slot snapshot transfers,
     so that no request ever waits for a compilation (a server calls it before it listens); see
-    `ModelRunner.compile_all`. Returns the seconds it took."""
-    return self.runner.compile_all(progress, transfers=self.prefix_cache.enabled)
+    `ModelRunner.compile_all` (`on_compiled` gets a `CompileRecord` per executable). Returns the
+    seconds it took."""
+    return self.runner.compile_all(on_compiled, transfers=self.prefix_cache.enabled, threads=threads)

@@ -30,3 +30,14 @@ def get(key: tuple, build: Callable[[], T]) -> tuple[T, float]:
   t0 = time.perf_counter()
   _CACHE[key] = build()
   return _CACHE[key], time.perf_counter() - t0
+
+
+def lookup(key: tuple):
+  """The value stored under `key`, or None."""
+  return _CACHE.get(key)
+
+
+def put(key: tuple, value, seconds: float = 0.0) -> None:
+  """Stores `value` under `key` (built elsewhere, e.g. compiled on a thread by
+  `model.engine.runner.ModelRunner.compile_all`); the first value stored stays."""
+  _CACHE.setdefault(key, value)

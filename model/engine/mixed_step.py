@@ -131,6 +131,14 @@ def compile_step(step, leaves, pool, bucket: int | None, num_slots: int, *, mesh
   """`step` compiled ahead of time for a row of `bucket` tokens (`build_step`; `build_split_step` when
   `num_prefill` is given), or the decode-only step for bucket None. The pool is donated (updated in
   place); on a mesh the outputs keep the pool's shardings, so one executable serves every step."""
+  return lower_step(step, leaves, pool, bucket, num_slots, mesh=mesh, rules=rules, pool_shardings=pool_shardings,
+                    num_prefill=num_prefill).compile()
+
+
+def lower_step(step, leaves, pool, bucket: int | None, num_slots: int, *, mesh=None, rules=None,
+               pool_shardings=None, num_prefill: int | None = None):
+  """`compile_step` before the XLA compilation: the `jax.stages.Lowered` (tracing holds the GIL;
+  `.compile()` does not, so the runner compiles several of these on threads)."""
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   flags = lambda n: jax.ShapeDtypeStruct((n,), jnp.bool_)
   if bucket is None:
@@ -149,4 +157,4 @@ def compile_step(step, leaves, pool, bucket: int | None, num_slots: int, *, mesh
     kwargs["out_shardings"] = (rep, rep, rep, pool_shardings) + ((rep,) if bucket is not None and num_prefill else ())
     ctx = partitioning.mesh_context(mesh, rules)
   with ctx:
-    return jax.jit(step, donate_argnums=(1,), **kwargs).lower(*args).compile()
+    return jax.jit(step, donate_argnums=(1,), **kwargs).lower(*args)

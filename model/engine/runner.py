@@ -9,14 +9,18 @@ split step; "mixed" runs every step as one packed prefill row (README, "Which op
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
+import sys
+import threading
 import time
 
 import jax
 import numpy as np
 from flax import nnx
 
-from model.engine import executables, mixed_step, scheduler
+from model.engine import compilation_cache, executables, mixed_step, scheduler
 from model.engine.api import check_vocab_limit
 from model.engine.config import EngineConfig
 from model.engine.prefix_cache import Snapshot
@@ -25,6 +29,36 @@ from model.engine.slots import SlotPool
 # Largest bucket with a one-prompt (P = 1) split step: a lone prompt chunk need not pay for P slots;
 # above it the row's own work dominates (docs/performance.md).
 SINGLE_PROMPT_MAX_BUCKET = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileRecord:
+  """One step executable made ready: `name` (`step_name`), `seconds` of compilation (or of loading it
+  from the persistent cache); `cached`: True when jax loaded it from the persistent compilation cache,
+  False when it compiled it, None when the persistent cache is off; `shared`: the process already
+  held it (another engine over an equal model), nothing was compiled."""
+
+  name: str
+  seconds: float
+  cached: bool | None
+  shared: bool = False
+
+
+def step_name(bucket: int | None, num_prefill: int | None) -> str:
+  """A step executable's name for logs: "decode" (the decode-only step), "split T=256 P=4" (decode
+  tokens + prompt chunks of a 256-token row on a 4-slot sub-pool) or "mixed T=256" (one packed row)."""
+  if bucket is None:
+    return "decode"
+  return f"mixed T={bucket}" if num_prefill is None else f"split T={bucket} P={num_prefill}"
+
+
+def default_compile_threads(count: int) -> int:
+  """Threads `ModelRunner.compile_all` compiles on: $KDA_COMPILE_THREADS when set, else half the host's
+  cores (at most 8: each TPU compilation of the 0.9B model holds a few GiB of host memory), at
+  most `count`, at least 1."""
+  env = os.environ.get("KDA_COMPILE_THREADS", "").strip()
+  n = int(env) if env else min(8, (os.cpu_count() or 2) // 2)
+  return max(1, min(n, count))
 
 
 @dataclasses.dataclass
@@ -63,7 +97,7 @@ class ModelRunner:
     self.num_partial_prefills = config.num_partial_prefills
     self.vocab_size = int(model.args.vocab_size)
     self.vocab_limit = check_vocab_limit(vocab_limit, self.vocab_size)
-    self.buckets = scheduler.buckets(config.max_num_batched_tokens)
+    self.buckets = scheduler.buckets(scheduler.row_limit(config))
     self.single_prompt_buckets = (tuple(b for b in self.buckets if b <= SINGLE_PROMPT_MAX_BUCKET)
                                   if self.split and self.num_partial_prefills > 1 else ())
     self.mesh, self._rules = mesh, rules
@@ -77,6 +111,7 @@ class ModelRunner:
         "continuous", self.num_slots, config.max_model_len, config.decode_path)
     self.compiled: dict[tuple, object] = {}
     self.compile_seconds = 0.0
+    self._compile_lock = threading.Lock()
     self.pool = SlotPool(model, self.num_slots, config.max_model_len, mesh=mesh, rules=rules)
     self._mid = None   # the last split step's sub-pool KDA states after its first stage (device)
 
@@ -95,35 +130,94 @@ class ModelRunner:
 
   def compiled_step(self, bucket: int | None, num_prefill: int | None = 0):
     """The executable for a row of `bucket` tokens, or the decode-only step for None (compiled on
-    first use). `num_prefill`: the split step's P, 1 or by default `num_partial_prefills`.
+    first use, with a log line on stderr: a step that waits for a compilation should be visible).
+    `num_prefill`: the split step's P, 1 or by default `num_partial_prefills`.
 
     Raises:
       ValueError: a (bucket, P) this runner has no executable for.
     """
+    shape = self._shape(bucket, num_prefill)
+    if shape not in self.compiled:
+      key = self._key + shape
+      if executables.lookup(key) is None:
+        record = self._compile(shape, self._lower(shape))
+        print(f"compiled {record.name} on first use: {record.seconds:.1f} s"
+              f"{' (persistent cache)' if record.cached else ''}", file=sys.stderr, flush=True)
+      self.compiled[shape] = executables.lookup(key)
+    return self.compiled[shape]
+
+  def _shape(self, bucket: int | None, num_prefill: int | None = 0) -> tuple:
     split = bucket is not None and self.split
     num_prefill = (num_prefill or self.num_partial_prefills) if split else None
     shape = (bucket, num_prefill)
-    if shape not in self.compiled:
-      if shape not in self.step_shapes():
-        raise ValueError(f"no step executable for bucket={bucket}, num_prefill={num_prefill} "
-                         f"(this engine's: {self.step_shapes()})")
-      fn = self._decode_fn if bucket is None else self._step_fns[num_prefill]
-      self.compiled[shape], seconds = executables.get(self._key + shape, lambda: mixed_step.compile_step(
-          fn, self.leaves, self.pool.cache, bucket, self.num_slots, mesh=self.mesh, rules=self._rules,
-          pool_shardings=self.pool.shardings, num_prefill=num_prefill))
-      self.compile_seconds += seconds
-    return self.compiled[shape]
+    if shape not in self.step_shapes():
+      raise ValueError(f"no step executable for bucket={bucket}, num_prefill={num_prefill} "
+                       f"(this engine's: {self.step_shapes()})")
+    return shape
 
-  def compile_all(self, progress=None, *, transfers: bool = False) -> float:
-    """Compiles every step executable (with `transfers`, the prefix cache's slot transfers too), so
-    no request waits for a compilation; `progress`: optional `fn(iterable, total) -> iterable`
-    (e.g. tqdm). Returns the seconds it took; the pool is not changed."""
+  def _lower(self, shape: tuple):
+    bucket, num_prefill = shape
+    fn = self._decode_fn if bucket is None else self._step_fns[num_prefill]
+    return mixed_step.lower_step(fn, self.leaves, self.pool.cache, bucket, self.num_slots, mesh=self.mesh,
+                                 rules=self._rules, pool_shardings=self.pool.shardings, num_prefill=num_prefill)
+
+  def _compile(self, shape: tuple, lowered) -> CompileRecord:
+    """Compiles `lowered` (any thread) and stores it in the process's executable cache."""
     t0 = time.perf_counter()
-    steps = self.step_shapes()
-    for bucket, num_prefill in (progress(steps, len(steps)) if progress is not None else steps):
-      self.compiled_step(bucket, num_prefill)
+    with compilation_cache.watch() as seen:
+      exe = lowered.compile()
+    seconds = time.perf_counter() - t0
+    executables.put(self._key + shape, exe, seconds)
+    with self._compile_lock:   # compile_all's threads
+      self.compile_seconds += seconds
+    return CompileRecord(step_name(*shape), seconds, seen["hits"] > 0 if seen["requests"] else None)
+
+  def compile_all(self, on_compiled=None, *, transfers: bool = False, threads: int | None = None) -> float:
+    """Compiles every step executable (with `transfers`, the prefix cache's slot transfers too), so
+    no request waits for a compilation; the pool is not changed.
+
+    The programs are traced one after another on this thread, then compiled by `threads` threads
+    (XLA's compilation releases the GIL; default `default_compile_threads()`); an executable the
+    process already has (another engine over an equal model) or that jax's persistent compilation
+    cache holds (`model.engine.compilation_cache`) is not compiled again.
+
+    Args:
+      on_compiled: optional `fn(CompileRecord)`, called on this thread as each executable is ready
+        (e.g. a tqdm bar's update), in completion order.
+      transfers: also the prefix cache's slot transfers.
+      threads: compiling threads (>= 1).
+
+    Returns:
+      The seconds it took (wall clock).
+    """
+    t0 = time.perf_counter()
+    todo = [shape for shape in self.step_shapes() if shape not in self.compiled]
+    for shape in list(todo):
+      if executables.lookup(self._key + shape) is not None:   # another engine over an equal model compiled it
+        self.compiled[shape] = executables.lookup(self._key + shape)
+        todo.remove(shape)
+        if on_compiled is not None:
+          on_compiled(CompileRecord(step_name(*shape), 0.0, None, shared=True))
+    threads = default_compile_threads(len(todo)) if threads is None else int(threads)
+    if threads < 1:
+      raise ValueError(f"threads must be >= 1, got {threads}")
+    if threads == 1:
+      for shape in todo:
+        record = self._compile(shape, self._lower(shape))
+        self.compiled[shape] = executables.lookup(self._key + shape)
+        if on_compiled is not None:
+          on_compiled(record)
+    elif todo:
+      with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
+        futures = {pool.submit(self._compile, shape, self._lower(shape)): shape for shape in todo}
+        for future in concurrent.futures.as_completed(futures):
+          record = future.result()
+          shape = futures[future]
+          self.compiled[shape] = executables.lookup(self._key + shape)
+          if on_compiled is not None:
+            on_compiled(record)
     if transfers:
-      sizes = sorted({n for _, n in steps if n is not None})
+      sizes = sorted({n for _, n in self.step_shapes() if n is not None})
       self.pool.compile_transfers([self._mid_example(n) for n in sizes])
     return time.perf_counter() - t0
 

@@ -6,7 +6,8 @@ budget left (chunked prefill). A chunk also ends at the request's next prefix-ca
 slot's state there can be copied. With `tails` (the split step's second stage), a chunk that ended
 at a boundary goes on past it in the same step, so every token is computed once; only in steps
 whose rows fit `TAIL_MAX_BUCKET`. Rows are padded to the smallest shape bucket (`buckets`): one
-compiled step per bucket.
+compiled step per bucket. The buckets are powers of two from 16 up to `row_limit(config)` (the
+largest row the engine's sizes allow), then that limit: ceil(log2(limit / 16)) + 1 of them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,18 @@ def buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     b *= 2
   out.append(top)
   return tuple(out)
+
+
+def row_limit(config) -> int:
+  """The most tokens a step's row can hold for an `EngineConfig`, the largest bucket (`buckets`):
+  `max_num_batched_tokens`, capped by what the requests can fill. A request's prompt has at most
+  `max_model_len - 1` tokens, so on the split route (decode_path="decode": the row holds prompt
+  chunks of at most P = `num_partial_prefills` prompts) the row holds at most P * (max_model_len - 1)
+  tokens, and on the mixed route (every slot's tokens in one row) S * (max_model_len - 1)
+  (S = max_num_seqs). E.g. max_num_batched_tokens=2048, max_model_len=300, P=4: 1196, so buckets
+  (16, 32, 64, 128, 256, 512, 1024, 1196), not 2048."""
+  per_row = config.num_partial_prefills if config.decode_path == "decode" else config.max_num_seqs
+  return max(1, min(int(config.max_num_batched_tokens), per_row * (int(config.max_model_len) - 1)))
 
 
 def bucket_for(num_tokens: int, sizes: tuple[int, ...]) -> int:

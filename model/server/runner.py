@@ -41,6 +41,40 @@ def bind(host: str, port: int) -> socket.socket:
   return sock
 
 
+def bind_unix(path: str) -> socket.socket:
+  """A listening unix-domain socket at `path` (where TCP cannot be opened, e.g. the lent TPU machine;
+  clients connect with a unix-socket transport: `httpx.HTTPTransport(uds=path)`, `curl --unix-socket`).
+  A socket file left by an earlier server that no longer answers is replaced.
+
+  Raises:
+    UsageError: naming uds: the path exists and is not a socket, another server answers there, the
+      directory is missing, or the path is too long for a unix socket (about 107 bytes).
+  """
+  import os
+  import stat
+  path = os.path.abspath(path)
+  if os.path.lexists(path):
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+      raise UsageError(f"uds={path!r} exists and is not a socket: give a new path (the server creates the socket)")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+      probe.connect(path)
+    except OSError:   # a stale socket file: nobody listens there any more
+      os.unlink(path)
+    else:
+      raise UsageError(f"uds={path!r}: another server is listening there")
+    finally:
+      probe.close()
+  try:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    sock.listen(2048)
+  except OSError as e:
+    raise UsageError(f"cannot listen on uds={path!r}: {e.strerror or e}") from None
+  sock.set_inheritable(True)
+  return sock
+
+
 class DrainingServer(uvicorn.Server):
   """`uvicorn.Server` whose exit signals drain `state` (a `model.server.app.ServerState`) first."""
 

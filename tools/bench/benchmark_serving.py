@@ -44,6 +44,12 @@ sizes, `--serve-arg`, `--start-timeout`, `--rounds`); a failure while running (a
 start, a refused request such as a 503 when the server's queue is full) is one `error:` line with
 status 1, and nothing is written.
 
+Start-up is recorded: each server's `startup` (seconds to listen, the compile seconds and how many
+executables were compiled or loaded from jax's persistent compilation cache, from the server's log),
+each `--in-process` engine's `compile` report and `warmup_s` (engine=static compiles there, at its first
+group). `--compilation-cache-dir DIR|none` sets the cache of the engines or servers started (default
+`~/.cache/kda_plugin/jax`; docs/serving.md, "Start-up compilation").
+
 `--online --in-process` replays the same configurations, warm-ups and workloads on the engine in this
 process (no server, no HTTP, no client library; `--concurrency` closed-loop clients, times taken at
 the engine step that emitted each token): what the engine alone gives, to tell its cost from the

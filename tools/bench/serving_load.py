@@ -110,6 +110,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="no server and no HTTP: the same workloads replayed on the engine in this process, "
                       "`--concurrency` closed-loop clients in engine steps (separates the engine's cost from "
                       "the HTTP path's and the clients')")
+  p.add_argument("--compilation-cache-dir", default="",
+                 help="jax's persistent compilation cache of the engines (--in-process) or servers this tool starts: "
+                      "'' = $KDA_COMPILATION_CACHE_DIR, else ~/.cache/kda_plugin/jax; none = off (every start "
+                      "compiles). The rows record each start's compile seconds")
   p.add_argument("--json", type=pathlib.Path, default=REPO / "runs/serving/benchmark_serving_online.json",
                  help="where the results are written")
   return p
@@ -272,18 +276,33 @@ def summarize(results: list[dict], wall: float, prefix_len: int | None = None) -
           "tpot_p99_s": _pct(tpot, 99), "ttft_mean_s": statistics.fmean(ttft), **split}
 
 
+def startup_figures(log: str) -> dict:
+  """The start-up figures a `tools.serve` log states: compile_s and the executables (the
+  `model.engine.warmup` summary line), startup_s (the server's own, load included)."""
+  out = {}
+  m = re.search(r"compiled (\d+) step executables in ([0-9.]+) s: (.*)", log)
+  if m:
+    out.update(executables=int(m.group(1)), compile_s=float(m.group(2)), compile_detail=m.group(3).strip())
+  m = re.search(r"start-up ([0-9.]+) s", log)
+  if m:
+    out["server_startup_s"] = float(m.group(1))
+  return out
+
+
 class _Server:
   """`python -m tools.serve` on port 0, until stopped (SIGTERM drain)."""
 
   def __init__(self, args, keys: list[str], label: str):
     argv = [sys.executable, "-m", "tools.serve", f"load_parameters_path={args.checkpoint}", "port=0", *keys,
+            *([f"compilation_cache_dir={args.compilation_cache_dir}"] if args.compilation_cache_dir else []),
             *args.serve_arg]
     print("$ " + " ".join(argv), flush=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
     self.log = open(args.json.with_suffix(f".{slug}.serve.log"), "w")
     self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                  env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.monotonic() + args.start_timeout
+    t0 = time.monotonic()
+    deadline = t0 + args.start_timeout
     while True:
       line = self.proc.stdout.readline()
       m = re.search(r"listening on (http://\S+)", line or "")
@@ -293,6 +312,10 @@ class _Server:
       if not line and self.proc.poll() is not None or time.monotonic() > deadline:
         self.stop()
         raise SystemExit(f"error: the server did not start (see {self.log.name})")
+    self.log.flush()
+    self.startup = {"startup_s": time.monotonic() - t0, **startup_figures(pathlib.Path(self.log.name).read_text())}
+    print(f"server up in {self.startup['startup_s']:.1f} s (compile {_fmt(self.startup.get('compile_s'), '.1f')} s)",
+          flush=True)
 
   def stop(self) -> None:
     if self.proc.poll() is None:
@@ -396,8 +419,8 @@ class _Replay:
                           prefix_cache_bytes=int(kv.get("prefix_cache_bytes", 0)),
                           max_num_partial_prefills=int(kv.get("max_num_partial_prefills", 0)))
     self.engine = build_engine(config, self.model, rules=cfg)
-    if hasattr(self.engine, "compile_all"):   # as tools.serve does before it listens
-      self.engine.compile_all()
+    from model.engine.warmup import compile_engine
+    self.compile_report = compile_engine(self.engine)   # as tools.serve does before it listens
     self._n = 0
 
   def run(self, requests, concurrency) -> tuple[list[dict], float]:
@@ -444,12 +467,15 @@ def replay(args, label, keys, requests, warmup, max_len, prefix_len=None) -> dic
   """`measure` without the server: the same warm-up and workload on the engine in this process."""
   rep = _Replay(args, keys, max_len)
   warm = warmup_count(args)
+  t0 = time.perf_counter()
   if warm:
     rep.run(warmup[:1], 1)
     rep.run(warmup[1:warm], args.concurrency)
+  warmup_s = time.perf_counter() - t0   # engine=static compiles here, at its first group of each shape
   results, wall = rep.run(requests, args.concurrency)
   row = {"config": label + " (in-process replay, no HTTP)", **summarize(results, wall, prefix_len),
-         "load_after": os.getloadavg()}
+         "load_after": os.getloadavg(), "compile": rep.compile_report.as_dict(), "warmup_s": warmup_s}
+  print(f"[{row['config']}] start-up: {rep.compile_report.summary()}; warm-up requests {warmup_s:.1f} s", flush=True)
   print(f"[{row['config']}] {row['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {_fmt(row['ttft_p50_s'])} s, "
         f"TPOT p50 {_fmt(row['tpot_p50_s'], '.1f', 1e3)} ms; load {row['load_after'][0]:.1f}", flush=True)
   return row
@@ -680,13 +706,13 @@ def probe(parser: argparse.ArgumentParser, url: str) -> dict:
 
 # The flags that configure the servers this tool starts: refused with --url when given other than default.
 _SERVER_ONLY_FLAGS = ("--engines", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
-                      "--prefix-cache-bytes", "--serve-arg", "--start-timeout")
+                      "--prefix-cache-bytes", "--serve-arg", "--start-timeout", "--compilation-cache-dir")
 
 # The flags that apply to each mode, recorded (typed) in the JSON's "args".
 _COMMON = ("checkpoint", "workloads", "num_requests", "concurrency", "output_min", "output_max", "warmup", "seed",
            "json")
 _WORKLOAD_FLAGS = {"mixed": ("prompt_min", "prompt_max"), "shared_prefix": ("prefix_len", "suffix_min", "suffix_max")}
-_SERVER_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "rounds")
+_SERVER_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "rounds", "compilation_cache_dir")
 
 
 def recorded_args(args, kinds: list[str], engines: list[str], max_len: int) -> dict:
@@ -740,6 +766,9 @@ def _main(args, kinds: list[str], engines: list[str]) -> int:
   longest = max(len(ids) + n for reqs in (*loads.values(), *warmups.values()) for ids, n in reqs)
   max_len = args.max_model_len or longest
   args.json.parent.mkdir(parents=True, exist_ok=True)
+  if args.in_process:   # before the first compilation of this process
+    from model.engine import compilation_cache
+    print(compilation_cache.enable(args.compilation_cache_dir), flush=True)
   rows, note = [], ""
   if args.url:
     url = args.url.rstrip("/")
@@ -772,7 +801,7 @@ def _main(args, kinds: list[str], engines: list[str]) -> int:
         else:
           server = _Server(args, base + keys, f"{kind}_{label}_round{r}")
           try:
-            row = measure(args, server.url, label, loads[kind], warmups[kind], plen)
+            row = {**measure(args, server.url, label, loads[kind], warmups[kind], plen), "startup": server.startup}
           finally:
             server.stop()
         runs.setdefault((kind, label), []).append(row)

@@ -1,0 +1,65 @@
+"""tools/bench/e2e_device_check.sh on the CPU: its logic (phases, budgets, skips, the JSON) checked where CI
+runs, in its smoke mode (tiny model and shapes, the checkout on PYTHONPATH instead of an install)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tools" / "bench" / "e2e_device_check.sh"
+
+
+def _run(tmp_path, phases: str, extra_env=None, timeout=1800):
+  env = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), CACHE_DIR=str(tmp_path / "jax"),
+             E2E_SMOKE="1", SKIP_INSTALL="1", PY=sys.executable, JAX_PLATFORMS="cpu", E2E_PHASES=phases,
+             KDA_COMMIT="testcommit", **(extra_env or {}))
+  proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=timeout)
+  report = json.loads((tmp_path / "out" / "e2e_device_check.json").read_text())
+  return proc, report
+
+
+def test_a_phase_whose_package_is_missing_is_skipped_by_name(tmp_path):
+  """fastapi made unimportable: the server phase says so and nothing fails; the JSON still comes."""
+  fake = tmp_path / "fake"
+  fake.mkdir()
+  (fake / "fastapi.py").write_text("raise ImportError('fastapi is not installed here (test)')\n")
+  proc, report = _run(tmp_path, "server",
+                      {"PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep)})
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert report["phases"]["server"]["status"] == "skipped: fastapi missing"
+  assert report["imports"]["fastapi"].startswith("ImportError")
+  assert report["commit"] == "testcommit" and report["smoke"] is True
+  assert report["total_budget_s"] >= report["total_s"]
+  assert sorted(os.listdir(tmp_path / "out")) == ["e2e_device_check.json", "e2e_logs.txt"]
+
+
+@pytest.mark.slow
+def test_every_phase_runs_in_smoke_mode(tmp_path):
+  """The whole check in smoke mode (5 to 10 minutes on the shared 2-core host: `slow`): every phase
+  ok, batched greedy tokens identical to alone (f32), the server answers the openai client's stream
+  over the unix socket and starts warm (every executable loaded from the run's persistent cache)."""
+  proc, report = _run(tmp_path, "model ckpt serving identity server real")
+  phases = report["phases"]
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  for name in ("model", "ckpt", "serving", "identity", "server"):
+    assert phases[name]["status"] == "ok", (name, phases[name])
+    assert phases[name]["budget_s"] > 0
+  assert phases["real"]["status"] == "skipped: E2E_REAL is not 1"
+  model = phases["model"]["result"]
+  assert model["decode"]["B=2"]["step_ms"] > 0 and model["decode"]["B=2"]["hbm_floor_ms"] > 0
+  one = model["prefill"]["one_prompt"]
+  assert one["tokens_per_s"] > 0 and one["flops_per_token"] > 0
+  assert abs(one["mfu"] - one["flops_per_token"] * one["tokens_per_s"] / 197e12) < 1e-4   # ~0 on a tiny model
+  head = report["headline"]
+  assert head["identity_f32_b32"] is True
+  assert head["server_over_uds"] is True
+  assert head["continuous_over_static_output_tok_s"] > 0 and head["prefix_cache_ttft_p50_off_over_on"] > 0
+  server = phases["server"]["result"]
+  assert server["compile_detail"].startswith("0 compiled"), server
+  assert server["socket_removed"] and server["exit_status"] == 0

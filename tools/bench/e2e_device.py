@@ -1,0 +1,381 @@
+r"""The phases of tools/bench/e2e_device_check.sh (one process each, so each runs under its own time limit
+and a crash in one leaves the others' figures): the model's prefill and decode on the device, a random-
+weights checkpoint, the serving engines, batched-vs-alone identity, and the HTTP server over a unix socket.
+
+    python -m tools.bench.e2e_device PHASE --json FILE [--smoke] [--set key=value ...]
+
+PHASE:
+  model       prefill of one long prompt and of the same row as 16 packed documents (TTFT, tokens/s, MFU),
+              then decode steps at B = 1, 8, 32, 64 beside the HBM floor (random weights, bf16).
+  checkpoint  --dir DIR: writes a random-weights checkpoint of the model (run it with JAX_PLATFORMS=cpu:
+              it needs no device, and can run beside another phase).
+  identity    f32: 32 requests of mixed lengths served together at B=32 against each served alone on the
+              same engine: identical greedy tokens.
+  server      --checkpoint DIR: `tools.serve --uds` in a child process, the `openai` client streams a
+              completion through the unix socket; start-up (compile, loaded from the persistent cache
+              after the serving phase) as the server reports it.
+The serving comparison (continuous vs static engine, prefix cache on/off) is
+`tools/bench/benchmark_serving.py --online --in-process`, run by the shell script.
+
+Figures and formulas (docs/serving.md, "On the lent TPU"):
+  - times are wall-clock around calls blocked to completion, median of `--repeats`; a decode step is the
+    median over `lax.fori_loop` loops of `--decode-steps` steps in one jit, divided by the steps (device
+    time: one dispatch per loop);
+  - model FLOPs per token = 2 x the matmul parameters a token uses (embedding lookup excluded, MoE: the
+    routed experts a token is sent to, `num_experts_per_tok` of `num_experts`, plus the shared experts)
+    + attention: per MLA layer 2 x heads x (qk_nope + qk_rope + v head dims) x the context a token attends
+    (half the document on average in prefill), per KDA layer 4 x heads x key dim x value dim (the state
+    read and update); MFU = FLOPs/token x tokens/s / PEAK_FLOPS (v5e bf16: 197e12);
+  - HBM floor of a decode step = (all weights + every sequence's KDA states and conv windows + the MLA
+    latent rows it attends over) read once, at HBM_BYTES_PER_S (v5e: 819e9).
+`--smoke`: a tiny model and tiny shapes, on whatever backend jax has (the CPU test runs it that way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PEAK_FLOPS = 197e12          # TPU v5e, bf16 MXU peak (tpu_device.md)
+HBM_BYTES_PER_S = 819e9      # TPU v5e HBM bandwidth
+FULL_CONFIG = "kimi_linear_48b_pattern_0p9b"
+SMOKE_CONFIG = "tiny"
+
+
+# --- model construction ----------------------------------------------------------------------------
+def build_config(args, dtype: str):
+  from model.config import load_config
+  name = args.config or (SMOKE_CONFIG if args.smoke else FULL_CONFIG)
+  return load_config([name, f"dtype={dtype}", f"weight_dtype={dtype}", *args.set])
+
+
+def build_model(cfg, seed: int = 0):
+  from flax import nnx
+  from model.nn.kimi_linear import KimiLinearForCausalLM
+  return KimiLinearForCausalLM(cfg, rngs=nnx.Rngs(seed))
+
+
+def split(model):
+  import jax
+  from flax import nnx
+  graphdef, state = nnx.split(model)
+  leaves, treedef = jax.tree.flatten(state)
+  return graphdef, treedef, leaves
+
+
+# --- costs -----------------------------------------------------------------------------------------
+def parameter_counts(model, cfg) -> dict:
+  """Parameters: all, the embedding table, the routed experts, and those one token uses (active)."""
+  import jax
+  from flax import nnx
+  total = embed = routed = 0
+  for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model)):
+    name, n = jax.tree_util.keystr(path), int(np.prod(x.shape))
+    total += n
+    if "embed_tokens" in name:
+      embed += n
+    elif "['experts']" in name and "shared" not in name:
+      routed += n
+  active_routed = routed * cfg.num_experts_per_tok / cfg.num_experts
+  return {"total": total, "embedding": embed, "routed_experts": routed,
+          "active_matmul": int(total - embed - routed + active_routed)}
+
+
+def flops_per_token(cfg, params: dict, context: float) -> float:
+  """Model FLOPs of one token attending over `context` earlier tokens (see the module docstring)."""
+  n_mla = len(cfg.full_attn_layers)
+  n_kda = cfg.num_hidden_layers - n_mla
+  mla = 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * context
+  kda = 4 * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim
+  return 2.0 * params["active_matmul"] + n_mla * mla + n_kda * kda
+
+
+def tree_bytes(tree) -> int:
+  import jax
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def decode_floor_bytes(weights_bytes: int, cache, context: int) -> dict:
+  """Bytes a decode step must read: weights, KDA states + conv windows, the MLA rows in use."""
+  from model.nn import cache as cache_lib
+  kda = mla = 0
+  for layer in cache.layers:
+    if isinstance(layer, cache_lib.KDALayerCache):
+      kda += tree_bytes(layer)
+    else:
+      full = tree_bytes(layer)
+      mla += full * min(1.0, (context + 1) / layer.latent.shape[1])
+  return {"weights": weights_bytes, "kda_states": kda, "mla_rows": int(mla), "total": int(weights_bytes + kda + mla)}
+
+
+# --- timing ----------------------------------------------------------------------------------------
+def timed(fn, repeats: int) -> tuple[float, list[float]]:
+  """Median and all of `repeats` wall-clock seconds of `fn()` (blocked to completion)."""
+  import jax
+  runs = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    runs.append(time.perf_counter() - t0)
+  return statistics.median(runs), runs
+
+
+# --- phases ----------------------------------------------------------------------------------------
+def phase_model(args) -> dict:
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from model.nn.kimi_linear import last_token_logits
+  cfg = build_config(args, "bfloat16")
+  t_row, n_docs = (128, 4) if args.smoke else (8192, 16)
+  batches = (2,) if args.smoke else (1, 8, 32, 64)
+  context = 32 if args.smoke else 1024
+  steps = args.decode_steps or (4 if args.smoke else 32)
+  t0 = time.perf_counter()
+  model = build_model(cfg)
+  graphdef, treedef, leaves = split(model)
+  params = parameter_counts(model, cfg)
+  weights = tree_bytes(leaves)
+  out = {"config": args.config or (SMOKE_CONFIG if args.smoke else FULL_CONFIG), "overrides": args.set,
+         "dtype": cfg.dtype, "attention": cfg.attention, "moe_impl": cfg.moe_impl, "scan_layers": cfg.scan_layers,
+         "parameters": params, "weights_bytes": weights, "build_s": round(time.perf_counter() - t0, 2),
+         "peak_flops": PEAK_FLOPS, "hbm_bytes_per_s": HBM_BYTES_PER_S, "backend": jax.default_backend(),
+         "device": jax.devices()[0].device_kind}
+  print(f"model {out['config']}: {params['total'] / 1e9:.3f} B parameters ({weights / 2**30:.2f} GiB), "
+        f"{params['active_matmul'] / 1e9:.3f} B active matmul; {out['device']}", flush=True)
+  model_of = lambda lv: nnx.merge(graphdef, jax.tree.unflatten(treedef, lv))
+
+  def prefill(lv, ids, seg):
+    logits, cache = model_of(lv).prefill(ids, seg, num_slots=n_docs, cache_length=t_row)
+    return jnp.argmax(last_token_logits(logits, seg, n_docs), axis=-1), cache
+
+  def decode_loop(lv, tok, cache):
+    model = model_of(lv)
+
+    def body(_, carry):
+      tok, cache = carry
+      logits, cache = model.decode(tok, cache)
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+    return jax.lax.fori_loop(0, steps, body, (tok, cache))
+
+  rng = np.random.default_rng(0)
+  decode_inputs = {}
+  for b in batches:
+    cache = model.init_cache(b, 1, context + steps + 1)
+    decode_inputs[b] = (jnp.asarray(rng.integers(3, cfg.vocab_size, (b,)), jnp.int32),
+                        type(cache)(cache.layers, jnp.full((b,), context, jnp.int32)))
+  # Every program traced here, then compiled on threads (XLA's compilation releases the GIL): the
+  # phase pays for about the slowest compilation, not the sum.
+  ids_shape = jax.ShapeDtypeStruct((1, t_row), jnp.int32)
+  lowered = {"prefill": jax.jit(prefill).lower(leaves, ids_shape, ids_shape)}
+  for b, (tok, cache) in decode_inputs.items():
+    lowered[f"decode B={b}"] = jax.jit(decode_loop).lower(leaves, tok, cache)
+
+  def compile_one(item):
+    name, low = item
+    t = time.perf_counter()
+    return name, low.compile(), time.perf_counter() - t
+
+  from model.engine.runner import default_compile_threads
+  t_compile = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(default_compile_threads(len(lowered))) as pool:
+    compiled = {name: (exe, sec) for name, exe, sec in pool.map(compile_one, lowered.items())}
+  out["compile"] = {"wall_s": round(time.perf_counter() - t_compile, 2),
+                    **{name: round(sec, 2) for name, (_, sec) in compiled.items()}}
+  print(f"compiled {len(compiled)} programs in {out['compile']['wall_s']:.1f} s: "
+        + ", ".join(f"{n} {sec:.1f} s" for n, (_, sec) in compiled.items()), flush=True)
+  prefill_c = compiled.pop("prefill")[0]
+  ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, t_row)), jnp.int32)
+  rows = {"one_prompt": np.ones((1, t_row), np.int32),
+          f"{n_docs}x{t_row // n_docs}_packed": np.repeat(np.arange(1, n_docs + 1), t_row // n_docs)[None].astype(np.int32)}
+  out["prefill"] = {"row_tokens": t_row,
+                    "note": f"one executable for both rows: num_slots={n_docs}, cache_length={t_row}"}
+  for name, seg in rows.items():
+    seg = jnp.asarray(seg)
+    jax.block_until_ready(prefill_c(leaves, ids, seg))   # warm-up
+    med, runs = timed(lambda: prefill_c(leaves, ids, seg), args.repeats)
+    doc = t_row if name == "one_prompt" else t_row // n_docs
+    flops = flops_per_token(cfg, params, doc / 2)
+    tps = t_row / med
+    out["prefill"][name] = {"ttft_ms": round(med * 1e3, 3), "runs_ms": [round(r * 1e3, 3) for r in runs],
+                            "tokens_per_s": round(tps, 1), "flops_per_token": flops,
+                            "mfu": round(flops * tps / PEAK_FLOPS, 4)}
+    print(f"prefill {name}: TTFT {med * 1e3:.1f} ms, {tps:,.0f} tok/s, MFU {flops * tps / PEAK_FLOPS:.1%}", flush=True)
+  one, packed = out["prefill"]["one_prompt"], out["prefill"][f"{n_docs}x{t_row // n_docs}_packed"]
+  out["prefill"]["packed_cost_per_token_vs_one_prompt"] = round(packed["ttft_ms"] / one["ttft_ms"], 3)
+  del prefill_c
+
+  out["decode"] = {"context_tokens": context, "steps_per_loop": steps}
+  for b in batches:
+    if time.perf_counter() - t0 > args.stop_after_s:
+      out["decode"][f"B={b}"] = {"skipped": f"phase time limit {args.stop_after_s:.0f} s reached"}
+      continue
+    tok, cache = decode_inputs[b]
+    floor = decode_floor_bytes(weights, cache, context)
+    loop_c = compiled.pop(f"decode B={b}")[0]
+    jax.block_until_ready(loop_c(leaves, tok, cache))
+    med, runs = timed(lambda: loop_c(leaves, tok, cache), args.repeats)
+    step_ms = med / steps * 1e3
+    floor_ms = floor["total"] / HBM_BYTES_PER_S * 1e3
+    out["decode"][f"B={b}"] = {"step_ms": round(step_ms, 4), "hbm_floor_ms": round(floor_ms, 4),
+                               "x_floor": round(step_ms / floor_ms, 3), "floor_bytes": floor,
+                               "tokens_per_s": round(b / step_ms * 1e3, 1),
+                               "loop_runs_ms": [round(r * 1e3, 3) for r in runs]}
+    print(f"decode B={b}: {step_ms:.2f} ms/step, HBM floor {floor_ms:.2f} ms ({step_ms / floor_ms:.2f}x)", flush=True)
+    del loop_c
+  return out
+
+
+def phase_checkpoint(args) -> dict:
+  from model.checkpoint.format import save_parameters
+  cfg = build_config(args, "bfloat16")
+  t0 = time.perf_counter()
+  model = build_model(cfg)
+  path = save_parameters(args.dir, model, cfg, overwrite=True)
+  return {"path": str(path), "config": cfg.model_name, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def phase_identity(args) -> dict:
+  """f32 greedy: each request's tokens served in a batch of 32 equal its tokens served alone."""
+  from model.engine.api import Request
+  from model.engine.config import EngineConfig
+  from model.engine.continuous import ContinuousEngine
+  from model.engine.warmup import compile_engine
+  cfg = build_config(args, "float32")
+  n, new = (8, 4) if args.smoke else (32, 16)
+  longest = 48 if args.smoke else 256
+  model = build_model(cfg)
+  config = EngineConfig(max_num_seqs=n, max_model_len=longest + new + 1,
+                        max_num_batched_tokens=16 if args.smoke else 256)
+  engine = ContinuousEngine(model, config)
+  report = compile_engine(engine)
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(3, cfg.vocab_size, int(rng.integers(8, longest + 1))).tolist() for _ in range(n)]
+
+  def serve(batch):
+    got = {}
+    for i in batch:
+      engine.add_request(Request(f"q{i}", tuple(prompts[i]), new))
+    while engine.has_unfinished():
+      engine.step(lambda e: got.setdefault(e.request_id, []).append(e.token_id) if e.token_id is not None else None)
+    return got
+
+  t0 = time.perf_counter()
+  together = serve(range(n))
+  t_batch = time.perf_counter() - t0
+  alone = {}
+  for i in range(n):
+    alone.update(serve([i]))
+  differ = [i for i in range(n) if together[f"q{i}"] != alone[f"q{i}"]]
+  first = None
+  if differ:
+    a, b = together[f"q{differ[0]}"], alone[f"q{differ[0]}"]
+    first = {"request": differ[0], "position": next(k for k in range(len(a)) if a[k] != b[k]),
+             "batched": a, "alone": b}
+  return {"dtype": cfg.dtype, "requests": n, "new_tokens": new, "max_num_seqs": n,
+          "prompt_lengths": [len(p) for p in prompts], "identical": not differ, "differing_requests": differ,
+          "first_difference": first, "batched_s": round(t_batch, 2), "compile": report.as_dict()}
+
+
+def phase_server(args) -> dict:
+  """`tools.serve --uds` in a child process; the openai client streams through the socket."""
+  from tools.bench import uds_client
+  sock = f"/tmp/kda-e2e-{os.getpid()}.sock"
+  log_path = pathlib.Path(args.json).with_suffix(".serve.log")
+  keys = list(args.serve_key) or ["max_num_seqs=4", "max_model_len=256", "max_num_batched_tokens=64"]
+  argv = [sys.executable, "-m", "tools.serve", f"load_parameters_path={args.checkpoint}", "--uds", sock, *keys]
+  print("$ " + " ".join(argv), flush=True)
+  t0 = time.perf_counter()
+  with open(log_path, "w+") as log:
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+      line = ""
+      while "listening on" not in line:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+          log.seek(0)
+          raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read()[-3000:]}")
+      ready_s = time.perf_counter() - t0
+      client = uds_client.openai_client(sock)
+      served = client.models.list().data[0].id
+      vocab = json.loads((pathlib.Path(args.checkpoint) / "config.json").read_text())["vocab_size"]
+      ids = np.random.default_rng(2).integers(3, min(200, vocab), 48).tolist()
+      sent = time.perf_counter()
+      first = None
+      streamed, chunks = [], 0
+      stream = client.completions.create(model=served, prompt=ids, max_tokens=16, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+      for chunk in stream:
+        if chunk.choices and chunk.choices[0].model_extra.get("token_ids"):
+          first = first or time.perf_counter()
+          streamed += chunk.choices[0].model_extra["token_ids"]
+          chunks += 1
+      whole = client.completions.create(model=served, prompt=ids, max_tokens=16, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+      same = whole.choices[0].model_extra["token_ids"] == streamed
+      proc.terminate()
+      rc = proc.wait(timeout=60)
+    finally:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+      proc.stdout.close()
+    log.seek(0)
+    text = log.read()
+  print("--- the server's log:\n" + text[-6000:], flush=True)
+  from tools.bench.serving_load import startup_figures
+  return {"uds": sock, "listening_line": line.strip(), "listening_after_s": round(ready_s, 2),
+          **startup_figures(text), "streamed_tokens": len(streamed), "stream_chunks": chunks,
+          "ttft_ms": round((first - sent) * 1e3, 2) if first else None, "streamed_equals_whole": same,
+          "exit_status": rc, "socket_removed": not os.path.exists(sock), "serve_keys": keys}
+
+
+PHASES = {"model": phase_model, "checkpoint": phase_checkpoint, "identity": phase_identity, "server": phase_server}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m tools.bench.e2e_device", description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+  p.add_argument("phase", choices=sorted(PHASES))
+  p.add_argument("--json", required=True, help="where the phase's figures are written")
+  p.add_argument("--smoke", action="store_true", help="a tiny model and shapes (the CPU test)")
+  p.add_argument("--config", default="", help=f"model config (default {FULL_CONFIG}; --smoke: {SMOKE_CONFIG})")
+  p.add_argument("--set", action="append", default=[], help="key=value config override (repeatable)")
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--decode-steps", type=int, default=0)
+  p.add_argument("--stop-after-s", type=float, default=float("inf"),
+                 help="model: skip the decode batches still to run after this many seconds")
+  p.add_argument("--dir", default="", help="checkpoint: where to write it")
+  p.add_argument("--checkpoint", default="", help="server: the checkpoint to serve")
+  p.add_argument("--serve-key", action="append", default=[], help="server: a tools.serve key=value (repeatable)")
+  p.add_argument("--compilation-cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
+  args = p.parse_args(argv)
+  if args.phase == "checkpoint" and not args.dir:
+    p.error("checkpoint needs --dir")
+  if args.phase == "server" and not args.checkpoint:
+    p.error("server needs --checkpoint")
+  if args.phase != "server":   # the server child enables its own
+    from model.engine import compilation_cache
+    print(compilation_cache.enable(args.compilation_cache_dir), flush=True)
+  t0 = time.perf_counter()
+  result = {"phase": args.phase, "smoke": args.smoke, **PHASES[args.phase](args)}
+  result["phase_s"] = round(time.perf_counter() - t0, 2)
+  pathlib.Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+  print(f"wrote {args.json}", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,268 @@
+#!/usr/bin/env bash
+# The model, the engine and the server on a lent TPU, in one command (issue 35): install, then
+#   model     bf16 prefill of one 8192-token prompt and of 16 x 512 packed (TTFT, tok/s, MFU) and decode
+#             steps at B = 1, 8, 32, 64 beside the HBM floor, 0.9B test model with random weights
+#             (configs/kimi_linear_48b_pattern_0p9b.py; tools/bench/e2e_device.py has the formulas);
+#   ckpt      a random-weights checkpoint of that model (on the CPU, beside the model phase);
+#   serving   tools/bench/benchmark_serving.py --online --in-process: continuous vs static engine on a
+#             mixed workload (>= 32 requests), prefix cache on/off on shared prefixes (TTFT ratio);
+#             its continuous engine compiles cold (the persistent cache starts empty on a fresh machine);
+#   identity  f32, B=32: batched greedy tokens equal each request served alone;
+#   server    kda-serve --uds with the serving phase's continuous sizes (its executables now load from the
+#             persistent cache: the warm start), the openai client streaming through the socket;
+#   real      (only with E2E_REAL=1, when time is left) the model phase for the real-width shard
+#             kimi_linear_48b_a3b num_experts=16.
+# Each phase is one process under its own time limit (budgets below, 9.5 minutes in all); a phase whose
+# packages are missing says "skipped: <package> missing" in the JSON instead of running. jax's persistent
+# compilation cache lives in $CACHE_DIR for the whole run. Writes $OUT/e2e_device_check.json (every
+# phase: status, rc, seconds, budget, figures) and $OUT/e2e_logs.txt (all logs): 2 files.
+#
+# Usage (from anywhere): tools/bench/e2e_device_check.sh
+#   env: OUT (default /tmp/kda_e2e_out), PY (the machine's Python with JAX; default
+#   /root/.pyenv/versions/3.11.7/bin/python3 when it exists, else python3 as resolved outside the checkout),
+#   INDEX (default file:///opt/pypi/simple), WHEELS (a directory of wheels the index lacks, default
+#   .whl-tpu in the checkout; tools/bench/device_wheels.sh fills it), VENV (default /tmp/kda-e2e-venv),
+#   SKIP_INSTALL=1 (use PY as it is, the checkout on PYTHONPATH), KDA_COMMIT (the commit measured),
+#   E2E_SMOKE=1 (tiny model and shapes, CPU: the test), E2E_REAL=1, E2E_PHASES (default all:
+#   "model ckpt serving identity server real"), CACHE_DIR (default /tmp/kda_e2e_jax_cache),
+#   E2E_MODEL_SET (model config overrides for every phase's model, e.g. "moe_impl=ragged attention=kda_chunked"),
+#   KDA_COMPILE_THREADS (threads that compile an engine's executables; default half the cores).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$(pwd)
+OUT=${OUT:-/tmp/kda_e2e_out}
+WORK=${WORK:-/tmp/kda_e2e}
+mkdir -p "$OUT" "$WORK"
+if [ -z "${PY:-}" ]; then
+  if [ -x /root/.pyenv/versions/3.11.7/bin/python3 ]; then PY=/root/.pyenv/versions/3.11.7/bin/python3
+  else PY=$(cd /tmp && python3 -c 'import sys; print(sys.executable)'); fi
+fi
+INDEX=${INDEX:-file:///opt/pypi/simple}
+WHEELS=${WHEELS:-$ROOT/.whl-tpu}
+VENV=${VENV:-/tmp/kda-e2e-venv}
+SMOKE=${E2E_SMOKE:-0}
+PHASES=${E2E_PHASES:-model ckpt serving identity server real}
+CACHE_DIR=${CACHE_DIR:-/tmp/kda_e2e_jax_cache}
+export PYTHONUNBUFFERED=1 KDA_COMPILATION_CACHE_DIR=$CACHE_DIR
+[ "$SMOKE" = 1 ] || export JAX_PLATFORMS=${JAX_PLATFORMS:-tpu,cpu}
+SECONDS=0
+TOTAL_BUDGET=570
+declare -A BUDGET=([install]=70 [model]=130 [ckpt]=120 [serving]=220 [identity]=90 [server]=60 [real]=120)
+if [ "$SMOKE" = 1 ]; then   # a slow shared CPU: the figures do not matter, every phase must run
+  TOTAL_BUDGET=1500
+  BUDGET=([install]=60 [model]=300 [ckpt]=300 [serving]=400 [identity]=300 [server]=300 [real]=1)
+fi
+SMOKE_FLAG=(); [ "$SMOKE" = 1 ] && SMOKE_FLAG=(--smoke)
+LOGS="$OUT/e2e_logs.txt"
+: > "$LOGS"
+STATUS_FILE="$WORK/status.tsv"
+: > "$STATUS_FILE"
+
+record() {  # record NAME STATUS RC SECONDS BUDGET
+  printf '%s\t%s\t%s\t%s\t%s\n' "$@" >> "$STATUS_FILE"
+}
+
+left() { echo $((TOTAL_BUDGET - SECONDS)); }
+
+run_phase() {  # run_phase NAME COMMAND...: under min(its budget, the time left); log appended to $LOGS
+  local name=$1 budget=${BUDGET[$1]} start=$SECONDS rc
+  shift
+  [ "$(left)" -lt "$budget" ] && budget=$(left)
+  if [ "$budget" -le 5 ]; then
+    record "$name" "skipped: no time left of the ${TOTAL_BUDGET} s budget" -1 0 "${BUDGET[$name]}"
+    echo "== $name: skipped (no time left)"
+    return
+  fi
+  echo "== $name (budget ${budget} s; at ${SECONDS} s)" | tee -a "$LOGS"
+  if declare -F "$1" >/dev/null; then   # a function of this script
+    export -f "$1"
+    export PY INDEX VENV ROOT WHEELS
+    timeout -k 10 "$budget" bash -c '"$@"' _ "$@" > "$WORK/$name.log" 2>&1
+  else
+    timeout -k 10 "$budget" "$@" > "$WORK/$name.log" 2>&1
+  fi
+  rc=$?
+  cat "$WORK/$name.log" >> "$LOGS"
+  tail -n 25 "$WORK/$name.log"
+  local status=ok
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && status="timeout after ${budget} s"
+  [ $rc -ne 0 ] && [ "$status" = ok ] && status="failed (rc $rc)"
+  record "$name" "$status" "$rc" $((SECONDS - start)) "${BUDGET[$name]}"
+}
+
+skip() {  # skip NAME REASON
+  record "$1" "skipped: $2" -1 0 "${BUDGET[$1]}"
+  echo "== $1: skipped: $2" | tee -a "$LOGS"
+}
+
+wants() { [[ " $PHASES " == *" $1 "* ]]; }
+
+# --- install ------------------------------------------------------------------------------------------
+echo "== environment: PY=$PY"
+# (jax.devices() would open the chip: ~15 s; the model phase reports the device)
+"$PY" -c "import jax, sys; print(sys.version.split()[0], 'jax', jax.__version__)" 2>&1 | tail -1 \
+  || { echo "no Python with jax at PY=$PY"; exit 2; }
+
+install_project() {
+  local pip=("$VENV/bin/python" -m pip install --isolated --quiet --no-cache-dir --index-url "$INDEX")
+  [ -d "$WHEELS" ] && pip+=(--find-links "$WHEELS") && echo "wheels from $WHEELS: $(ls "$WHEELS" | tr '\n' ' ')"
+  "$PY" -m venv --system-site-packages "$VENV" || return 1
+  if PIP_CONFIG_FILE=/dev/null "${pip[@]}" -e "$ROOT"; then echo "installed with every dependency"; return 0; fi
+  local deps missing=()
+  deps=$("$VENV/bin/python" -c "import tomllib; print('\n'.join(tomllib.load(open('$ROOT/pyproject.toml', 'rb'))['project']['dependencies']))")
+  while IFS= read -r dep; do
+    PIP_CONFIG_FILE=/dev/null "${pip[@]}" "$dep" >/dev/null 2>&1 && continue
+    missing+=("$dep")
+    # an older release of the package is better than none (e.g. the index's orbax-checkpoint): the
+    # phases that need the newer API say so when they import it
+    PIP_CONFIG_FILE=/dev/null "${pip[@]}" "${dep%%[<>=!~]*}" >/dev/null 2>&1 && echo "installed an older ${dep%%[<>=!~]*} than $dep"
+  done <<< "$deps"
+  PIP_CONFIG_FILE=/dev/null "${pip[@]}" "openai" >/dev/null 2>&1 || missing+=("openai")
+  PIP_CONFIG_FILE=/dev/null "${pip[@]}" --no-deps -e "$ROOT" || return 1
+  echo "MISSING from $INDEX${WHEELS:+ and $WHEELS}: ${missing[*]}"
+  return 0
+}
+if [ "${SKIP_INSTALL:-0}" = 1 ]; then
+  VPY=$PY
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  record install "skipped: SKIP_INSTALL=1 (the checkout on PYTHONPATH)" 0 0 "${BUDGET[install]}"
+else
+  run_phase install install_project
+  VPY="$VENV/bin/python"
+  [ -x "$VPY" ] || VPY="$PY"
+fi
+cd "$WORK"   # the project's .python-version must not pick another Python; the phases find the package installed
+[ "${SKIP_INSTALL:-0}" = 1 ] && cd "$ROOT"
+
+# Which imports work: a phase that needs a missing one is skipped with its name.
+"$VPY" - > "$WORK/imports.json" <<'PYEOF'
+import importlib, json
+names = {"flax": "flax", "orbax_v1": "orbax.checkpoint.experimental.v1", "fastapi": "fastapi", "uvicorn": "uvicorn",
+         "prometheus_client": "prometheus_client", "openai": "openai", "tiktoken": "tiktoken", "jinja2": "jinja2",
+         "sentencepiece": "sentencepiece", "tqdm": "tqdm", "ml_collections": "ml_collections", "kda_plugin": "kda_plugin"}
+ok = {}
+for key, mod in names.items():
+  try:
+    importlib.import_module(mod)
+    ok[key] = True
+  except Exception as e:  # ImportError, or a broken install
+    ok[key] = f"{type(e).__name__}: {e}"[:200]
+print(json.dumps(ok))
+PYEOF
+cat "$WORK/imports.json" | tee -a "$LOGS"
+missing_of() {  # missing_of KEY...: the first import that failed, or nothing
+  "$VPY" -c "import json,sys; ok=json.load(open('$WORK/imports.json')); bad=[k for k in sys.argv[1:] if ok.get(k) is not True]; print(bad[0] if bad else '')" "$@"
+}
+declare -A PKG_NAME=([orbax_v1]="orbax-checkpoint>=0.12.8 (orbax.checkpoint.experimental.v1)" [prometheus_client]=prometheus-client)
+need() {  # need PHASE KEY...: true when every import works, else records the skip
+  local m; m=$(missing_of "${@:2}")
+  [ -z "$m" ] && return 0
+  skip "$1" "${PKG_NAME[$m]:-$m} missing"
+  return 1
+}
+
+MODEL_SET=(); for kv in ${E2E_MODEL_SET:-}; do MODEL_SET+=(--set "$kv"); done
+E2E=("$VPY" -m tools.bench.e2e_device)
+CKPT="$WORK/ckpt"
+CORE=(flax ml_collections tqdm kda_plugin)
+
+# --- model (device) beside ckpt (CPU) -------------------------------------------------------------------
+ckpt_pid=
+if wants ckpt && need ckpt "${CORE[@]}" orbax_v1; then
+  ( export JAX_PLATFORMS=cpu; run_phase ckpt "${E2E[@]}" checkpoint "${SMOKE_FLAG[@]}" "${MODEL_SET[@]}" --dir "$CKPT" --json "$WORK/ckpt.json" ) &
+  ckpt_pid=$!
+fi
+if wants model && need model "${CORE[@]}"; then
+  run_phase model "${E2E[@]}" model "${SMOKE_FLAG[@]}" "${MODEL_SET[@]}" --json "$WORK/model.json" --stop-after-s $((BUDGET[model] - 45))
+fi
+[ -n "$ckpt_pid" ] && wait "$ckpt_pid"
+
+# --- serving: continuous vs static, prefix cache ----------------------------------------------------------
+if [ "$SMOKE" = 1 ]; then
+  # one shape bucket (16): three continuous executables, one static prefill row
+  SERVE_SIZES=(--num-requests 8 --concurrency 8 --warmup 2 --prompt-min 4 --prompt-max 16 --output-min 2 --output-max 6
+               --prefix-len 64 --suffix-min 4 --suffix-max 12 --max-num-seqs 8 --max-num-batched-tokens 16
+               --max-model-len 96)
+  SERVER_KEYS=(max_num_seqs=8 max_model_len=96 max_num_batched_tokens=16)
+else
+  SERVE_SIZES=(--num-requests 32 --concurrency 32 --warmup 4 --prompt-min 16 --prompt-max 512 --output-min 16
+               --output-max 128 --prefix-len 512 --suffix-min 16 --suffix-max 128 --max-num-seqs 32
+               --max-num-batched-tokens 1024 --max-model-len 768)
+  SERVER_KEYS=(max_num_seqs=32 max_model_len=768 max_num_batched_tokens=1024)
+fi
+have_ckpt() { [ -f "$CKPT/config.json" ] || { skip "$1" "no checkpoint (the ckpt phase did not finish)"; return 1; }; }
+if wants serving && need serving "${CORE[@]}" orbax_v1 && have_ckpt serving; then
+  run_phase serving "$VPY" "$ROOT/tools/bench/benchmark_serving.py" --online --in-process --checkpoint "$CKPT" \
+    --engines continuous,static --workloads mixed,shared_prefix "${SERVE_SIZES[@]}" --json "$WORK/serving.json"
+fi
+
+# --- identity: f32 batched vs alone --------------------------------------------------------------------
+if wants identity && need identity "${CORE[@]}"; then
+  run_phase identity "${E2E[@]}" identity "${SMOKE_FLAG[@]}" "${MODEL_SET[@]}" --json "$WORK/identity.json"
+fi
+
+# --- server over a unix socket (warm start) ------------------------------------------------------------
+if wants server && need server "${CORE[@]}" orbax_v1 fastapi uvicorn prometheus_client openai tiktoken jinja2 \
+   && have_ckpt server; then
+  SK=(); for k in "${SERVER_KEYS[@]}"; do SK+=(--serve-key "$k"); done
+  run_phase server "${E2E[@]}" server "${SMOKE_FLAG[@]}" --checkpoint "$CKPT" "${SK[@]}" --json "$WORK/server.json"
+fi
+
+# --- the real-width shard, when asked and time is left ----------------------------------------------------
+if wants real && [ "${E2E_REAL:-0}" = 1 ] && [ "$SMOKE" != 1 ] && need real "${CORE[@]}"; then
+  run_phase real "${E2E[@]}" model --config kimi_linear_48b_a3b --set num_experts=16 --set num_experts_per_tok=8 \
+    --repeats 3 --json "$WORK/real.json" --stop-after-s $((BUDGET[real] - 40))
+elif wants real; then
+  record real "skipped: E2E_REAL is not 1" -1 0 "${BUDGET[real]}"
+fi
+
+# --- the report --------------------------------------------------------------------------------------------
+"$VPY" - "$WORK" "$OUT" "$SECONDS" "$TOTAL_BUDGET" "$SMOKE" "$ROOT" <<'PYEOF'
+import json, os, pathlib, re, subprocess, sys
+work, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+total_s, budget_s, smoke = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+phases = {}
+for line in (work / "status.tsv").read_text().splitlines():
+  name, status, rc, seconds, budget = line.split("\t")
+  phases[name] = {"status": status, "rc": int(rc), "seconds": int(seconds), "budget_s": int(budget)}
+  f = work / f"{name}.json"
+  if f.exists() and status == "ok":
+    phases[name]["result"] = json.loads(f.read_text())
+log = (work / "install.log").read_text() if (work / "install.log").exists() else ""
+missing = re.findall(r"^MISSING from .*?: (.*)$", log, re.M)
+commit = os.environ.get("KDA_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                        text=True, cwd=sys.argv[6]).stdout.strip()
+import jax   # no jax.devices() here: it would open the chip again (~15 s); the model phase names it
+model = phases.get("model", {}).get("result", {})
+versions = {"jax": jax.__version__, "device": model.get("device"), "backend": model.get("backend")}
+serving = phases.get("serving", {}).get("result", {})
+rows = {r["config"]: r for r in serving.get("rows", [])}
+cont = next((r for c, r in rows.items() if c.startswith("engine=continuous")), None)
+stat = next((r for c, r in rows.items() if c.startswith("engine=static")), None)
+on = next((r for c, r in rows.items() if "prefix cache on" in c), None)
+off = next((r for c, r in rows.items() if "prefix cache off" in c), None)
+ratio = off["ttft_p50_s"] / on["ttft_p50_s"] if on and off and on.get("ttft_p50_s") else None
+headline = {
+    "continuous_over_static_output_tok_s": (cont["output_tokens_per_s"] / stat["output_tokens_per_s"]
+                                            if cont and stat else None),
+    "prefix_cache_ttft_p50_off_over_on": ratio,
+    "prefix_cache_line": serving.get("prefix_cache_ratio") or None,
+    "cold_start_compile_s": (cont or {}).get("compile", {}).get("seconds"),
+    "warm_start_compile_s": phases.get("server", {}).get("result", {}).get("compile_s"),
+    "warm_start_server_startup_s": phases.get("server", {}).get("result", {}).get("server_startup_s"),
+    "identity_f32_b32": phases.get("identity", {}).get("result", {}).get("identical"),
+    "server_over_uds": phases.get("server", {}).get("result", {}).get("streamed_equals_whole"),
+}
+report = {"what": "tools/bench/e2e_device_check.sh", "commit": commit or "unknown", "smoke": smoke,
+          "python": sys.version.split()[0], **versions, "install_missing": missing[0].split() if missing else [],
+          "imports": json.loads((work / "imports.json").read_text()) if (work / "imports.json").exists() else None,
+          "total_s": total_s, "total_budget_s": budget_s, "headline": headline, "phases": phases}
+(out / "e2e_device_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+print(json.dumps({k: report[k] for k in ("commit", "total_s", "headline")}, indent=1, default=str))
+for name, p in phases.items():
+  print(f"{name:9s} {p['status']} ({p['seconds']} s of {p['budget_s']})")
+PYEOF
+echo "== done in ${SECONDS} s"
+status=0
+grep -q $'\tfailed\|\ttimeout' "$STATUS_FILE" && status=1
+exit $status
