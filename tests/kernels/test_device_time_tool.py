@@ -23,7 +23,7 @@ def test_smoke_run_writes_every_phase_and_case(tmp_path):
                  "--repeats", "5", "--loop-ms", "2", "--compile-workers", "2", "--json", str(out)])
   assert rc == 0
   r = json.loads(out.read_text())
-  assert set(r["phases_s"]) == {"build", "compile", "time"} and r["smoke"] and r["implementation"] == "xla"
+  assert set(r["phases_s"]) == {"build", "compile_and_time", "time"} and r["smoke"] and r["implementation"] == "xla"
   assert [c["name"] for c in r["cases"]] == ["one_8_token_doc_h24", "decode_h24_b32"]
   for c in r["cases"]:
     assert c["repeats"] == 5 and c["min_ms"] <= c["median_ms"] <= c["max_ms"], c
