@@ -7,8 +7,9 @@ to last about `--loop-ms`.
 
 Phases (seconds of each in the JSON): build the inputs; compile every case at once in a thread pool
 (XLA and Mosaic compile release the GIL, so a fresh machine pays about the longest compile, not the
-sum), timing each case as soon as its compile finishes while the others go on compiling (one case at
-a time on the chip). The arrays enter the loop as
+sum); then time the cases one by one, never two at a time on the chip, and only once every compile
+has finished (timed while other cases compiled on the host, the loops ran 3-40x slower and scattered
+on the chip: docs/performance.md). The arrays enter the loop as
 arguments, not closed-over constants (no constant folding of the inputs into the program). The JSON is
 rewritten after every case, and a case that would start past `--budget-s` is recorded as skipped, so
 an outer time limit never loses what was measured.
@@ -17,7 +18,7 @@ Floors (v5e): HBM bytes (inputs, outputs and final states, each once) / 819 GB/s
 / 197 TFLOP/s (the chunked form's matmuls: 6CK + 4CV + 2C^2/3 + 6KV per token and head, C = 64);
 floor = the larger of the two.
 
-    python -m tools.bench.kernel_device_time --json out.json            # every case but the _xla rows
+    python -m tools.bench.kernel_device_time --json out.json            # every case
     python -m tools.bench.kernel_device_time --cases seed_bf16 decode_h24_b32
     JAX_PLATFORMS=cpu python -m tools.bench.kernel_device_time --smoke --implementation xla --json s.json
                                                     # the tool's logic on a CPU, at small shapes
@@ -292,8 +293,8 @@ def main(argv=None) -> int:
              device=dev.device_kind, platform=dev.platform, implementation=args.implementation,
              smoke=args.smoke, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), method=(
                  "lax.fori_loop of iters_per_loop calls in one jit, output fed back; per-call ms = "
-                 "loop time / iters; median and min/max over repeats; cases compiled concurrently, "
-                 "each timed alone on the chip as soon as its compile finishes"),
+                 "loop time / iters; median and min/max over repeats; cases compiled concurrently "
+                 "first, then timed one at a time"),
              budget_s=args.budget_s, phases_s=phases, cases=list(results.values()))
 
   def write():
@@ -315,19 +316,37 @@ def main(argv=None) -> int:
     built[name] = (fn, x, consts, hbm, flops, target)
   phases["build"] = round(time.perf_counter() - t0, 1)
 
-  # Each case is timed as soon as its compile finishes, while the others go on compiling on their
-  # threads: a budget that ends mid-compile still leaves every case timed so far in the JSON.
   t0 = time.perf_counter()
-  timing_s = 0.0
+  compiled = {}
+  with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
+    futures = {pool.submit(compile_case, "prefill" if name in PREFILL else "decode", fn, x, consts): name
+               for name, (fn, x, consts, *_) in built.items()}
+    for fut in concurrent.futures.as_completed(futures):
+      name = futures[fut]
+      try:
+        compiled[name], secs = fut.result()
+        results[name]["compile_s"] = round(secs, 1)
+      except Exception as e:  # noqa: BLE001
+        results[name]["error"] = _error(e)
+        print(f"{name:24s} COMPILE FAILED {results[name]['error'][:200]}", flush=True)
+  phases["compile"] = round(time.perf_counter() - t0, 1)
+  write()
 
-  def time_one(name, run):
+  t0 = time.perf_counter()
+  for name in names:
+    if name not in compiled:
+      continue
+    if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+      results[name]["skipped"] = f"not timed: past --budget-s {args.budget_s:g}"
+      print(f"{name:24s} SKIPPED (budget)", flush=True)
+      continue
     hbm, flops, target = built[name][3:]
     try:
-      samples, iters = time_compiled(run, repeats=args.repeats, loop_ms=args.loop_ms)
+      samples, iters = time_compiled(compiled.pop(name), repeats=args.repeats, loop_ms=args.loop_ms)
     except Exception as e:  # noqa: BLE001
       results[name]["error"] = _error(e)
       print(f"{name:24s} FAILED {results[name]['error'][:200]}", flush=True)
-      return
+      continue
     finally:
       built[name] = None  # the case's device arrays are freed before the next one runs
     med = statistics.median(samples)
@@ -338,40 +357,12 @@ def main(argv=None) -> int:
         repeats=len(samples), iters_per_loop=iters, hbm_floor_ms=round(hbm_ms, 4),
         mxu_floor_ms=round(mxu_ms, 4), floor_ms=round(floor, 4), x_floor=round(med / floor, 2),
         meets_target=None if target is None else med <= target)
+    phases["time"] = round(time.perf_counter() - t0, 1)
+    write()
     verdict = "" if target is None else f"  target {target}  {'ok' if med <= target else 'MISSED'}"
     print(f"{name:24s} {med:8.4f} ms  [{min(samples):.4f}, {max(samples):.4f}]  floor {floor:.4f} "
           f"({med / floor:.1f}x){verdict}", flush=True)
-
-  with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
-    futures = {pool.submit(compile_case, "prefill" if name in PREFILL else "decode", fn, x, consts): name
-               for name, (fn, x, consts, *_) in built.items()}
-    for fut in concurrent.futures.as_completed(futures):
-      name = futures[fut]
-      try:
-        run, secs = fut.result()
-        results[name]["compile_s"] = round(secs, 1)
-      except Exception as e:  # noqa: BLE001
-        results[name]["error"] = _error(e)
-        print(f"{name:24s} COMPILE FAILED {results[name]['error'][:200]}", flush=True)
-        continue
-      if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-        results[name]["skipped"] = f"not timed: past --budget-s {args.budget_s:g}"
-        print(f"{name:24s} SKIPPED (budget)", flush=True)
-        continue
-      t1 = time.perf_counter()
-      time_one(name, run)
-      timing_s += time.perf_counter() - t1
-      phases["compile_and_time"] = round(time.perf_counter() - t0, 1)
-      phases["time"] = round(timing_s, 1)
-      write()
-      if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-        for f in futures:  # cases not yet compiling are dropped; running compiles finish unused
-          f.cancel()
-  for name in names:
-    if name in built and built[name] is not None and not {"error", "skipped", "median_ms"} & set(results[name]):
-      results[name]["skipped"] = f"not compiled within --budget-s {args.budget_s:g}"
-  phases["compile_and_time"] = round(time.perf_counter() - t0, 1)
-  phases["time"] = round(timing_s, 1)
+  phases["time"] = round(time.perf_counter() - t0, 1)
   write()
   print(f"phases (s): {phases}  total {out['total_s']} s", flush=True)
   return 0 if all("error" not in r and "skipped" not in r for r in results.values()) else 1
