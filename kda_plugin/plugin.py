@@ -140,7 +140,11 @@ class KDABackend:
   def kda_decode(self, q, k, v, g_raw, beta, state, *, a_log, dt_bias, lower_bound, implementation="auto"):
     self._traced("decode", implementation)
     g = self.gate(g_raw, a_log, dt_bias, lower_bound)
-    o, state = _OPS[self.routes["decode"]](self.l2norm(q), self.l2norm(k), v, g, beta, state)
+    # the decode step has a TPU kernel and an XLA path (also its GPU path): the config's kernel choice
+    # names which, "pallas_gpu" meaning the XLA step
+    decode_impl = "xla" if implementation == "pallas_gpu" else implementation
+    o, state = _OPS[self.routes["decode"]](self.l2norm(q), self.l2norm(k), v, g, beta, state,
+                                           implementation=decode_impl)
     return o.astype(q.dtype), state
 
 

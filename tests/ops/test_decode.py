@@ -92,6 +92,25 @@ def test_pallas_tpu_off_tpu_without_interpret_is_a_runtime_error():
     kda_decode_step(z, z, z, z, jnp.zeros((1, 2)), jnp.zeros((1, 2, 8, 8)), implementation="pallas_tpu")
 
 
+def test_backend_decode_passes_the_configured_implementation_through():
+  """The plugin's decode route honours the config's kernel choice: "pallas_tpu" reaches the kernel
+  (here, off a TPU, its RuntimeError), "xla" and "pallas_gpu" the XLA step (equal to the default)."""
+  from kda_plugin.plugin import kda_native  # noqa: PLC0415
+  be = kda_native()
+  rng = np.random.default_rng(0)
+  q, k, v, g = (jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32) for _ in range(4))
+  beta = jnp.asarray(rng.uniform(size=(2, 3)), jnp.float32)
+  state = jnp.asarray(rng.standard_normal((2, 3, 8, 8)), jnp.float32)
+  kw = dict(a_log=jnp.zeros((3,)), dt_bias=jnp.zeros((3 * 8,)), lower_bound=None)
+  with pytest.raises(RuntimeError, match="needs a TPU"):
+    be.kda_decode(q, k, v, g, beta, state, implementation="pallas_tpu", **kw)
+  want = be.kda_decode(q, k, v, g, beta, state, **kw)
+  for impl in ("xla", "pallas_gpu"):
+    got = be.kda_decode(q, k, v, g, beta, state, implementation=impl, **kw)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
 def test_state_beyond_the_vmem_plan_is_a_value_error():
   with pytest.raises(ValueError, match="MiB of VMEM for H=24, K=1024, V=1024"):
     decode_pallas_tpu.check_limits(1, 24, 1024, 1024)
