@@ -94,16 +94,20 @@ def short_conv(x, weight, *, segment_ids=None, cache=None, output_final_cache=Fa
   start = lax.cummax(jnp.where(first, pos, 0), axis=1)            # first index of t's run
   offset = pos - start                                             # position inside the run
   slot = jnp.clip(seg - 1, 0, n - 1)
-  row_cache = jnp.take_along_axis(cache, slot[:, :, None, None], axis=1)  # [B, T, W-1, D]
+  # Taps inside the run read x shifted by a static amount (pad and slice: XLA fuses them into the
+  # sum, no gather and no [B, T, D] copy per tap).
   y = jnp.zeros((b, t, d), jnp.float32)
   for back in range(w):                                            # tap reading x[t - back]
-    src = pos - back
-    in_run = back <= offset
-    from_x = jnp.take_along_axis(xf, jnp.clip(src, 0, t - 1)[None, :, None].repeat(b, 0), axis=1)
-    ci = jnp.clip(w - 1 - back + offset, 0, w - 2)                 # cache slot when before the run
-    from_cache = jnp.take_along_axis(row_cache, ci[:, :, None, None], axis=2)[:, :, 0]
-    val = jnp.where(in_run[..., None], from_x, from_cache)
-    y = y + wf[w - 1 - back] * val
+    shifted = xf if back == 0 else jnp.pad(xf, ((0, 0), (back, 0), (0, 0)))[:, :t]
+    y = y + jnp.where((back <= offset)[..., None], wf[w - 1 - back] * shifted, 0.0)
+  # Taps before the run read the slot's cache. They depend only on (slot, offset) for the run's
+  # first W-1 tokens: summed per slot first ([B, N, W-1, D]), then one gather per token.
+  if w > 1:
+    before = jnp.stack([sum(wf[w - 1 - back] * cache[:, :, w - 1 - back + o]
+                            for back in range(o + 1, w)) for o in range(w - 1)], axis=2)
+    idx = slot * (w - 1) + jnp.clip(offset, 0, w - 2)              # [B, T]
+    from_cache = jnp.take_along_axis(before.reshape(b, n * (w - 1), d), idx[..., None], axis=1)
+    y = y + jnp.where((offset < w - 1)[..., None], from_cache, 0.0)
   y = jnp.where((seg > 0)[..., None], act(y), 0.0).astype(x.dtype)
   if not output_final_cache:
     return y, None
@@ -117,7 +121,7 @@ def short_conv(x, weight, *, segment_ids=None, cache=None, output_final_cache=Fa
   c = length[..., None] + i                                         # index into cache ++ run
   from_run = c >= w - 1
   xi = jnp.clip(last[..., None] - (w - 2) + i, 0, t - 1)           # [B, N, W-1]
-  run_vals = jnp.take_along_axis(xf[:, None], xi[..., None], axis=2)
+  run_vals = xf[jnp.arange(b)[:, None, None], xi]                   # [B, N, W-1, D]
   cache_vals = jnp.take_along_axis(cache, jnp.clip(c, 0, w - 2)[..., None], axis=2)
   new = jnp.where(from_run[..., None], run_vals, cache_vals)
   new = jnp.where(present[..., None, None], new, cache)

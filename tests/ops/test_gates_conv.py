@@ -84,8 +84,9 @@ def _np_conv_cache(x, seg, cache):
   return out
 
 
-def test_short_conv_segments_and_caches():
-  b, t, d, width, n = 2, 17, 6, 4, 4
+@pytest.mark.parametrize("width", [4, 2, 5])
+def test_short_conv_segments_and_caches(width):
+  b, t, d, n = 2, 17, 6, 4
   x = RNG.normal(size=(b, t, d)).astype(np.float32)
   w = RNG.normal(size=(width, d)).astype(np.float32)
   seg = np.array([[1] * 2 + [2] * 1 + [3] * 9 + [0] * 2 + [4] * 3,
