@@ -204,7 +204,6 @@ def check_gate_args(g_is_raw: bool, a_log, dt_bias, lower_bound, num_heads: int,
     ValueError: dt_bias or lower_bound without a_log (a raw g input), lower_bound outside [-5, 0)
       (`gates.check_lower_bound`), a_log without H values, dt_bias without H*K values.
   """
-  from kda_plugin.ops.gates import check_lower_bound  # noqa: PLC0415  (gates imports this module)
   if not g_is_raw:
     if dt_bias is not None or lower_bound is not None:
       raise ValueError("dt_bias and lower_bound are gate parameters: they need a_log (raw g input)")
@@ -303,3 +302,17 @@ class InferenceCall:
     if not self.output_final_state:
       return o, None
     return o, (final if self.packed else final[:, 0])
+
+
+LOWER_BOUND_RANGE = (-5.0, 0.0)  # the bounded gate's lower_bound: a negative bound on the log decay
+
+
+def check_lower_bound(lower_bound) -> float:
+  """Returns `lower_bound` as a float after checking `-5 <= lower_bound < 0` (ValueError otherwise)."""
+  if not is_concrete(lower_bound):
+    raise ValueError("lower_bound must be a static Python float in [-5, 0), not a traced value")
+  lb = float(np.asarray(lower_bound))
+  lo, hi = LOWER_BOUND_RANGE
+  if not (lo <= lb < hi):
+    raise ValueError(f"lower_bound must lie in [{lo:g}, {hi:g}) (a negative bound on the log decay), got {lb}")
+  return lb

@@ -15,9 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda_plugin.ops._chunk_common import L2NORM_EPS
-from kda_plugin.ops._contract import is_concrete
+from kda_plugin.ops._contract import LOWER_BOUND_RANGE, check_lower_bound  # noqa: F401  (re-exported)
 
-LOWER_BOUND_RANGE = (-5.0, 0.0)
 
 
 def _gate_params(raw, a_log, dt_bias):
@@ -57,17 +56,6 @@ def kda_gate_softplus(raw, a_log, dt_bias=None):
   """
   raw, a_log, dt_bias = _gate_params(raw, a_log, dt_bias)
   return -jnp.exp(a_log) * jax.nn.softplus(raw + dt_bias)
-
-
-def check_lower_bound(lower_bound) -> float:
-  """Returns `lower_bound` as a float after checking `-5 <= lower_bound < 0` (ValueError otherwise)."""
-  if not is_concrete(lower_bound):
-    raise ValueError("lower_bound must be a static Python float in [-5, 0), not a traced value")
-  lb = float(np.asarray(lower_bound))
-  lo, hi = LOWER_BOUND_RANGE
-  if not (lo <= lb < hi):
-    raise ValueError(f"lower_bound must lie in [{lo:g}, {hi:g}) (a negative bound on the log decay), got {lb}")
-  return lb
 
 
 def kda_gate_bounded(raw, a_log, dt_bias=None, *, lower_bound):

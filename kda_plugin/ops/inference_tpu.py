@@ -240,8 +240,12 @@ def peak_memory_bytes(q, k, v, g, beta, *, segment_ids, initial_state, output_fi
   elif not lane_dense or kp != kd or tp != t:
     temps += b * tp * h * kp * (2 * dt.itemsize + jnp.dtype(g.dtype).itemsize)
   if not in_place and (not lane_dense or vp != vd or tp != t):
-    # v in the kernel layout; the kernel's padded o is not counted: XLA's buffer assignment gives it
-    # no extra peak (docs/performance.md)
+    # v in the kernel layout
+    temps += b * tp * h * vp * dt.itemsize
+  if not in_place and vp != vd:
+    # the kernel's o padded along V before its slice: with four chunks per grid step XLA gives it its
+    # own peak (compiled on TPU7x, K=V=64: 84 MB of temporaries, 16.8 MB of them this o); padded along
+    # T alone it still shares a buffer (docs/performance.md)
     temps += b * tp * h * vp * dt.itemsize
   if (kp, vp) != (kd, vd) and (output_final_state or initial_state is not None):
     temps += state

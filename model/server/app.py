@@ -391,7 +391,8 @@ def build_app(state: ServerState) -> fastapi.FastAPI:
     firsts = []
     try:   # each choice's first event before the headers: a refusal is still an HTTP error status
       for gen in gens:
-        firsts.append(await gen.next_delta())
+        text, n = await gen.next_delta()
+        firsts.append((text, n, gen.finish, len(gen.token_ids)))
     except BaseException:
       for gen in gens:
         gen.cancel()
@@ -464,23 +465,25 @@ async def _chat_stream(gens: list[_ChatGeneration], firsts: list):
   merged: asyncio.Queue = asyncio.Queue()
   sent = [0] * len(gens)      # tokens of each choice whose ids went out (return_token_ids)
 
+  # A pump may run ahead of the consumer: each delta carries the choice's finish and token count as
+  # they were when it was made, not as they are when it is sent.
   async def pump(i: int, gen: _ChatGeneration):
     try:
       while (d := await gen.next_delta()) is not None:
-        merged.put_nowait((i, d, None))
+        merged.put_nowait((i, (*d, gen.finish, len(gen.token_ids)), None))
     except ApiError as e:
       merged.put_nowait((i, None, e))
       return
     merged.put_nowait((i, None, None))
 
   def chunks(i: int, delta):
-    gen, (text, n) = gens[i], delta
+    gen, (text, n, finish, upto) = gens[i], delta
     if text or (n and body.return_token_ids):
-      yield _sse(gen.envelope([gen.chat_choice({"content": text}, None, "delta", sent[i], len(gen.token_ids))], None))
-      sent[i] = len(gen.token_ids)
-    if gen.finish is not None:
-      yield _sse(gen.envelope([gen.chat_choice({}, gen.finish, "delta", sent[i], len(gen.token_ids))], None))
-      sent[i] = len(gen.token_ids)
+      yield _sse(gen.envelope([gen.chat_choice({"content": text}, None, "delta", sent[i], upto)], None))
+      sent[i] = upto
+    if finish is not None:
+      yield _sse(gen.envelope([gen.chat_choice({}, finish, "delta", sent[i], upto)], None))
+      sent[i] = upto
 
   tasks = []
   try:

@@ -10,8 +10,10 @@ the process by the signal instead of exit status 0). A second Ctrl-C forces the 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
+import stat
 import sys
 import time
 
@@ -50,8 +52,6 @@ def bind_unix(path: str) -> socket.socket:
     UsageError: naming uds: the path exists and is not a socket, another server answers there, the
       directory is missing, or the path is too long for a unix socket (about 107 bytes).
   """
-  import os
-  import stat
   path = os.path.abspath(path)
   if os.path.lexists(path):
     if not stat.S_ISSOCK(os.lstat(path).st_mode):

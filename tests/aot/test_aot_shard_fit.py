@@ -34,8 +34,9 @@ MAX_PREFILL_TEMP = 3 * 2**30
 HK = 32 * 128            # kda_num_heads * kda_head_dim of the 48B config
 NUM_KDA_LAYERS = 20
 DOES_NOT_FIT = 3         # tools.aot_compile's exit status
-PREFILL_8192_OOM = pytest.mark.xfail(strict=True, reason="8192-token prefill of the shard asks libtpu for 17.16 GiB "
-                              "(MoE rows bf16[65536, 2304] live across layers); see the module docstring")
+# slow as well: about a minute of compile each, for a known refusal (`make test-slow` keeps watching them)
+PREFILL_8192_OOM = [pytest.mark.slow, pytest.mark.xfail(strict=True, reason="8192-token prefill of the shard asks libtpu for 17.16 GiB "
+                              "(MoE rows bf16[65536, 2304] live across layers); see the module docstring")]
 
 PREFILL_8192 = ("mode=prefill", "batch_size=1", "seq_len=8192")
 CASES = [

@@ -54,18 +54,21 @@ SMOKE_CONFIG = "tiny"
 
 # --- model construction ----------------------------------------------------------------------------
 def build_config(args, dtype: str):
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
   from model.config import load_config
   name = args.config or (SMOKE_CONFIG if args.smoke else FULL_CONFIG)
   return load_config([name, f"dtype={dtype}", f"weight_dtype={dtype}", *args.set])
 
 
 def build_model(cfg, seed: int = 0):
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
   from flax import nnx
   from model.nn.kimi_linear import KimiLinearForCausalLM
   return KimiLinearForCausalLM(cfg, rngs=nnx.Rngs(seed))
 
 
 def split(model):
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
   import jax
   from flax import nnx
   graphdef, state = nnx.split(model)
@@ -76,6 +79,7 @@ def split(model):
 # --- costs -----------------------------------------------------------------------------------------
 def parameter_counts(model, cfg) -> dict:
   """Parameters: all, the embedding table, the routed experts, and those one token uses (active)."""
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
   import jax
   from flax import nnx
   total = embed = routed = 0
@@ -101,12 +105,14 @@ def flops_per_token(cfg, params: dict, context: float) -> float:
 
 
 def tree_bytes(tree) -> int:
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
   import jax
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
 def decode_floor_bytes(weights_bytes: int, cache, context: int) -> dict:
   """Bytes a decode step must read: weights, KDA states + conv windows, the MLA rows in use."""
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
   from model.nn import cache as cache_lib
   kda = mla = 0
   for layer in cache.layers:
@@ -121,6 +127,7 @@ def decode_floor_bytes(weights_bytes: int, cache, context: int) -> dict:
 # --- timing ----------------------------------------------------------------------------------------
 def timed(fn, repeats: int) -> tuple[float, list[float]]:
   """Median and all of `repeats` wall-clock seconds of `fn()` (blocked to completion)."""
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
   import jax
   runs = []
   for _ in range(repeats):
@@ -132,6 +139,7 @@ def timed(fn, repeats: int) -> tuple[float, list[float]]:
 
 # --- phases ----------------------------------------------------------------------------------------
 def phase_model(args) -> dict:
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -187,6 +195,7 @@ def phase_model(args) -> dict:
     t = time.perf_counter()
     return name, low.compile(), time.perf_counter() - t
 
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
   from model.engine.runner import default_compile_threads
   t_compile = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(default_compile_threads(len(lowered))) as pool:
@@ -238,6 +247,7 @@ def phase_model(args) -> dict:
 
 
 def phase_checkpoint(args) -> dict:
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
   from model.checkpoint.format import save_parameters
   cfg = build_config(args, "bfloat16")
   t0 = time.perf_counter()
@@ -248,6 +258,7 @@ def phase_checkpoint(args) -> dict:
 
 def phase_identity(args) -> dict:
   """f32 greedy: each request's tokens served in a batch of 32 equal its tokens served alone."""
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
   from model.engine.api import Request
   from model.engine.config import EngineConfig
   from model.engine.continuous import ContinuousEngine
@@ -290,6 +301,7 @@ def phase_identity(args) -> dict:
 
 def phase_server(args) -> dict:
   """`tools.serve --uds` in a child process; the openai client streams through the socket."""
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
   from tools.bench import uds_client
   sock = f"/tmp/kda-e2e-{os.getpid()}.sock"
   log_path = pathlib.Path(args.json).with_suffix(".serve.log")
@@ -335,6 +347,7 @@ def phase_server(args) -> dict:
     log.seek(0)
     text = log.read()
   print("--- the server's log:\n" + text[-6000:], flush=True)
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
   from tools.bench.serving_load import startup_figures
   return {"uds": sock, "listening_line": line.strip(), "listening_after_s": round(ready_s, 2),
           **startup_figures(text), "streamed_tokens": len(streamed), "stream_chunks": chunks,
@@ -367,6 +380,7 @@ def main(argv=None) -> int:
   if args.phase == "server" and not args.checkpoint:
     p.error("server needs --checkpoint")
   if args.phase != "server":   # the server child enables its own
+    # imported in the phase that needs it: a missing package fails that phase alone, by name
     from model.engine import compilation_cache
     print(compilation_cache.enable(args.compilation_cache_dir), flush=True)
   t0 = time.perf_counter()

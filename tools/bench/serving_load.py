@@ -419,7 +419,7 @@ class _Replay:
                           prefix_cache_bytes=int(kv.get("prefix_cache_bytes", 0)),
                           max_num_partial_prefills=int(kv.get("max_num_partial_prefills", 0)))
     self.engine = build_engine(config, self.model, rules=cfg)
-    from model.engine.warmup import compile_engine
+    from model.engine.warmup import compile_engine  # with the engine it compiles: model imports stay lazy here
     self.compile_report = compile_engine(self.engine)   # as tools.serve does before it listens
     self._n = 0
 
@@ -767,7 +767,7 @@ def _main(args, kinds: list[str], engines: list[str]) -> int:
   max_len = args.max_model_len or longest
   args.json.parent.mkdir(parents=True, exist_ok=True)
   if args.in_process:   # before the first compilation of this process
-    from model.engine import compilation_cache
+    from model.engine import compilation_cache  # only when a run asks for the cache: model imports stay lazy here
     print(compilation_cache.enable(args.compilation_cache_dir), flush=True)
   rows, note = [], ""
   if args.url:
