@@ -91,8 +91,13 @@ def running_server(args, log_dir: pathlib.Path):
       time.sleep(0.2)
     yield srv
   finally:
-    if proc.poll() is None:
-      proc.kill()
-    proc.wait(timeout=30)
-    proc.stdout.close()
-    log.close()
+    reap(proc, log)
+
+
+def reap(proc, log) -> None:
+  """Kills a server process still running, waits for it, and closes its stdout pipe and log file."""
+  if proc.poll() is None:
+    proc.kill()
+  proc.wait(timeout=30)
+  proc.stdout.close()
+  log.close()

@@ -19,6 +19,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from tests.helpers.server import reap  # noqa: E402
 from tools.bench import uds_client  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -71,11 +72,7 @@ def test_openai_client_streams_over_a_unix_socket(tmp_path):
     assert "compilation cache: off" in text     # tests/conftest.py: KDA_COMPILATION_CACHE_DIR=none
     assert not sock.exists()
   finally:
-    if proc.poll() is None:
-      proc.kill()
-    proc.wait(timeout=30)
-    proc.stdout.close()
-    log.close()
+    reap(proc, log)
     sock.unlink(missing_ok=True)
 
 
