@@ -204,6 +204,7 @@ def phase_model(args) -> dict:
                     **{name: round(sec, 2) for name, (_, sec) in compiled.items()}}
   print(f"compiled {len(compiled)} programs in {out['compile']['wall_s']:.1f} s: "
         + ", ".join(f"{n} {sec:.1f} s" for n, (_, sec) in compiled.items()), flush=True)
+  args.save_partial(out)
   prefill_c = compiled.pop("prefill")[0]
   ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, t_row)), jnp.int32)
   rows = {"one_prompt": np.ones((1, t_row), np.int32),
@@ -221,6 +222,7 @@ def phase_model(args) -> dict:
                             "tokens_per_s": round(tps, 1), "flops_per_token": flops,
                             "mfu": round(flops * tps / PEAK_FLOPS, 4)}
     print(f"prefill {name}: TTFT {med * 1e3:.1f} ms, {tps:,.0f} tok/s, MFU {flops * tps / PEAK_FLOPS:.1%}", flush=True)
+    args.save_partial(out)
   one, packed = out["prefill"]["one_prompt"], out["prefill"][f"{n_docs}x{t_row // n_docs}_packed"]
   out["prefill"]["packed_cost_per_token_vs_one_prompt"] = round(packed["ttft_ms"] / one["ttft_ms"], 3)
   del prefill_c
@@ -242,6 +244,7 @@ def phase_model(args) -> dict:
                                "tokens_per_s": round(b / step_ms * 1e3, 1),
                                "loop_runs_ms": [round(r * 1e3, 3) for r in runs]}
     print(f"decode B={b}: {step_ms:.2f} ms/step, HBM floor {floor_ms:.2f} ms ({step_ms / floor_ms:.2f}x)", flush=True)
+    args.save_partial(out)
     del loop_c
   return out
 
@@ -384,9 +387,20 @@ def main(argv=None) -> int:
     from model.engine import compilation_cache
     print(compilation_cache.enable(args.compilation_cache_dir), flush=True)
   t0 = time.perf_counter()
+  out_path = pathlib.Path(args.json)
+
+  def write(result: dict) -> None:  # atomic: a phase killed at its time limit leaves the last whole file
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    os.replace(tmp, out_path)
+
+  # what a phase has measured so far, rewritten after each figure: a phase stopped at its time limit
+  # still reports the figures it reached ("partial": true)
+  args.save_partial = lambda out: write({"phase": args.phase, "smoke": args.smoke, "partial": True, **out,
+                                         "phase_s": round(time.perf_counter() - t0, 2)})
   result = {"phase": args.phase, "smoke": args.smoke, **PHASES[args.phase](args)}
   result["phase_s"] = round(time.perf_counter() - t0, 2)
-  pathlib.Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+  write(result)
   print(f"wrote {args.json}", flush=True)
   return 0
 
