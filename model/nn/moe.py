@@ -28,7 +28,29 @@ from flax import nnx
 
 from model.nn.layers import SwiGLU, as_dtype, param
 
-GMM_ROWS = 128  # megablox row tile: the sorted (token, expert) rows are padded to a multiple of it
+GMM_ROWS = 128  # megablox's smallest row tile: the sorted (token, expert) rows are padded to a multiple of it
+# Largest megablox tiles: each grid step of the kernel costs a fixed overhead on the TPU, so a tile
+# should cover as much of an expert's weight as VMEM allows (double-buffered lhs [tm, tk] and rhs
+# [tk, tn] in bf16, out [tm, tn] and the f32 accumulator: about 11 MiB at these caps, under v5e's
+# 16 MiB default scoped VMEM). docs/performance.md, "the 0.9B test model on the chip".
+GMM_MAX_TK, GMM_MAX_TN = 1024, 1024
+GMM_LONG_ROWS, GMM_LONG_TM = 8192, 256   # at least this many rows (prefill): 256-row tiles
+
+
+def _divisor_tile(dim: int, cap: int) -> int:
+  """The largest multiple of 128 that divides `dim` and is at most `cap`; `dim` itself when it is at
+  most `cap` (a whole-dimension block), else 128 (megablox then handles the ragged last tile)."""
+  if dim <= cap:
+    return dim
+  return next((t for t in range(cap - cap % 128, 127, -128) if dim % t == 0), 128)
+
+
+def gmm_tiling(rows: int, k: int, n: int) -> tuple[int, int, int]:
+  """Megablox `(tm, tk, tn)` for `rows` (a multiple of `GMM_ROWS`; of `GMM_LONG_TM` when there are at
+  least `GMM_LONG_ROWS`) times one expert's `[k, n]` weight: whole expert matrices where they fit the
+  caps, so a decode step runs a few grid steps per expert instead of (k/128) x (n/128)."""
+  tm = GMM_LONG_TM if rows >= GMM_LONG_ROWS else GMM_ROWS
+  return tm, _divisor_tile(k, GMM_MAX_TK), _divisor_tile(n, GMM_MAX_TN)
 
 
 def target_platform() -> str:
@@ -178,20 +200,21 @@ class Experts(nnx.Module):
   def _megablox(self, x, weights, idx):
     # As _ragged, with the grouped matmuls in jax's Pallas TPU kernel (megablox gmm): each row tile
     # multiplies only its own experts' weights (N*k rows x one expert each, no [E, N*k, I] expansion).
-    # The rows are padded to a multiple of GMM_ROWS; the padding joins the last group and is dropped.
+    # The rows are padded to a multiple of the row tile; the padding joins the last group and is dropped.
     from jax.experimental.pallas.ops.tpu.megablox import gmm  # noqa: PLC0415  (TPU kernel: only when chosen)
     n, k = idx.shape
     e = self.w1.shape[0]
     m = n * k
-    rows = -(-m // GMM_ROWS) * GMM_ROWS
+    tm = GMM_LONG_TM if m >= GMM_LONG_ROWS else GMM_ROWS
+    rows = -(-m // tm) * tm
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=order.dtype))
     xs = jnp.pad(x.astype(self.dtype)[order // k], ((0, rows - m), (0, 0)))
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32).at[e - 1].add(rows - m)
     w1, w3, w2 = (p[...].astype(self.dtype) for p in (self.w1, self.w3, self.w2))
-    tiling = (GMM_ROWS, 128, 128)
-    mm = lambda a, w: gmm(a, w, sizes, self.dtype, tiling, None, None, False, self.gmm_interpret)
+    mm = lambda a, w: gmm(a, w, sizes, self.dtype, gmm_tiling(rows, *w.shape[1:]), None, None, False,
+                          self.gmm_interpret)
     h = jax.nn.silu(mm(xs, w1)) * mm(xs, w3)
     y = mm(h, w2)[inverse].reshape(n, k, -1)
     return jnp.sum(weights[..., None] * y.astype(jnp.float32), axis=1)

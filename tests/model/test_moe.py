@@ -33,8 +33,12 @@ def test_bias_chooses_but_does_not_weight():
   np.testing.assert_allclose(np.asarray(w)[0], 2.0 * s / s.sum(), rtol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged", "megablox"])
-def test_experts_match_numpy(impl):
+@pytest.mark.parametrize("impl", ["dense", "ragged", "megablox", "megablox_long_rows"])
+def test_experts_match_numpy(impl, monkeypatch):
+  if impl == "megablox_long_rows":   # the prefill tiling (256-row tiles), reached here with 30 rows
+    from model.nn import moe
+    monkeypatch.setattr(moe, "GMM_LONG_ROWS", 16)
+    impl = "megablox"
   args = ModelArgs.from_config(load_config(["tiny", f"moe_impl={impl}", "num_experts=6", "num_experts_per_tok=3"]))
   with nnx.use_eager_sharding(False):  # no mesh here; axes stay metadata
     experts = Experts(args, nnx.Rngs(3))
@@ -60,3 +64,13 @@ def test_auto_moe_impl_rule():
   from model.nn.moe import resolve_moe_impl
   assert resolve_moe_impl("auto") == "dense"
   assert resolve_moe_impl("ragged") == "ragged" and resolve_moe_impl("megablox") == "megablox"
+
+
+def test_gmm_tiling_covers_whole_experts_within_the_caps():
+  from model.nn.moe import GMM_LONG_TM, GMM_ROWS, gmm_tiling
+  assert gmm_tiling(128, 1024, 512) == (GMM_ROWS, 1024, 512)            # 0.9B decode: one tile per expert
+  assert gmm_tiling(16384, 512, 1024) == (GMM_LONG_TM, 512, 1024)       # 0.9B prefill, w2
+  assert gmm_tiling(128, 2304, 1024) == (GMM_ROWS, 768, 1024)           # 48B: 2304 = 3 x 768
+  assert gmm_tiling(128, 7168, 2048) == (GMM_ROWS, 1024, 1024)
+  assert gmm_tiling(128, 1000, 64) == (GMM_ROWS, 1000, 64)              # under a cap: the whole dimension
+  assert gmm_tiling(128, 1100, 64)[1] == 128                            # no divisor: megablox's ragged tile
