@@ -204,9 +204,10 @@ class ContinuousEngine:
     """Caches `seq`'s state after `num_tokens` prompt tokens (`ModelRunner.snapshot`)."""
     self.prefix_cache.insert(seq.keys[num_tokens // 64 - 1], self.runner.snapshot(slot, num_tokens, entry))
 
-  def compile_all(self, on_compiled=None, *, threads: int | None = None) -> float:
+  def compile_all(self, on_compiled=None, *, threads: int | None = None, on_tracing=None) -> float:
     """Compiles every step executable now and, with the prefix cache on, the slot snapshot transfers,
     so that no request ever waits for a compilation (a server calls it before it listens); see
-    `ModelRunner.compile_all` (`on_compiled` gets a `CompileRecord` per executable). Returns the
-    seconds it took."""
-    return self.runner.compile_all(on_compiled, transfers=self.prefix_cache.enabled, threads=threads)
+    `ModelRunner.compile_all` (`on_compiled` gets a `CompileRecord` per executable, `on_tracing` a
+    step's name before it is traced). Returns the seconds it took."""
+    return self.runner.compile_all(on_compiled, transfers=self.prefix_cache.enabled, threads=threads,
+                                   on_tracing=on_tracing)

@@ -172,20 +172,24 @@ class ModelRunner:
       self.compile_seconds += seconds
     return CompileRecord(step_name(*shape), seconds, seen["hits"] > 0 if seen["requests"] else None)
 
-  def compile_all(self, on_compiled=None, *, transfers: bool = False, threads: int | None = None) -> float:
+  def compile_all(self, on_compiled=None, *, transfers: bool = False, threads: int | None = None,
+                  on_tracing=None) -> float:
     """Compiles every step executable (with `transfers`, the prefix cache's slot transfers too), so
     no request waits for a compilation; the pool is not changed.
 
-    The programs are traced one after another on this thread, then compiled by `threads` threads
-    (XLA's compilation releases the GIL; default `default_compile_threads()`); an executable the
-    process already has (another engine over an equal model) or that jax's persistent compilation
-    cache holds (`model.engine.compilation_cache`) is not compiled again.
+    The programs are traced one after another on this thread, each handed to `threads` compiling
+    threads as soon as it is traced (XLA's compilation releases the GIL; default
+    `default_compile_threads()`); an executable the process already has (another engine over an
+    equal model) or that jax's persistent compilation cache holds (`model.engine.compilation_cache`)
+    is not compiled again.
 
     Args:
       on_compiled: optional `fn(CompileRecord)`, called on this thread as each executable is ready
-        (e.g. a tqdm bar's update), in completion order.
+        (e.g. a tqdm bar's update), in completion order, while later programs are still traced too.
       transfers: also the prefix cache's slot transfers.
       threads: compiling threads (>= 1).
+      on_tracing: optional `fn(name)`, called on this thread before each program is traced (tracing
+        a 27-layer model unrolled takes seconds a program: a bar should say so).
 
     Returns:
       The seconds it took (wall clock).
@@ -201,21 +205,29 @@ class ModelRunner:
     threads = default_compile_threads(len(todo)) if threads is None else int(threads)
     if threads < 1:
       raise ValueError(f"threads must be >= 1, got {threads}")
+    def traced(shape):
+      if on_tracing is not None:
+        on_tracing(step_name(*shape))
+      return self._lower(shape)
+
+    def finish(shape, record):
+      self.compiled[shape] = executables.lookup(self._key + shape)
+      if on_compiled is not None:
+        on_compiled(record)
+
     if threads == 1:
       for shape in todo:
-        record = self._compile(shape, self._lower(shape))
-        self.compiled[shape] = executables.lookup(self._key + shape)
-        if on_compiled is not None:
-          on_compiled(record)
+        finish(shape, self._compile(shape, traced(shape)))
     elif todo:
       with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
-        futures = {pool.submit(self._compile, shape, self._lower(shape)): shape for shape in todo}
-        for future in concurrent.futures.as_completed(futures):
-          record = future.result()
-          shape = futures[future]
-          self.compiled[shape] = executables.lookup(self._key + shape)
-          if on_compiled is not None:
-            on_compiled(record)
+        pending = {}
+        for shape in todo:
+          lowered = traced(shape)
+          pending[pool.submit(self._compile, shape, lowered)] = shape
+          for future in [f for f in pending if f.done()]:   # report what finished while tracing
+            finish(pending.pop(future), future.result())
+        for future in concurrent.futures.as_completed(list(pending)):
+          finish(pending.pop(future), future.result())
     if transfers:
       sizes = sorted({n for _, n in self.step_shapes() if n is not None})
       self.pool.compile_transfers([self._mid_example(n) for n in sizes])

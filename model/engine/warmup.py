@@ -79,13 +79,21 @@ def compile_engine(engine, *, progress: bool = True, threads: int | None = None,
     else:
       report.compiled += 1
     bar.update(1)
+    if len(traced) >= total:   # every program traced: the bar counts compilations only
+      bar.set_description_str("compiling step executables")
     bar.set_postfix_str(f"{record.name}: {record.seconds:.1f} s")
     if progress:
       tqdm.write(f"  {record.name:<22} {record.seconds:7.1f} s  {_how(record)}", file=file)
 
+  traced = []
+
+  def tracing(name):
+    traced.append(name)
+    bar.set_description_str(f"tracing {name} ({len(traced)}/{total}), compiled")
+
   t0 = time.perf_counter()
   try:
-    engine.compile_all(done, threads=threads)
+    engine.compile_all(done, threads=threads, on_tracing=tracing)
   finally:
     bar.close()
   report.seconds = time.perf_counter() - t0

@@ -64,6 +64,8 @@ def test_cold_then_warm_start_through_the_persistent_cache(model, tmp_path, monk
     assert report.compiled == 2 and report.from_cache == 0
     assert all(r["how"] == "compiled" and r["seconds"] > 0 for r in report.records)
     assert "compiled 2 step executables in" in out.getvalue() and "mixed T=32" in out.getvalue()
+    # the bar names each program while it is traced (seconds each for a large unrolled model)
+    assert "tracing mixed T=16 (1/2)" in out.getvalue() and "tracing mixed T=32 (2/2)" in out.getvalue()
     assert len(list((tmp_path / "jax").iterdir())) >= 2
     cold_tokens = _greedy(cold, [5, 6, 7, 8])
 
