@@ -6,7 +6,9 @@ weights checkpoint, the serving engines, batched-vs-alone identity, and the HTTP
 
 PHASE:
   model       prefill of one long prompt and of the same row as 16 packed documents (TTFT, tokens/s, MFU),
-              then decode steps at B = 1, 8, 32, 64 beside the HBM floor (random weights, bf16).
+              its time split (one KDA mixer, MLA mixer, MoE block, dense FFN and last-token LM head, each
+              jitted alone, times their count), then decode steps at B = 1, 8, 32, 64 beside the HBM
+              floor (random weights, bf16).
   checkpoint  --dir DIR: writes a random-weights checkpoint of the model (run it with JAX_PLATFORMS=cpu:
               it needs no device, and can run beside another phase).
   identity    f32: 32 requests of mixed lengths served together at B=32 against each served alone on the
@@ -143,7 +145,6 @@ def phase_model(args) -> dict:
   import jax
   import jax.numpy as jnp
   from flax import nnx
-  from model.nn.kimi_linear import last_token_logits
   cfg = build_config(args, "bfloat16")
   t_row, n_docs = (128, 4) if args.smoke else (8192, 16)
   batches = (2,) if args.smoke else (1, 8, 32, 64)
@@ -163,9 +164,9 @@ def phase_model(args) -> dict:
         f"{params['active_matmul'] / 1e9:.3f} B active matmul; {out['device']}", flush=True)
   model_of = lambda lv: nnx.merge(graphdef, jax.tree.unflatten(treedef, lv))
 
-  def prefill(lv, ids, seg):
-    logits, cache = model_of(lv).prefill(ids, seg, num_slots=n_docs, cache_length=t_row)
-    return jnp.argmax(last_token_logits(logits, seg, n_docs), axis=-1), cache
+  def prefill(lv, ids, seg):   # as a server prefills: the LM head at each document's last token only
+    logits, cache = model_of(lv).prefill(ids, seg, num_slots=n_docs, cache_length=t_row, logits_at="last")
+    return jnp.argmax(logits, axis=-1), cache
 
   def decode_loop(lv, tok, cache):
     model = model_of(lv)
@@ -189,6 +190,9 @@ def phase_model(args) -> dict:
   lowered = {"prefill": jax.jit(prefill).lower(leaves, ids_shape, ids_shape)}
   for b, (tok, cache) in decode_inputs.items():
     lowered[f"decode B={b}"] = jax.jit(decode_loop).lower(leaves, tok, cache)
+  split_pieces = prefill_pieces(model, t_row, n_docs)
+  for kind, (fn, state, x, seg, _) in split_pieces.items():
+    lowered[f"split {kind}"] = jax.jit(fn).lower(state, x, seg)
 
   def compile_one(item):
     name, low = item
@@ -226,6 +230,25 @@ def phase_model(args) -> dict:
   one, packed = out["prefill"]["one_prompt"], out["prefill"][f"{n_docs}x{t_row // n_docs}_packed"]
   out["prefill"]["packed_cost_per_token_vs_one_prompt"] = round(packed["ttft_ms"] / one["ttft_ms"], 3)
   del prefill_c
+  args.save_partial(out)
+
+  # The time split of the one-prompt prefill: one layer of each kind as its own program, times the
+  # number of such layers (separately jitted, so nothing fuses across layers: their sum need not equal
+  # the whole prefill, and the JSON says how far it is).
+  time_split = {"method": "one layer of each kind jitted alone at the one-prompt shape, median of --repeats, "
+                     "x the layers of that kind", "row_tokens": t_row}
+  for kind, (_, state, x, seg, count) in split_pieces.items():
+    exe = compiled.pop(f"split {kind}")[0]
+    jax.block_until_ready(exe(state, x, seg))
+    med, runs = timed(lambda: exe(state, x, seg), args.repeats)
+    time_split[kind] = {"ms": round(med * 1e3, 3), "runs_ms": [round(r * 1e3, 3) for r in runs],
+                        "layers": count, "total_ms": round(med * 1e3 * count, 2)}
+  time_split["sum_ms"] = round(sum(v["total_ms"] for v in time_split.values() if isinstance(v, dict)), 2)
+  time_split["whole_prefill_ms"] = one["ttft_ms"]
+  out["prefill"]["split"] = time_split
+  print("prefill split: " + ", ".join(f"{k} {v['layers']} x {v['ms']:.2f} = {v['total_ms']:.1f} ms"
+                                      for k, v in time_split.items() if isinstance(v, dict))
+        + f"; sum {time_split['sum_ms']:.1f} ms of {one['ttft_ms']:.1f}", flush=True)
 
   out["decode"] = {"context_tokens": context, "steps_per_loop": steps}
   for b in batches:
@@ -246,6 +269,38 @@ def phase_model(args) -> dict:
     print(f"decode B={b}: {step_ms:.2f} ms/step, HBM floor {floor_ms:.2f} ms ({step_ms / floor_ms:.2f}x)", flush=True)
     args.save_partial(out)
     del loop_c
+  return out
+
+
+def prefill_pieces(model, t_row: int, n_docs: int) -> dict:
+  """`{kind: (fn(state, x, seg), state, x, seg, count)}` for the prefill time split: the KDA and MLA
+  mixers (prefill mode, writing their caches), the MoE block, the dense FFN and the last-token LM head,
+  each on a random `[1, t_row, hidden]` row in the model's dtype, one document of `t_row` tokens;
+  `count` is how many times the model runs that piece."""
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  layers, types = model.model.layers, model.args.layer_types
+  x = jax.random.normal(jax.random.key(1), (1, t_row, model.args.hidden_size)).astype(model.args.dtype)
+  seg = jnp.ones((1, t_row), jnp.int32)
+
+  def mixer(m, h, s):
+    return m(h, segment_ids=s, mode="prefill", num_slots=n_docs, return_cache=True, cache_length=t_row)
+
+  chosen = {"kda": (layers[types.index("kda")].self_attn, mixer, types.count("kda")),
+            "mla": (layers[types.index("mla")].self_attn, mixer, types.count("mla"))}
+  moe = [layer for layer in layers if layer.is_moe]
+  dense = [layer for layer in layers if not layer.is_moe]
+  if moe:
+    chosen["moe"] = (moe[0].block_sparse_moe, lambda m, h, s: m(h), len(moe))
+  if dense:
+    chosen["dense_ffn"] = (dense[0].mlp, lambda m, h, s: m(h), len(dense))
+  chosen["lm_head_last"] = (model, lambda m, h, s: m.last_logits(h, s, n_docs), 1)
+  out = {}
+  for kind, (module, call, count) in chosen.items():
+    gd, state = nnx.split(module)
+    out[kind] = ((lambda gd, call: lambda st, h, s: call(nnx.merge(gd, st), h, s))(gd, call), state, x, seg, count)
   return out
 
 
