@@ -20,7 +20,7 @@ PHASE:
          inputs, one document, forward + backward, beside deltanet-tpu's reported 22.5 ms on a v6e (their
          figure, not measured here).
   loss   `python -m tools.train` (the `kda-train` console command) on real text (--corpus, default
-         ../shared/data/tinyshakespeare.txt) with the project's tokenizer (kda_plugin/assets/demo): run A
+         .train-data/tinyshakespeare.txt) with the project's tokenizer (kda_plugin/assets/demo): run A
          is SIGTERMed once its metrics reach `--kill-at`, run B resumes it, run C runs uninterrupted.
          Figures: the loss curve (every 10 steps), the held-out loss at the end, the compile lines each
          run printed (B and C load the step from the persistent cache), the per-step losses after the
@@ -61,13 +61,13 @@ import time
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PEAK_FLOPS = 197e12          # TPU v5e, bf16 MXU peak (docs: /work/shared/docs/tpu_device.md)
+PEAK_FLOPS = 197e12          # TPU v5e, bf16 MXU peak (as in tools/bench/e2e_device.py)
 STEP_CONFIG = ["kimi_linear_48b_pattern_0p9b", "num_experts=4"]
 SMOKE_STEP_CONFIG = ["tiny", "num_hidden_layers=2", "kda_layers=[1]", "full_attn_layers=[2]"]  # every kind of block
 KDA_CHUNK = 64
 DELTANET_TPU_V6E_MS = 22.5   # deltanet-tpu's reported forward + backward, H=32 T=8192, on a v6e (issue 37)
 DEMO = REPO / "kda_plugin" / "assets" / "demo"
-CORPUS_DEFAULT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+CORPUS_DEFAULT = REPO / ".train-data" / "tinyshakespeare.txt"   # git-ignored; the device tool carries it
 
 
 def write_json(path, obj) -> None:
@@ -496,17 +496,15 @@ def phase_split(args, out: dict) -> None:
 
 # --- phase: kda-train on real text, killed and resumed ------------------------------------------------
 def find_corpus(given: str) -> tuple[pathlib.Path, str]:
-  """The corpus to train on and what it is. `given` (a path) or the first of ../shared/data and
-  .train-data/ holding tinyshakespeare.txt; else the repository's own documentation, concatenated
-  (English prose, said so in the JSON)."""
+  """The corpus to train on and what it is: `given` (a path), else CORPUS_DEFAULT when it exists, else
+  (None, "fallback"): the repository's own documentation is used (English prose, said so in the JSON)."""
   if given:
     p = pathlib.Path(given)
     if not p.is_file():
       raise SystemExit(f"--corpus {given!r}: no such file")
     return p, "given"
-  for p in (CORPUS_DEFAULT, REPO / ".train-data" / "tinyshakespeare.txt", REPO / "shared" / "data" / "tinyshakespeare.txt"):
-    if p.is_file():
-      return p, "tinyshakespeare"
+  if CORPUS_DEFAULT.is_file():
+    return CORPUS_DEFAULT, "tinyshakespeare"
   return None, "fallback"
 
 
@@ -540,8 +538,8 @@ def phase_loss(args, out: dict) -> None:
   corpus, what = find_corpus(args.corpus)
   if corpus is None:
     corpus = docs_corpus(work / "docs_corpus.txt")
-    what = ("the repository's README.md and docs/*.md (tinyshakespeare.txt was not found in ../shared/data or "
-            ".train-data/)")
+    what = (f"the repository's README.md and docs/*.md (no --corpus, and {CORPUS_DEFAULT.relative_to(REPO)} "
+            f"does not exist)")
   out["corpus"] = {"path": str(corpus), "what": what, "bytes": corpus.stat().st_size,
                    "sha256": hashlib.sha256(corpus.read_bytes()).hexdigest()}
   steps, kill_at = (args.loss_steps, args.kill_at)

@@ -5,7 +5,7 @@
 #          (6N, and with MLA / KDA attention FLOPs stated apart), compiled memory_analysis and the chip's
 #          memory_stats peak; batch sizes 4 and 1 compile beside 8 and the largest that fits is timed
 #          (the JSON says when that is not 8);
-#   loss   kda-train (python -m tools.train) of the demo model on tinyshakespeare with the project's
+#   loss   kda-train (python -m tools.train) of the demo model on tinyshakespeare (TRAIN_CORPUS) with the project's
 #          tokenizer, 300 steps: run A SIGTERMed at step >= 150, run B resumes it, run C uninterrupted;
 #          the loss curve, resume equality step by step, the compile lines (B and C load from the
 #          persistent cache), and the Orbax checkpoints read back on the CPU;
@@ -24,9 +24,8 @@
 #   INDEX (default file:///opt/pypi/simple), WHEELS (wheels the index lacks, default .whl-tpu in the checkout;
 #   tools/bench/device_wheels.sh fills it), VENV (default /tmp/kda-train-venv), SKIP_INSTALL=1 (use PY as it
 #   is, the checkout on PYTHONPATH), KDA_COMMIT (the commit measured: the device copy has no .git),
-#   TRAIN_CORPUS (the text of the loss phase; default ../shared/data/tinyshakespeare.txt, else
-#   .train-data/tinyshakespeare.txt in the checkout: carry it there, else the repository's docs are used and
-#   the JSON says so), TRAIN_SMOKE=1 (tiny model and shapes on the CPU: the test), TRAIN_PHASES (default
+#   TRAIN_CORPUS (the text of the loss phase; default .train-data/tinyshakespeare.txt in the checkout, which
+#   the device tool carries; without it the repository's docs are used and the JSON says so), TRAIN_SMOKE=1 (tiny model and shapes on the CPU: the test), TRAIN_PHASES (default
 #   "step loss split"), TRAIN_MODEL_SET (model overrides of the step and split phases, e.g.
 #   "remat_policy=full scan_layers=true"), TRAIN_BATCHES (default "8 4 1"), CACHE_DIR (default
 #   /tmp/kda_train_jax_cache).
