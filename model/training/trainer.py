@@ -363,12 +363,13 @@ def check_step_memory(step_fn, state, batch, *, reuse: bool, cfg=None) -> dict |
   # loaded when every compilation in the block came from the cache (the small eager programs of the
   # tracing go through it too, and may hit where the step itself does not)
   hit = seen["requests"] > 0 and seen["hits"] == seen["requests"]
-  if cache_dir and key and not hit:
+  reused = seen["requests"] == 0   # jax's in-memory caches: compiled before in this process
+  if cache_dir and key and not hit and not reused:
     _record_compile_time(cache_dir, key, seconds)
   have, resident = train_lib.available_memory_bytes(device)
   need = train_lib.step_bytes_needed(compiled, arguments_resident=resident)
   fits = have is None or need is None or need <= have
-  how = "loaded from the persistent cache" if hit else "compiled"
+  how = "loaded from the persistent cache" if hit else "compiled earlier in this process" if reused else "compiled"
   need_text = "" if need is None else f"; it needs {need / 2**20:,.1f} MiB by XLA's memory analysis"
   have_text = "" if have is None else f" of {have / 2**20:,.1f} MiB available"
   _say(f"train step ready in {seconds:.1f} s ({how}){need_text}{have_text if need_text else ''}")

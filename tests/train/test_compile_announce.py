@@ -34,7 +34,7 @@ def test_compile_is_announced_and_a_restart_loads_it_from_the_persistent_cache(c
 
   cache = tmp_path / "jax"
   try:
-    assert train_tool.main(_argv(corpus, tmp_path / "a", "steps=1", f"compilation_cache_dir={cache}")) == 0
+    assert train_tool.main(_argv(corpus, tmp_path / "a", "steps=3", "stop_at_step=1", f"compilation_cache_dir={cache}")) == 0
     err = capsys.readouterr().err
     announce, ready = _lines(err, "compiling the train step"), _lines(err, "train step ready in ")
     assert len(announce) == 1 and len(ready) == 1, err
@@ -46,13 +46,19 @@ def test_compile_is_announced_and_a_restart_loads_it_from_the_persistent_cache(c
     assert cold > 0
     assert any(p.name != trainer.COMPILE_TIMES_FILE for p in cache.iterdir())  # jax wrote entries
 
-    assert train_tool.main(_argv(corpus, tmp_path / "b", "steps=1", f"compilation_cache_dir={cache}")) == 0
+    # a restart: nothing compiled in this process any more (jax's in-memory caches, the step's lru_cache)
+    jax.clear_caches()
+    train_lib.train_step_fn.cache_clear()
+    assert train_tool.main(_argv(corpus, tmp_path / "b", "steps=3", "stop_at_step=1", f"compilation_cache_dir={cache}")) == 0
     err = capsys.readouterr().err
     announce, ready = _lines(err, "compiling the train step"), _lines(err, "train step ready in ")
     assert f"(this takes ~{cold:.0f} s on a first run, as the last cold compile of this step here did; " \
         f"persistent cache at {cache})" in announce[0], announce
     assert "(loaded from the persistent cache)" in ready[0], ready
     assert json.loads((cache / trainer.COMPILE_TIMES_FILE).read_text()) == times  # a hit is no cold figure
+    # the same run again without a restart: the executable of this process, said so
+    assert train_tool.main(_argv(corpus, tmp_path / "c", "steps=3", "stop_at_step=1", f"compilation_cache_dir={cache}")) == 0
+    assert "(compiled earlier in this process)" in _lines(capsys.readouterr().err, "train step ready in ")[0]
   finally:
     compilation_cache.enable("none")
 

@@ -239,6 +239,7 @@ def phase_step(args, out: dict) -> None:
               + list(args.set), "model_name": cfg.model_name, "dtype": cfg.dtype, "weight_dtype": cfg.weight_dtype,
               "remat_policy": cfg.remat_policy, "moe_impl": cfg.moe_impl, "scan_layers": cfg.scan_layers,
               "attention": cfg.attention, "mla_impl": cfg.mla_impl, "seq_len": args.seq_len,
+              "donate_state": args.donate,
               "parameters": params, "layers": layer_counts(cfg), "peak_flops": PEAK_FLOPS,
               "backend": jax.default_backend(), "device": dev.device_kind, "jax": jax.__version__,
               "init_s": round(time.perf_counter() - t0, 2), "memory_after_init": device_memory_stats()})
@@ -250,7 +251,7 @@ def phase_step(args, out: dict) -> None:
       f"machine: minutes for this model on a v5e; persistent cache at {compilation_cache.directory()})")
   t_c = time.perf_counter()
   with compilation_cache.watch() as seen:
-    lowered = {b: train_lib_lower(step_fn, state, data[b][0]) for b in batches}
+    lowered = {b: train_lib_lower(step_fn, state, data[b][0], donate=args.donate) for b in batches}
     compiled = compile_all(lowered, threads=len(batches))
   out["compile"] = {"wall_s": round(time.perf_counter() - t_c, 2), "cache_hits": seen["hits"],
                     "cache_dir": compilation_cache.directory(),
@@ -321,13 +322,15 @@ def phase_step(args, out: dict) -> None:
       f"{t['mfu_6N_plus_attention']:.1%} (+ attention); peak {t['memory_stats_after'].get('peak_bytes_in_use')}")
 
 
-def train_lib_lower(step_fn, state, fields):
-  """The step lowered for `fields` (not compiled): `train_step_fn`'s jit, through its own `step`."""
+def train_lib_lower(step_fn, state, fields, *, donate: bool):
+  """The step lowered for `fields` (not compiled): `train_step_fn`'s un-jitted `step` under a jit of its
+  own (so that several batch sizes compile at once), donating the train state when `donate` (what
+  model/aot.py compiles) or not (what `train_step_fn`'s own jit does at this commit)."""
   # imported in the phase that needs it: a missing package fails that phase alone, by name
   import jax
   from model.training import steps as train_lib
   args = tuple(jax.numpy.asarray(fields[k]) for k in train_lib.BATCH_FIELDS)
-  return jax.jit(step_fn.step).lower(state, *args)
+  return jax.jit(step_fn.step, donate_argnums=(0,) if donate else ()).lower(state, *args)
 
 
 # --- phase: the split --------------------------------------------------------------------------------
@@ -676,6 +679,9 @@ def main(argv=None) -> int:
   p.add_argument("--batches", default="8 4 1", help="step: batch sizes to compile, the largest that fits is timed")
   p.add_argument("--batch", type=int, default=0, help="split: the batch size (default the first of --batches)")
   p.add_argument("--seq-len", type=int, default=2048)
+  p.add_argument("--donate", action="store_true",
+                 help="step: donate the train state to the step (as model/aot.py compiles it); default: not, "
+                      "as train_step_fn's jit runs it at this commit")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--steps-per-repeat", type=int, default=3)
   p.add_argument("--dir", default="/tmp/kda_train_device_runs", help="loss: where the runs go")

@@ -27,8 +27,9 @@
 #   TRAIN_CORPUS (the text of the loss phase; default .train-data/tinyshakespeare.txt in the checkout, which
 #   the device tool carries; without it the repository's docs are used and the JSON says so), TRAIN_SMOKE=1 (tiny model and shapes on the CPU: the test), TRAIN_PHASES (default
 #   "step loss split"), TRAIN_MODEL_SET (model overrides of the step and split phases, e.g.
-#   "remat_policy=full scan_layers=true"), TRAIN_BATCHES (default "8 4 1"), CACHE_DIR (default
-#   /tmp/kda_train_jax_cache).
+#   "remat_policy=full scan_layers=true"), TRAIN_BATCHES (default "8 4 1"), TRAIN_DONATE=1 (the step phase
+#   donates the train state, as model/aot.py compiles it; default: not, as train_step_fn runs it now),
+#   CACHE_DIR (default /tmp/kda_train_jax_cache).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
@@ -52,7 +53,7 @@ DEVICE_PLATFORMS=cpu
 export JAX_PLATFORMS=$DEVICE_PLATFORMS
 SECONDS=0
 TOTAL_BUDGET=570
-declare -A BUDGET=([install]=60 [step]=200 [loss]=160 [split]=150)
+declare -A BUDGET=([install]=60 [step]=200 [loss]=180 [split]=130)
 if [ "$SMOKE" = 1 ]; then   # a slow shared CPU: the figures do not matter, every phase must run
   TOTAL_BUDGET=1200
   BUDGET=([install]=60 [step]=300 [loss]=500 [split]=300)
@@ -139,6 +140,7 @@ if [ "$SMOKE" = 1 ]; then
              --loss-steps 40 --kill-at 20 --checkpoint-every 10)
 else
   STEP_ARGS=(--batches "$BATCHES" --seq-len 2048 --repeats 5 --steps-per-repeat 3)
+  [ "${TRAIN_DONATE:-0}" = 1 ] && STEP_ARGS+=(--donate)
   SPLIT_ARGS=(--seq-len 2048 --repeats 5 --steps-per-repeat 3)
   LOSS_ARGS=()
 fi
@@ -199,8 +201,11 @@ headline = {
                                   .get("memory_analysis") or {}).get("total_gib"),
     "peak_bytes_in_use": (timed.get("memory_stats_after") or {}).get("peak_bytes_in_use"),
     "split_ms": {k: v.get("times_count_ms") for k, v in (split.get("pieces") or {}).items()},
+    "split_sum_ms": split.get("pieces_sum_ms"),
+    "kda_op": (split.get("kda_op") or {}).get("op"),
     "kda_op_fwd_bwd_ms": ((split.get("kda_op") or {}).get("forward_backward") or {}).get("median_ms"),
     "kda_op_peer_deltanet_tpu_v6e_ms": ((split.get("kda_op") or {}).get("peer") or {}).get("deltanet_tpu_v6e_ms"),
+    "loss_run": loss.get("command"),
     "loss_first10_mean": loss.get("loss_first10_mean"), "loss_last10_mean": loss.get("loss_last10_mean"),
     "loss_falls": loss.get("loss_falls"), "resume_equal": (loss.get("resume") or {}).get("equal"),
     "checkpoints_read_on_cpu": (loss.get("checkpoints") or {}).get("exported_params_equal_uninterrupted"),
