@@ -62,7 +62,9 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
   if shakespeare.is_file():
     env["TRAIN_CORPUS"] = str(shakespeare)
   proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=1800)
-  report = json.loads((tmp_path / "out" / "train_device_check.json").read_text())
+  path = tmp_path / "out" / "train_device_check.json"
+  assert path.is_file(), proc.stdout[-4000:] + proc.stderr[-4000:]
+  report = json.loads(path.read_text())
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
   assert sorted(os.listdir(tmp_path / "out")) == ["train_device_check.json", "train_device_logs.txt"]
   assert report["commit"] == "testcommit" and report["smoke"] is True
