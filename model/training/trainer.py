@@ -445,6 +445,11 @@ def train(cfg, *, progress: bool = True) -> dict:
       graphdef, state = train_lib.init_train_state(model, hparams, cfg.train_seed, mesh)
     else:
       graphdef, state = train_lib.create_train_state(cfg, hparams, mesh)
+    if mesh is None:
+      # Committed to the device, as a restored state is: a fresh run and its resumption then trace one
+      # program, so the resume loads the step from the persistent cache instead of compiling it again
+      # (jit keys its executables on committed-ness). No copy: the buffers stay where they are.
+      state = jax.device_put(state, jax.devices()[0])
     start = completed = 0
     if latest is not None:
       state, data_state = ckpt.restore(latest, state)
