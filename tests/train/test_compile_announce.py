@@ -28,8 +28,10 @@ def _lines(err: str, prefix: str) -> list[str]:
 
 
 def test_compile_is_announced_and_a_restart_loads_it_from_the_persistent_cache(corpus, tmp_path, capsys):
-  """Two runs of the same command in one process (a restart): the first compiles cold and says how long;
-  the second is announced with the first's seconds and loads the step from the cache directory."""
+  """Runs of the same command in one process, jax's in-memory caches cleared between them (a restart): the
+  first compiles cold and says how long; the second is announced with the first's seconds and loads the
+  step from the cache directory; so does the first run's resumption (a restored state is committed to the
+  device as the fresh one is: the same program)."""
   import tools.train as train_tool
 
   cache = tmp_path / "jax"
@@ -56,6 +58,11 @@ def test_compile_is_announced_and_a_restart_loads_it_from_the_persistent_cache(c
         f"persistent cache at {cache})" in announce[0], announce
     assert "(loaded from the persistent cache)" in ready[0], ready
     assert json.loads((cache / trainer.COMPILE_TIMES_FILE).read_text()) == times  # a hit is no cold figure
+    # a resume after a restart (run "a" stopped at step 1): its restored state traces the same program
+    jax.clear_caches()
+    train_lib.train_step_fn.cache_clear()
+    assert train_tool.main(_argv(corpus, tmp_path / "a", "steps=3", f"compilation_cache_dir={cache}")) == 0
+    assert "(loaded from the persistent cache)" in _lines(capsys.readouterr().err, "train step ready in ")[0]
     # the same run again without a restart: the executable of this process, said so
     assert train_tool.main(_argv(corpus, tmp_path / "c", "steps=3", "stop_at_step=1", f"compilation_cache_dir={cache}")) == 0
     assert "(compiled earlier in this process)" in _lines(capsys.readouterr().err, "train step ready in ")[0]
