@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import hashlib
 import json
 import os
@@ -240,6 +241,10 @@ def phase_step(args, out: dict) -> None:
               "remat_policy": cfg.remat_policy, "moe_impl": cfg.moe_impl, "scan_layers": cfg.scan_layers,
               "attention": cfg.attention, "mla_impl": cfg.mla_impl, "seq_len": args.seq_len,
               "donate_state": args.donate,
+              "donation_note": ("the step phase jits train_step_fn's step itself, donating the train state "
+                                "(as model/aot.py's fit check compiles it) when donate_state; kda-train runs "
+                                "train_step_fn's own jit, which donates nothing at this commit: it holds the "
+                                "old and the new train state at once (+ params and AdamW moments)"),
               "parameters": params, "layers": layer_counts(cfg), "peak_flops": PEAK_FLOPS,
               "backend": jax.default_backend(), "device": dev.device_kind, "jax": jax.__version__,
               "init_s": round(time.perf_counter() - t0, 2), "memory_after_init": device_memory_stats()})
@@ -397,10 +402,15 @@ def phase_split(args, out: dict) -> None:
 
   hg, hp, hr = nnx.split(Head(model.model.embed_tokens, model.model.norm, model.lm_head), nnx.Param, ...)
 
+  blocked = getattr(train_lib, "blocked_nll", None)   # the step's loss where it forms logits by blocks
+
   def head_loss(p, r, ids, targets, mask):
     h = nnx.merge(hg, p, r)
-    logits = h.lm_head(h.norm(h.embed(ids)))
-    total, count = train_lib.masked_nll(logits, targets, mask)
+    hidden = h.embed(ids)
+    if blocked is not None:
+      total, count = blocked(lambda x: h.lm_head(h.norm(x)), hidden, targets, mask)
+    else:
+      total, count = train_lib.masked_nll(h.lm_head(h.norm(hidden)), targets, mask)
     return total / jnp.maximum(count, 1.0)
 
   head_fn = jax.jit(jax.value_and_grad(head_loss))
@@ -421,7 +431,10 @@ def phase_split(args, out: dict) -> None:
     upd, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, upd), opt_state
 
-  opt_fn = jax.jit(update)
+  # donated, as in a step (the update happens in place): a copy of the parameters, so the model's own
+  # arrays stay valid for the pieces; the timing loop feeds each call's outputs to the next
+  params = jax.tree.map(jnp.copy, params)
+  opt_fn = jax.jit(update, donate_argnums=(0, 1))
   progs["optimizer"] = opt_fn.lower(params, opt_state, grads)
   inputs["optimizer"] = (opt_fn, (params, opt_state, grads))
   pieces["optimizer"] = (None, None, (), 1)
@@ -464,8 +477,16 @@ def phase_split(args, out: dict) -> None:
       rows[name] = {"error": f"{type(exe).__name__}: {str(exe).splitlines()[0][:300]}", "count": count}
       continue
     fn, a = inputs[name]
-    jax.block_until_ready(exe(*a))
-    t = time_calls(lambda: exe(*a), args.repeats, args.steps_per_repeat)
+    if name == "optimizer":   # donated: each call takes the previous call's parameters and moments
+      box = {"p": a[0], "o": a[1]}
+
+      def call(exe=exe, g=a[2], box=box):
+        box["p"], box["o"] = exe(box["p"], box["o"], g)
+        return box["o"]
+    else:
+      call = functools.partial(exe, *a)
+    jax.block_until_ready(call())
+    t = time_calls(call, args.repeats, args.steps_per_repeat)
     rows[name] = {"count": count, "one_ms": t["median_ms"], "times_count_ms": round(t["median_ms"] * count, 3),
                   "spread_ms": [t["min_ms"], t["max_ms"]], "memory_analysis": memory_figures(exe)}
     total += t["median_ms"] * count
@@ -679,9 +700,9 @@ def main(argv=None) -> int:
   p.add_argument("--batches", default="8 4 1", help="step: batch sizes to compile, the largest that fits is timed")
   p.add_argument("--batch", type=int, default=0, help="split: the batch size (default the first of --batches)")
   p.add_argument("--seq-len", type=int, default=2048)
-  p.add_argument("--donate", action="store_true",
-                 help="step: donate the train state to the step (as model/aot.py compiles it); default: not, "
-                      "as train_step_fn's jit runs it at this commit")
+  p.add_argument("--donate", action=argparse.BooleanOptionalAction, default=True,
+                 help="step: donate the train state to the step, as model/aot.py compiles it (default); "
+                      "--no-donate: as train_step_fn's own jit runs it at this commit (two train states live)")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--steps-per-repeat", type=int, default=3)
   p.add_argument("--dir", default="/tmp/kda_train_device_runs", help="loss: where the runs go")

@@ -27,8 +27,9 @@
 #   TRAIN_CORPUS (the text of the loss phase; default .train-data/tinyshakespeare.txt in the checkout, which
 #   the device tool carries; without it the repository's docs are used and the JSON says so), TRAIN_SMOKE=1 (tiny model and shapes on the CPU: the test), TRAIN_PHASES (default
 #   "step loss split"), TRAIN_MODEL_SET (model overrides of the step and split phases, e.g.
-#   "remat_policy=full scan_layers=true"), TRAIN_BATCHES (default "8 4 1"), TRAIN_DONATE=1 (the step phase
-#   donates the train state, as model/aot.py compiles it; default: not, as train_step_fn runs it now),
+#   "remat_policy=full scan_layers=true"), TRAIN_BATCHES (default "8 4 1"), TRAIN_DONATE=0 (the step phase
+#   then does not donate the train state, as train_step_fn's own jit runs it now; default 1: donated, as
+#   model/aot.py compiles it),
 #   CACHE_DIR (default /tmp/kda_train_jax_cache), TRAIN_BUDGET_<phase>=SECONDS (e.g. TRAIN_BUDGET_step=400 with
 #   TRAIN_PHASES=step when the cold compile needs longer; the total stays 570 s).
 set -uo pipefail
@@ -145,7 +146,7 @@ if [ "$SMOKE" = 1 ]; then
              --loss-steps 40 --kill-at 20 --checkpoint-every 10)
 else
   STEP_ARGS=(--batches "$BATCHES" --seq-len 2048 --repeats 5 --steps-per-repeat 3)
-  [ "${TRAIN_DONATE:-0}" = 1 ] && STEP_ARGS+=(--donate)
+  [ "${TRAIN_DONATE:-1}" = 0 ] && STEP_ARGS+=(--no-donate)
   SPLIT_ARGS=(--seq-len 2048 --repeats 5 --steps-per-repeat 3)
   LOSS_ARGS=()
 fi
