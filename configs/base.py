@@ -141,7 +141,7 @@ def get_config() -> ml_collections.ConfigDict:
   # How a job compiles the model (model/nn/scan.py; parameters and numerics unchanged, never stored).
   c.scan_layers = False  # true: one jax.lax.scan over the repeated layer groups (48B: layers 2-25, 6 x [KDA, KDA, MLA, KDA])
   c.remat_policy = "none"  # training rematerialisation: none, full (= nothing_saveable), minimal, dots_saveable
-  c.compilation_cache_dir = ""  # jax's persistent compilation cache (serve/generate/benchmarks): "" = $KDA_COMPILATION_CACHE_DIR or ~/.cache/kda_plugin/jax; "none" = off
+  c.compilation_cache_dir = ""  # jax's persistent compilation cache (train/serve/generate/benchmarks): "" = $KDA_COMPILATION_CACHE_DIR or ~/.cache/kda_plugin/jax; "none" = off
 
   # ---- Serving: generation and perplexity (tools.generate, tools.perplexity; model/engine/generator.py,
   # model/engine/scoring.py). The model config comes from the checkpoint; these keys only steer the tools.

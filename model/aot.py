@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import re
 import time
 
 import jax
@@ -33,6 +32,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from model import loading, partitioning
 from model.errors import ConfigError
+# libtpu's compile-time OOM reading lives in model.memory (the trainer's pre-step check reads it too)
+from model.memory import is_compile_oom, oom_bytes
 from model.nn import cache as cache_lib
 from model.nn import scan as scan_lib
 from model.training import steps
@@ -81,30 +82,7 @@ def topology(name: str, num_slices: int = 1) -> Target:
   return Target(name, num_slices, devices, kind, usable_hbm_bytes(devices[0]), HBM_GIB_BY_DEVICE_KIND[kind] * 2**30)
 
 
-_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-# libtpu's compile-time OOM (E1000 CompileTimeHbmOom): "... the total memory required for HLO
-# temporaries (33.05G) exceeds available HBM (15.75G) ..."; units are binary (2.00T for 2**41 bytes).
-_AVAILABLE_RE = re.compile(r"exceeds available HBM \(([0-9.]+)\s*([KMGT]?)i?B?\)")
-_REQUIRED_RE = re.compile(r"memory required for [^(]*\(([0-9.]+)\s*([KMGT]?)i?B?\)")
 PROBE_BYTES = 2**40  # more than any TPU device holds: the probe program always exceeds HBM
-
-
-def _size(match) -> int | None:
-  return None if match is None else int(round(float(match.group(1)) * _UNITS[match.group(2)]))
-
-
-def is_compile_oom(e: BaseException) -> bool:
-  """True when `e` is libtpu refusing a program for memory (RESOURCE_EXHAUSTED at compile)."""
-  return isinstance(e, jax.errors.JaxRuntimeError) and str(e).lstrip().startswith("RESOURCE_EXHAUSTED")
-
-
-def oom_bytes(e: BaseException) -> tuple[int | None, int | None]:
-  """`(required, available)` bytes per device from libtpu's compile-time OOM text (None: not stated).
-
-  libtpu prints both rounded to two decimals of its unit (e.g. 33.05G), so each is exact to +- 0.005 GiB.
-  """
-  text = str(e)
-  return _size(_REQUIRED_RE.search(text)), _size(_AVAILABLE_RE.search(text))
 
 
 def usable_hbm_bytes(device) -> int:
@@ -116,7 +94,7 @@ def usable_hbm_bytes(device) -> int:
 
   Raises:
     RuntimeError: the probe compiled, or libtpu's message does not state the available HBM (a libtpu
-      whose wording changed: `_AVAILABLE_RE` needs updating; no figure is guessed).
+      whose wording changed: `model.memory._AVAILABLE_RE` needs updating; no figure is guessed).
   """
   mesh = jax.sharding.Mesh(np.array([device]), ("probe",))
   probe = jax.ShapeDtypeStruct((PROBE_BYTES // 4,), jnp.float32, sharding=NamedSharding(mesh, P()))
@@ -128,7 +106,7 @@ def usable_hbm_bytes(device) -> int:
       if available is not None:
         return available
     raise RuntimeError(f"could not read the usable HBM of {device.device_kind} from libtpu's out-of-memory "
-                       f"message (model.aot._AVAILABLE_RE): {str(e).splitlines()[0] if str(e) else e!r}") from e
+                       f"message (model.memory._AVAILABLE_RE): {str(e).splitlines()[0] if str(e) else e!r}") from e
   raise RuntimeError(f"a {PROBE_BYTES} byte probe program compiled for {device.device_kind}: the usable HBM "
                      f"cannot be read from libtpu")
 

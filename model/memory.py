@@ -10,10 +10,36 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import jax
 
 from model.errors import ConfigError
+
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# libtpu's compile-time OOM (E1000 CompileTimeHbmOom): "... the total memory required for HLO
+# temporaries (33.05G) exceeds available HBM (15.75G) ..."; units are binary (2.00T for 2**41 bytes).
+_AVAILABLE_RE = re.compile(r"exceeds available HBM \(([0-9.]+)\s*([KMGT]?)i?B?\)")
+_REQUIRED_RE = re.compile(r"memory required for [^(]*\(([0-9.]+)\s*([KMGT]?)i?B?\)")
+
+
+def _size(match) -> int | None:
+  return None if match is None else int(round(float(match.group(1)) * _UNITS[match.group(2)]))
+
+
+def is_compile_oom(e: BaseException) -> bool:
+  """True when `e` is libtpu refusing a program for memory (RESOURCE_EXHAUSTED at compile)."""
+  return isinstance(e, jax.errors.JaxRuntimeError) and str(e).lstrip().startswith("RESOURCE_EXHAUSTED")
+
+
+def oom_bytes(e: BaseException) -> tuple[int | None, int | None]:
+  """`(required, available)` bytes per device from libtpu's compile-time OOM text (None: not stated).
+
+  libtpu prints both rounded to two decimals of its unit (e.g. 33.05G), so each is exact to +- 0.005 GiB.
+  """
+  text = str(e)
+  return _size(_REQUIRED_RE.search(text)), _size(_AVAILABLE_RE.search(text))
 
 
 class ModelTooLargeError(ConfigError):

@@ -27,6 +27,11 @@ What a run does:
   * logs: a progress bar, and one JSON object per line in DIR/metrics.jsonl
     ({"step", "loss", "lr", "grad_norm", "tokens", "epoch", "seconds_per_step"} and
     {"step", "heldout_loss", "heldout_ppl", "heldout_tokens"});
+  * compile: announced before it starts ("compiling the train step for ... (this takes ...; persistent
+    cache at DIR)") and timed when done ("train step ready in N s (compiled | loaded from the persistent
+    cache); it needs X MiB ... of Y MiB available"). jax's persistent compilation cache
+    (`compilation_cache_dir`: "" = $KDA_COMPILATION_CACHE_DIR or ~/.cache/kda_plugin/jax, none = off)
+    makes a restart or a resume load the step instead of compiling it again;
   * export: the parameters in the project's checkpoint format (model.checkpoint.format: Orbax params +
     config.json + tokenizer copy) to DIR/params at the end, so `load_parameters_path=DIR/params` alone
     serves tools.generate and tools.perplexity.
@@ -39,9 +44,14 @@ checkpoints/, metrics.jsonl and params/ are created or replaced).
 
 Errors (missing or empty data, a tokenizer that does not fit the config, a resume whose config
 does not match the checkpoint) are printed as one line naming the key; the exit status is 2. So is
-running out of memory (XLA's RESOURCE_EXHAUSTED): `error: out of memory (<XLA's first line>): lower
-batch_size or seq_len ...; nothing was lost beyond the last checkpoint ...` (the checkpoints already
-written are left as they are; a resume needs the same batch_size and seq_len, eval_batch_size may change).
+a step that cannot fit, refused after its compile and before it runs: `error: out of memory (a train
+step needs N MiB by XLA's compile-time memory analysis; <device> has M MiB available): lower batch_size
+or seq_len ...; or set remat_policy=... -> full ...; moe_impl=... -> megablox ...; checked before the
+first step, nothing was run` (on a TPU the figure is the compiled step's memory_analysis against the
+chip's memory, or libtpu's own figure when it refuses to compile the step). So is running out of
+memory later (XLA's RESOURCE_EXHAUSTED): `error: out of memory (<XLA's first line>): lower batch_size
+or seq_len ...; nothing was lost beyond the last checkpoint ...` (the checkpoints already written are
+left as they are; a resume needs the same batch_size and seq_len, eval_batch_size may change).
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ import inspect
 from configs import base as base_config
 from model import partitioning, registry
 from model.config import load_config
+from model.engine import compilation_cache
 from model.training.trainer import MEMORY_KEYS, train
 from tools import cli
 
@@ -71,6 +82,7 @@ def run(argv: list[str]) -> int:
   cfg = load_config(argv)
   registry.get_backend(cfg.attention)  # an unknown attention= fails before anything is read or written
   partitioning.initialize_distributed(cfg)  # multi-host jobs (distributed_init=true): before any device use
+  compilation_cache.enable(cfg.compilation_cache_dir)  # before the first compilation; the trainer names it
   try:
     result = train(cfg)
   except KeyboardInterrupt:

@@ -26,11 +26,13 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from model import loading, partitioning
+from model import loading, memory, partitioning
+from model.engine import compilation_cache
 from model.training import steps as train_lib
 from model.checkpoint import format as checkpointing
 from model.config import config_to_json
-from model.errors import out_of_memory_message
+from model.nn import moe
+from model.errors import out_of_memory, out_of_memory_message
 from model.data.pipeline import DataFormatError, make_eval_windows, make_train_iterator, read_text_file, \
     split_heldout
 from model.data.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
@@ -42,6 +44,12 @@ PARAMS_SUBDIR = "params"
 # What sizes the step and the evaluation: named in the one-line error when XLA runs out of memory.
 MEMORY_KEYS = ("batch_size or seq_len (a step holds batch_size x seq_len tokens; evaluation eval_batch_size x "
                "seq_len)")
+# The step's memory beyond its tokens: offered by `memory_advice` when the config does not use them yet.
+REMAT_ADVICE = "each layer recomputes its activations in the backward"
+MOE_ADVICE = "moe_impl=megablox on a TPU or ragged elsewhere"
+# Where the seconds of the last cold compile of a step are kept (in the persistent cache's directory): the
+# next run's announcement quotes them.
+COMPILE_TIMES_FILE = "kda-train-compile-seconds.json"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -210,6 +218,33 @@ def _raise_interrupt(signum, frame):
   raise KeyboardInterrupt(f"signal {signum}")
 
 
+class _Interrupts:
+  """SIGTERM as KeyboardInterrupt, held back while a checkpoint is being written: a signal that lands in
+  `ckpt.save` (Orbax writing, its threads mid-file) is raised once that checkpoint is complete, so a
+  preempted run never leaves a half-written step behind (and Orbax logs no failed write)."""
+
+  def __init__(self):
+    self.saving = False
+    self.pending = None
+
+  def handler(self, signum, frame):
+    if self.saving:
+      self.pending = signum
+      return
+    _raise_interrupt(signum, frame)
+
+  @contextlib.contextmanager
+  def hold(self):
+    self.saving = True
+    try:
+      yield
+    finally:
+      self.saving = False
+    if self.pending is not None:
+      signum, self.pending = self.pending, None
+      _raise_interrupt(signum, None)
+
+
 def _remove_unused_run(out: pathlib.Path, created: bool) -> None:
   """Removes what a run that completed no step made: all of `out` when this run created it, else an
   empty checkpoints/ and an empty metrics file."""
@@ -232,27 +267,120 @@ def _nothing_saved(out: pathlib.Path, created: bool, start: int | None) -> None:
         f"{kept}", file=sys.stderr)
 
 
-def check_step_memory(step_fn, state, batch, *, reuse: bool) -> None:
-  """Compiles the train step and refuses it before it runs when XLA's compile-time
+def memory_advice(cfg) -> str:
+  """What to change when a step does not fit: `lower MEMORY_KEYS`, then remat_policy=full and a routed
+  moe_impl where the config does not use them yet (one line, for the `out of memory (...)` errors)."""
+  more = []
+  if cfg.remat_policy != "full":
+    more.append(f"remat_policy=full (now {cfg.remat_policy}; {REMAT_ADVICE})")
+  impl = moe.resolve_moe_impl(cfg.moe_impl)
+  if impl == "dense" and cfg.num_experts:
+    more.append(f"{MOE_ADVICE} (now {cfg.moe_impl}, dense here: every expert on every token)")
+  return f"lower {MEMORY_KEYS}" + (f", or set {', '.join(more)}" if more else "")
+
+
+def _compile_key(cfg, device, params: int) -> str:
+  """What a step's compile time depends on, for the announcement's estimate (not a cache key)."""
+  return "|".join(str(x) for x in (cfg.model_name, params, cfg.num_hidden_layers, cfg.batch_size, cfg.seq_len,
+                                   cfg.dtype, cfg.weight_dtype, cfg.remat_policy, cfg.moe_impl, cfg.scan_layers,
+                                   device.device_kind, jax.device_count(), jax.__version__))
+
+
+def _compile_times(cache_dir) -> dict:
+  try:
+    return json.loads((pathlib.Path(cache_dir) / COMPILE_TIMES_FILE).read_text())
+  except (OSError, ValueError, TypeError):
+    return {}
+
+
+def _record_compile_time(cache_dir, key: str, seconds: float) -> None:
+  times = _compile_times(cache_dir)
+  times[key] = round(seconds, 1)
+  with contextlib.suppress(OSError):
+    path = pathlib.Path(cache_dir) / COMPILE_TIMES_FILE
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(times, indent=0, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _say(line: str) -> None:
+  tqdm.write(line, file=sys.stderr)
+  sys.stderr.flush()
+
+
+def check_step_memory(step_fn, state, batch, *, reuse: bool, cfg=None) -> dict | None:
+  """Announces and compiles the train step, says how long it took, and refuses it before it runs when
+  it cannot fit: libtpu refuses to compile it for memory (a TPU), or XLA's compile-time
   `memory_analysis()` says it needs more than the device has (its bytes_limit; on CPU the host's
-  available memory). `reuse`: later steps run the executable compiled here (one device).
+  available memory). `reuse`: later steps run the executable compiled here (one device). `cfg` (the
+  run's config) names the model and shapes in the announcement and the keys in the error.
+
+  jax's persistent compilation cache (`model.engine.compilation_cache`, enabled by tools.train) makes a
+  restart load the executable instead of compiling it; the seconds of a cold compile are kept beside
+  the cache (COMPILE_TIMES_FILE) and quoted by the next run's announcement.
+
+  Returns:
+    None for a step without an ahead-of-time form (a wrapped or substituted step), else
+    {"seconds", "cache_dir", "cache_hits", "cache_requests", "loaded_from_cache", "need_bytes", "have_bytes",
+    "device_kind"}.
 
   Raises:
-    TrainError: `out of memory (a train step needs N MiB by XLA's compile-time memory analysis; ... M MiB available):
-      lower batch_size or seq_len ...`.
+    TrainError: `out of memory (a train step needs N MiB by ...; M MiB available): lower batch_size or
+      seq_len ...; checked before the first step, nothing was run`.
   """
   compile_step = getattr(step_fn, "compile", None)
   if compile_step is None:  # a step without an ahead-of-time form (a wrapped or substituted step)
-    return
-  compiled = compile_step(state, batch, reuse=reuse)
+    return None
   device = jax.devices()[0]
+  advice = memory_advice(cfg) if cfg is not None else f"lower {MEMORY_KEYS}"
+  params = int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"])))
+  cache_dir = compilation_cache.directory()
+  key = _compile_key(cfg, device, params) if cfg is not None else None
+  last = _compile_times(cache_dir).get(key) if cache_dir and key else None
+  if last is not None:
+    estimate = f"this takes ~{last:.0f} s on a first run, as the last cold compile of this step here did"
+  else:
+    estimate = ("a first run compiles for seconds (a small model on a CPU) to minutes (a ~1B model on a TPU); "
+                "a restart loads it from the cache")
+  where = f"persistent cache at {cache_dir}" if cache_dir else "no persistent cache: compilation_cache_dir=none"
+  shape = (f" for {cfg.model_name} ({params / 1e6:,.1f} M parameters) at batch_size={cfg.batch_size} x "
+           f"seq_len={cfg.seq_len}" if cfg is not None else f" ({params / 1e6:,.1f} M parameters)")
+  _say(f"compiling the train step{shape} on {jax.device_count()} x {device.device_kind} ({estimate}; {where})")
+  t0 = time.perf_counter()
+  try:
+    with compilation_cache.watch() as seen:
+      compiled = compile_step(state, batch, reuse=reuse)
+  except jax.errors.JaxRuntimeError as e:
+    if not memory.is_compile_oom(e):
+      raise
+    required, available = memory.oom_bytes(e)
+    need = "more than it has" if required is None else f"{required / 2**20:,.1f} MiB"
+    have = "" if available is None else f" of {available / 2**20:,.1f} MiB usable"
+    raise TrainError(f"out of memory (a train step needs {need}{have} on {device.device_kind}: the compiler "
+                     f"refused it, {out_of_memory(e)}): {advice}; checked before the first step, "
+                     f"nothing was run") from e
+  seconds = time.perf_counter() - t0
+  # loaded when every compilation in the block came from the cache (the small eager programs of the
+  # tracing go through it too, and may hit where the step itself does not)
+  hit = seen["requests"] > 0 and seen["hits"] == seen["requests"]
+  reused = seen["requests"] == 0   # jax's in-memory caches: compiled before in this process
+  if cache_dir and key and not hit and not reused:
+    _record_compile_time(cache_dir, key, seconds)
   have, resident = train_lib.available_memory_bytes(device)
   need = train_lib.step_bytes_needed(compiled, arguments_resident=resident)
-  if have is None or need is None or need <= have:
-    return
+  fits = have is None or need is None or need <= have
+  how = "loaded from the persistent cache" if hit else "compiled earlier in this process" if reused else "compiled"
+  need_text = "" if need is None else f"; it needs {need / 2**20:,.1f} MiB by XLA's memory analysis"
+  have_text = "" if have is None else f" of {have / 2**20:,.1f} MiB available"
+  _say(f"train step ready in {seconds:.1f} s ({how}){need_text}{have_text if need_text else ''}")
+  report = {"seconds": round(seconds, 2), "cache_dir": cache_dir, "cache_hits": seen["hits"],
+            "cache_requests": seen["requests"], "loaded_from_cache": hit, "need_bytes": need,
+            "have_bytes": have, "device_kind": device.device_kind}
+  if fits:
+    return report
   where = "the host has" if device.platform == "cpu" else f"{device.device_kind} has"
   raise TrainError(f"out of memory (a train step needs {need / 2**20:,.1f} MiB by XLA's compile-time memory "
-                   f"analysis; {where} {have / 2**20:,.1f} MiB available): lower {MEMORY_KEYS}; checked before "
+                   f"analysis; {where} {have / 2**20:,.1f} MiB available): {advice}; checked before "
                    f"the first step, nothing was run")
 
 
@@ -267,7 +395,7 @@ def train(cfg, *, progress: bool = True) -> dict:
     dict: "start_step" (0 or the resumed step), "step" (the last step reached), "losses"
     ({step: loss} for the steps this call ran), "evals" ({step: held-out record}), "export"
     (path of the exported parameters, or None when the run stopped early), "state" (the final
-    train state), "graphdef".
+    train state), "graphdef", "compile" (`check_step_memory`'s report of the step's compile, or None).
 
   Raises:
     TrainError: missing/empty data, a tokenizer or resume config that does not match, bad keys;
@@ -292,8 +420,9 @@ def train(cfg, *, progress: bool = True) -> dict:
   created = not out.exists()
   # SIGTERM (a scheduler preempting the job) takes the Ctrl-C path from here on: checkpoint, then exit.
   old_term = None
+  interrupts = _Interrupts()
   if threading.current_thread() is threading.main_thread():
-    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    old_term = signal.signal(signal.SIGTERM, interrupts.handler)
   # `step` counts dispatched steps (asynchronous: an out-of-memory surfaces later); `completed` the last
   # step known to have run (its metrics fetched or its checkpoint written).
   start = step = saved = completed = None
@@ -316,6 +445,11 @@ def train(cfg, *, progress: bool = True) -> dict:
       graphdef, state = train_lib.init_train_state(model, hparams, cfg.train_seed, mesh)
     else:
       graphdef, state = train_lib.create_train_state(cfg, hparams, mesh)
+    if mesh is None:
+      # Committed to the device, as a restored state is: a fresh run and its resumption then trace one
+      # program, so the resume loads the step from the persistent cache instead of compiling it again
+      # (jit keys its executables on committed-ness). No copy: the buffers stay where they are.
+      state = jax.device_put(state, jax.devices()[0])
     start = completed = 0
     if latest is not None:
       state, data_state = ckpt.restore(latest, state)
@@ -331,6 +465,7 @@ def train(cfg, *, progress: bool = True) -> dict:
     metrics = MetricsLog(out / METRICS_FILE, start)
     step_fn = train_lib.train_step_fn(graphdef, hparams, num_slots, float(cfg.router_bias_update_rate))
     losses, evals, pending = {}, {}, []
+    compile_report = None
     step = start
     t_last = time.perf_counter()
     bar = tqdm(total=final_step, initial=start, disable=not progress, desc="train", unit="step",
@@ -338,8 +473,9 @@ def train(cfg, *, progress: bool = True) -> dict:
 
     def save():
       nonlocal saved, completed
-      ckpt.save(step, state, it.state, meta)
-      saved = completed = step
+      with interrupts.hold():  # a SIGTERM now is raised once this checkpoint is complete
+        ckpt.save(step, state, it.state, meta)
+        saved = completed = step
 
     def log_pending():
       """Writes one metrics record for the steps run since the last one; returns it."""
@@ -378,8 +514,8 @@ def train(cfg, *, progress: bool = True) -> dict:
         batch = next(it)
         if to_global is not None:
           batch = to_global(batch)
-        if step == start:  # before the first step: XLA's own figure of what a step needs
-          check_step_memory(step_fn, state, batch, reuse=mesh is None)
+        if step == start:  # before the first step: announced, timed, and XLA's own figure of what it needs
+          compile_report = check_step_memory(step_fn, state, batch, reuse=mesh is None, cfg=cfg)
         state, m = step_fn(state, batch)
         step += 1
         pending.append((step, m))
@@ -417,7 +553,7 @@ def train(cfg, *, progress: bool = True) -> dict:
     if step >= cfg.steps:
       exported = export_parameters(out / PARAMS_SUBDIR, graphdef, state, cfg)
     return {"start_step": start, "step": step, "losses": losses, "evals": evals, "export": exported,
-            "state": state, "graphdef": graphdef}
+            "state": state, "graphdef": graphdef, "compile": compile_report}
   except KeyboardInterrupt:
     if completed is None or completed == start:  # interrupted before this run's first step finished
       _nothing_saved(out, created, start)
@@ -425,7 +561,7 @@ def train(cfg, *, progress: bool = True) -> dict:
   except Exception as e:
     if completed is None or completed == start:  # no step completed: leave no empty run directory behind
       _remove_unused_run(out, created)
-    msg = out_of_memory_message(e, f"lower {MEMORY_KEYS}")
+    msg = out_of_memory_message(e, memory_advice(cfg))
     if msg is None:
       raise
     if saved is None:

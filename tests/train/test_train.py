@@ -15,6 +15,7 @@ from flax import nnx
 from model import loading
 from model.checkpoint import format as checkpointing
 from model.training import steps as train_lib
+from model.config import load_config
 from model.data.pipeline import split_heldout
 from tests.train.helpers import FIRST_ID, VOCAB, counting_documents, tiny_config, write_ids_corpus
 from model.training import trainer
@@ -281,7 +282,9 @@ def test_out_of_memory_is_one_error_line_and_keeps_the_last_checkpoint(corpus, t
   out = tmp_path / "run"
   assert train_tool.main(_argv(corpus, out, "steps=4")) == 2
   err = capsys.readouterr().err.strip().splitlines()
-  assert err[-1] == (f"error: out of memory ({xla}): lower {train_tool.MEMORY_KEYS}; nothing was lost beyond the "
+  advice = trainer.memory_advice(load_config(_argv(corpus, out, "steps=4")))
+  assert advice.startswith(f"lower {train_tool.MEMORY_KEYS}, or set remat_policy=full (now none;")
+  assert err[-1] == (f"error: out of memory ({xla}): {advice}; nothing was lost beyond the "
                      f"last checkpoint, step 2 in {out / 'checkpoints'}, which is intact (resuming needs the same "
                      f"batch_size and seq_len; eval_batch_size may change)"), err
   assert not any("Traceback" in line for line in err)
@@ -341,7 +344,10 @@ def test_step_memory_is_checked_before_the_first_step(corpus, tmp_path, monkeypa
   err = capsys.readouterr().err.strip().splitlines()
   assert len([ln for ln in err if ln.startswith("error:")]) == 1, err
   assert err[-1].startswith("error: out of memory (a train step needs ") and "the host has 0.0 MiB available" in err[-1]
-  assert f"lower {train_tool.MEMORY_KEYS}; checked before the first step, nothing was run" in err[-1], err
+  advice = trainer.memory_advice(load_config(_argv(corpus, out, "steps=4")))
+  assert f"{advice}; checked before the first step, nothing was run" in err[-1], err
+  # the keys to change beyond the batch: remat (none here) and the experts (dense on a CPU)
+  assert "remat_policy=full (now none;" in advice and "moe_impl=megablox on a TPU or ragged elsewhere (now auto" in advice
   assert ran == [] and not out.exists()
   out.mkdir()  # a directory that existed (empty) is left empty: no checkpoints/ or metrics.jsonl
   assert train_tool.main(_argv(corpus, out, "steps=4")) == 2

@@ -1,0 +1,124 @@
+"""tools/bench/train_device_check.sh on the CPU: its logic (phases, budgets, the JSON, the kill and resume of
+kda-train) checked where CI runs, in its smoke mode (tiny models and shapes, the checkout on PYTHONPATH
+instead of an install); and the driver's batch and FLOP formulas against hand counts."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from model.config import load_config
+from tools.bench import train_device
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tools" / "bench" / "train_device_check.sh"
+
+
+def test_packed_batch_frames_documents_and_masks_their_last_token():
+  cfg = load_config(["tiny", "max_num_segments=4"])
+  fields, lengths = train_device.packed_batch(cfg, 3, 100, seed=0)
+  seg, ids, tgt, mask = fields["segment_ids"], fields["inputs"], fields["targets"], fields["loss_mask"]
+  assert sum(lengths) == (seg > 0).sum() and seg.max() <= 4
+  for b in range(3):
+    for t in range(100):
+      same_next = t + 1 < 100 and seg[b, t] > 0 and seg[b, t + 1] == seg[b, t]
+      assert mask[b, t] == same_next, (b, t)
+      if same_next:
+        assert tgt[b, t] == ids[b, t + 1]
+
+
+def test_attention_flops_by_hand():
+  cfg = load_config(["tiny"])
+  docs = [3, 5]
+  got = train_device.attention_flops(cfg, docs)
+  n_mla = len(cfg.full_attn_layers)
+  n_kda = cfg.num_hidden_layers - n_mla
+  pairs = 3 * 4 / 2 + 5 * 6 / 2   # causal (query, key) pairs: 6 + 15
+  dims = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+  assert got["document_pairs"] == pairs == 21
+  assert got["mla_causal"] == 3 * n_mla * 2 * cfg.num_attention_heads * dims * 21
+  c, k = 64, cfg.kda_head_dim
+  per = 6 * c * k + 4 * c * k + 6 * k * k + 2 * c * c / 3
+  assert math.isclose(got["kda_chunk_estimate"], 3 * n_kda * cfg.kda_num_heads * 8 * per)
+  # K = V = 128, C = 64: 182,955 FLOPs per token and head (the docstring's figure for the H=32 op)
+  assert round(train_device.kda_chunk_flops_per_token_head(128, 128)) == 182955
+
+
+@pytest.mark.slow
+def test_the_whole_check_runs_in_smoke_mode(tmp_path):
+  """Every phase on the CPU (about 4 to 8 minutes on the shared 2-core host: `slow`): the step is timed
+  and its MFU is the formula's; the split has every piece and the KDA op; kda-train's loss falls on real
+  text, the SIGTERMed run resumes to the uninterrupted run's losses exactly, and its checkpoints read back."""
+  env = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), CACHE_DIR=str(tmp_path / "jax"),
+             TRAIN_SMOKE="1", SKIP_INSTALL="1", PY=sys.executable, JAX_PLATFORMS="cpu", KDA_COMMIT="testcommit")
+  shakespeare = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"   # the developer's and CI's data folder
+  if shakespeare.is_file():
+    env["TRAIN_CORPUS"] = str(shakespeare)
+  proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=1800)
+  path = tmp_path / "out" / "train_device_check.json"
+  assert path.is_file(), proc.stdout[-4000:] + proc.stderr[-4000:]
+  report = json.loads(path.read_text())
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  assert sorted(os.listdir(tmp_path / "out")) == ["train_device_check.json", "train_device_logs.txt"]
+  assert report["commit"] == "testcommit" and report["smoke"] is True
+  assert report["total_budget_s"] >= report["total_s"]
+  phases = report["phases"]
+  for name in ("step", "loss", "split"):
+    assert phases[name]["status"] == "ok", (name, phases[name])
+
+  step = phases["step"]["result"]
+  assert step["batch_size"] == 4 and "fallback" not in step    # both candidates fit on the host
+  assert set(step["batch_candidates"]) == {"4", "2"} and all(c["fits"] for c in step["batch_candidates"].values())
+  timed = step["timed"]
+  assert timed["tokens_per_step"] == 4 * 64
+  assert timed["step"]["min_ms"] <= timed["step"]["median_ms"] <= timed["step"]["max_ms"]
+  assert timed["tokens_per_s"] == pytest.approx(256 / (timed["step"]["median_ms"] / 1e3), rel=1e-3)
+  flops = timed["flops_per_step"]
+  assert flops["model_6N"] == 6 * step["parameters"]["active"] * 256
+  assert timed["mfu_6N"] == pytest.approx(flops["model_6N"] * timed["tokens_per_s"] / 256 / 197e12, abs=1e-4)
+  mem = step["batch_candidates"]["4"]["memory_analysis"]
+  assert mem["total_bytes"] == mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"]
+  assert step["compile"]["wall_s"] > 0
+
+  split = phases["split"]["result"]
+  pieces = split["pieces"]
+  assert set(pieces) == {"kda_mixer", "mla_mixer", "moe_ffn", "dense_ffn", "head", "optimizer"}
+  assert pieces["kda_mixer"]["count"] == split["layers"]["kda"] and pieces["optimizer"]["count"] == 1
+  assert split["pieces_sum_ms"] == pytest.approx(sum(p["times_count_ms"] for p in pieces.values()), abs=0.01)
+  kda = split["kda_op"]
+  assert kda["forward_backward"]["median_ms"] > 0 and kda["peer"]["deltanet_tpu_v6e_ms"] == 22.5
+  assert kda["op"].startswith("kda_native")
+
+  loss = phases["loss"]["result"]
+  assert loss["corpus"]["what"] == ("given" if shakespeare.is_file() else "tinyshakespeare") or \
+      loss["corpus"]["what"].startswith("the repository's README.md")
+  curve = {int(k): v for k, v in loss["loss_curve"].items()}
+  assert sorted(curve) == [1, 10, 20, 30, 40]
+  assert abs(curve[1] - math.log(1024)) < 0.3      # a fresh model over the demo tokenizer's 1024 pieces
+  assert loss["loss_falls"] and loss["loss_last10_mean"] < loss["loss_first10_mean"] - 0.5
+  assert curve[40] < curve[10] < curve[1]
+  runs = loss["runs"]
+  assert runs["A_killed"]["rc"] == 130 and runs["A_killed"]["sigterm_after_step"] >= 20
+  # SIGTERM lands as step 20's checkpoint is written (checkpoint_every=10): held until it is complete
+  assert not any(r["log_has_traceback"] for r in runs.values()), {k: r["log_tail"] for k, r in runs.items()}
+  resume = loss["resume"]
+  assert 20 <= resume["resumed_from_step"] < 40
+  assert resume["steps_compared_after_resume"] == 40 - resume["resumed_from_step"]
+  assert resume["equal"] is True and resume["max_abs_loss_diff_after_resume"] == 0.0
+  # the compile: announced by every run; the resumed and uninterrupted runs load it from the cache
+  assert all(any(ln.startswith("compiling the train step") for ln in r["compile_lines"]) for r in runs.values())
+  assert "(compiled)" in runs["A_killed"]["compile_lines"][-1]
+  assert "(loaded from the persistent cache)" in runs["B_resumed"]["compile_lines"][-1]
+  assert "(loaded from the persistent cache)" in runs["C_uninterrupted"]["compile_lines"][-1]
+  ck = loss["checkpoints"]
+  assert ck["train_checkpoint_steps"][-1] == 40 and ck["restored_step"] == 40
+  assert ck["exported_params_equal_uninterrupted"] is True and ck["train_checkpoint_params_equal_export"] is True
+  head = report["headline"]
+  assert head["resume_equal"] is True and head["loss_falls"] is True and head["step_ms_median"] > 0

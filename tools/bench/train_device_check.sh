@@ -1,0 +1,231 @@
+#!/usr/bin/env bash
+# Training on a lent TPU, in one command (issue 37): install, then
+#   step   the whole train step of the 0.4B model (kimi_linear_48b_pattern_0p9b num_experts=4, bf16 compute,
+#          f32 weights) at 8 x 2048 packed rows: compile time, step time (median, spread), tokens/s, MFU
+#          (6N, and with MLA / KDA attention FLOPs stated apart), compiled memory_analysis and the chip's
+#          memory_stats peak; batch sizes 4 and 1 compile beside 8 and the largest that fits is timed
+#          (the JSON says when that is not 8);
+#   loss   kda-train (python -m tools.train) of the demo model on tinyshakespeare (TRAIN_CORPUS) with the project's
+#          tokenizer, 300 steps: run A SIGTERMed at step >= 150, run B resumes it, run C uninterrupted;
+#          the loss curve, resume equality step by step, the compile lines (B and C load from the
+#          persistent cache), and the Orbax checkpoints read back on the CPU;
+#   split  the step's parts timed alone at the same shapes (KDA mixer, MLA mixer, MoE FFN, dense FFN,
+#          head + loss, optimizer), and the KDA training op alone at H=32 T=8192 beside deltanet-tpu's
+#          reported 22.5 ms on v6e.
+# tools/bench/train_device.py has the phases and the formulas. Each phase is one process under its own time
+# limit (budgets below, 9.5 minutes in all, in that order of priority); each writes its JSON as it goes, so
+# a phase stopped at its limit still reports what it measured. jax's persistent compilation cache lives in
+# $CACHE_DIR for the whole run. Writes $OUT/train_device_check.json (every phase: status, rc, seconds,
+# budget, figures; a headline) and $OUT/train_device_logs.txt (all logs): 2 files.
+#
+# Usage (from anywhere): tools/bench/train_device_check.sh
+#   env: OUT (default /tmp/kda_train_out), PY (the machine's Python with JAX; default
+#   /root/.pyenv/versions/3.11.7/bin/python3 when it exists, else python3 as resolved outside the checkout),
+#   INDEX (default file:///opt/pypi/simple), WHEELS (wheels the index lacks, default .whl-tpu in the checkout;
+#   tools/bench/device_wheels.sh fills it), VENV (default /tmp/kda-train-venv), SKIP_INSTALL=1 (use PY as it
+#   is, the checkout on PYTHONPATH), KDA_COMMIT (the commit measured: the device copy has no .git),
+#   TRAIN_CORPUS (the text of the loss phase; default .train-data/tinyshakespeare.txt in the checkout, which
+#   the device tool carries; without it the repository's docs are used and the JSON says so), TRAIN_SMOKE=1 (tiny model and shapes on the CPU: the test), TRAIN_PHASES (default
+#   "step loss split"), TRAIN_MODEL_SET (model overrides of the step and split phases, e.g.
+#   "remat_policy=full scan_layers=true"), TRAIN_BATCHES (default "8 4 1"), TRAIN_DONATE=0 (the step phase
+#   then does not donate the train state, as train_step_fn's own jit runs it now; default 1: donated, as
+#   model/aot.py compiles it),
+#   CACHE_DIR (default /tmp/kda_train_jax_cache), TRAIN_BUDGET_<phase>=SECONDS (e.g. TRAIN_BUDGET_step=400 with
+#   TRAIN_PHASES=step when the cold compile needs longer; the total stays 570 s).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$(pwd)
+OUT=${OUT:-/tmp/kda_train_out}
+WORK=${WORK:-/tmp/kda_train}
+mkdir -p "$OUT" "$WORK"
+if [ -z "${PY:-}" ]; then
+  if [ -x /root/.pyenv/versions/3.11.7/bin/python3 ]; then PY=/root/.pyenv/versions/3.11.7/bin/python3
+  else PY=$(cd /tmp && python3 -c 'import sys; print(sys.executable)'); fi
+fi
+INDEX=${INDEX:-file:///opt/pypi/simple}
+WHEELS=${WHEELS:-$ROOT/.whl-tpu}
+VENV=${VENV:-/tmp/kda-train-venv}
+SMOKE=${TRAIN_SMOKE:-0}
+PHASES=${TRAIN_PHASES:-step loss split}
+CACHE_DIR=${CACHE_DIR:-/tmp/kda_train_jax_cache}
+BATCHES=${TRAIN_BATCHES:-8 4 1}
+export PYTHONUNBUFFERED=1 KDA_COMPILATION_CACHE_DIR=$CACHE_DIR
+DEVICE_PLATFORMS=cpu
+[ "$SMOKE" = 1 ] || DEVICE_PLATFORMS=${JAX_PLATFORMS:-tpu,cpu}
+export JAX_PLATFORMS=$DEVICE_PLATFORMS
+SECONDS=0
+TOTAL_BUDGET=570
+declare -A BUDGET=([install]=60 [step]=200 [loss]=180 [split]=130)
+if [ "$SMOKE" = 1 ]; then   # a slow shared CPU: the figures do not matter, every phase must run
+  TOTAL_BUDGET=1200
+  BUDGET=([install]=60 [step]=300 [loss]=500 [split]=300)
+fi
+for k in install step loss split; do   # TRAIN_BUDGET_<phase>=SECONDS overrides a phase's budget
+  v="TRAIN_BUDGET_$k"; [ -n "${!v:-}" ] && BUDGET[$k]=${!v}
+done
+LOGS="$OUT/train_device_logs.txt"
+: > "$LOGS"
+STATUS_FILE="$WORK/status.tsv"
+: > "$STATUS_FILE"
+rm -f "$WORK"/*.json "$WORK"/*.json.tmp   # a previous run's figures must not pass for this run's
+
+record() {  # record NAME STATUS RC SECONDS BUDGET
+  printf '%s\t%s\t%s\t%s\t%s\n' "$@" >> "$STATUS_FILE"
+}
+
+left() { echo $((TOTAL_BUDGET - SECONDS)); }
+
+run_phase() {  # run_phase NAME COMMAND...: under min(its budget, the time left); log appended to $LOGS
+  local name=$1 budget=${BUDGET[$1]} start=$SECONDS rc
+  shift
+  [ "$(left)" -lt "$budget" ] && budget=$(left)
+  if [ "$budget" -le 5 ]; then
+    record "$name" "skipped: no time left of the ${TOTAL_BUDGET} s budget" -1 0 "${BUDGET[$name]}"
+    echo "== $name: skipped (no time left)"
+    return
+  fi
+  echo "== $name (budget ${budget} s; at ${SECONDS} s)" | tee -a "$LOGS"
+  if declare -F "$1" >/dev/null; then   # a function of this script
+    export -f "$1"
+    export PY INDEX VENV ROOT WHEELS
+    timeout -k 10 "$budget" bash -c '"$@"' _ "$@" > "$WORK/$name.log" 2>&1
+  else
+    timeout -k 10 "$budget" "$@" > "$WORK/$name.log" 2>&1
+  fi
+  rc=$?
+  cat "$WORK/$name.log" >> "$LOGS"
+  tail -n 25 "$WORK/$name.log"
+  local status=ok
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && status="timeout after ${budget} s"
+  [ $rc -ne 0 ] && [ "$status" = ok ] && status="failed (rc $rc)"
+  record "$name" "$status" "$rc" $((SECONDS - start)) "${BUDGET[$name]}"
+}
+
+wants() { [[ " $PHASES " == *" $1 "* ]]; }
+
+# --- install ------------------------------------------------------------------------------------------
+echo "== environment: PY=$PY"
+"$PY" -c "import jax, sys; print(sys.version.split()[0], 'jax', jax.__version__)" 2>&1 | tail -1 \
+  || { echo "no Python with jax at PY=$PY"; exit 2; }
+
+install_project() {
+  local pip=("$VENV/bin/python" -m pip install --isolated --quiet --no-cache-dir --index-url "$INDEX")
+  [ -d "$WHEELS" ] && pip+=(--find-links "$WHEELS") && echo "wheels from $WHEELS: $(ls "$WHEELS" | tr '\n' ' ')"
+  "$PY" -m venv --system-site-packages "$VENV" || return 1
+  if PIP_CONFIG_FILE=/dev/null "${pip[@]}" -e "$ROOT"; then echo "installed with every dependency"; return 0; fi
+  local deps missing=()
+  deps=$("$VENV/bin/python" -c "import tomllib; print('\n'.join(tomllib.load(open('$ROOT/pyproject.toml', 'rb'))['project']['dependencies']))")
+  while IFS= read -r dep; do
+    PIP_CONFIG_FILE=/dev/null "${pip[@]}" "$dep" >/dev/null 2>&1 && continue
+    missing+=("$dep")
+    PIP_CONFIG_FILE=/dev/null "${pip[@]}" "${dep%%[<>=!~]*}" >/dev/null 2>&1 && echo "installed an older ${dep%%[<>=!~]*} than $dep"
+  done <<< "$deps"
+  PIP_CONFIG_FILE=/dev/null "${pip[@]}" --no-deps -e "$ROOT" || return 1
+  echo "MISSING from $INDEX${WHEELS:+ and $WHEELS}: ${missing[*]}"
+  return 0
+}
+if [ "${SKIP_INSTALL:-0}" = 1 ]; then
+  VPY=$PY
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  record install "skipped: SKIP_INSTALL=1 (the checkout on PYTHONPATH)" 0 0 "${BUDGET[install]}"
+else
+  run_phase install install_project
+  VPY="$VENV/bin/python"
+  [ -x "$VPY" ] || VPY="$PY"
+fi
+cd "$WORK"   # the project's .python-version must not pick another Python; the phases find the package installed
+[ "${SKIP_INSTALL:-0}" = 1 ] && cd "$ROOT"
+
+MODEL_SET=(); for kv in ${TRAIN_MODEL_SET:-}; do MODEL_SET+=(--set "$kv"); done
+DRIVER=("$VPY" -m tools.bench.train_device)
+if [ "$SMOKE" = 1 ]; then
+  STEP_ARGS=(--smoke --batches "4 2" --seq-len 64 --repeats 2 --steps-per-repeat 2)
+  SPLIT_ARGS=(--smoke --batch 2 --seq-len 64 --repeats 2 --steps-per-repeat 2)
+  LOSS_ARGS=(--loss-model demo dtype=bfloat16 num_hidden_layers=2 "kda_layers=[1]" "full_attn_layers=[2]"
+             --loss-set seq_len=64 batch_size=4 max_num_segments=4 learning_rate=1e-2 warmup_steps=4
+             --loss-steps 40 --kill-at 20 --checkpoint-every 10)
+else
+  STEP_ARGS=(--batches "$BATCHES" --seq-len 2048 --repeats 5 --steps-per-repeat 3)
+  [ "${TRAIN_DONATE:-1}" = 0 ] && STEP_ARGS+=(--no-donate)
+  SPLIT_ARGS=(--seq-len 2048 --repeats 5 --steps-per-repeat 3)
+  LOSS_ARGS=()
+fi
+
+# --- step: the whole train step of the 0.4B model -------------------------------------------------------
+if wants step; then
+  run_phase step "${DRIVER[@]}" step "${STEP_ARGS[@]}" "${MODEL_SET[@]}" --cache-dir "$CACHE_DIR" --json "$WORK/step.json"
+fi
+
+# --- loss: kda-train on real text, killed and resumed ----------------------------------------------------
+if wants loss; then
+  CORPUS=()
+  [ -n "${TRAIN_CORPUS:-}" ] && CORPUS=(--corpus "$TRAIN_CORPUS")
+  rm -rf "$WORK/runs"
+  # this process reads the checkpoints on the CPU; the kda-train runs get the device
+  ( export JAX_PLATFORMS=cpu
+    run_phase loss "${DRIVER[@]}" loss "${LOSS_ARGS[@]}" "${CORPUS[@]}" --dir "$WORK/runs" \
+      --child-platforms "$DEVICE_PLATFORMS" --cache-dir "$CACHE_DIR" --json "$WORK/loss.json" )
+fi
+
+# --- split: the step's parts and the KDA op alone ---------------------------------------------------------
+if wants split; then
+  B=$("$VPY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(d.get('batch_size') or '')" "$WORK/step.json" 2>/dev/null)
+  BATCH=(); [ -n "$B" ] && [ "$SMOKE" != 1 ] && BATCH=(--batch "$B")
+  run_phase split "${DRIVER[@]}" split "${SPLIT_ARGS[@]}" "${BATCH[@]}" "${MODEL_SET[@]}" --cache-dir "$CACHE_DIR" \
+    --json "$WORK/split.json"
+fi
+
+# --- the report --------------------------------------------------------------------------------------------
+"$VPY" - "$WORK" "$OUT" "$SECONDS" "$TOTAL_BUDGET" "$SMOKE" "$ROOT" <<'PYEOF'
+import json, os, pathlib, re, subprocess, sys
+work, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+total_s, budget_s, smoke = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+phases = {}
+for line in (work / "status.tsv").read_text().splitlines():
+  name, status, rc, seconds, budget = line.split("\t")
+  phases[name] = {"status": status, "rc": int(rc), "seconds": int(seconds), "budget_s": int(budget)}
+  f = work / f"{name}.json"
+  if f.exists():   # written as the phase went: also what a phase stopped at its limit measured
+    phases[name]["result"] = json.loads(f.read_text())
+log = (work / "install.log").read_text() if (work / "install.log").exists() else ""
+missing = re.findall(r"^MISSING from .*?: (.*)$", log, re.M)
+commit = os.environ.get("KDA_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                        text=True, cwd=sys.argv[6]).stdout.strip()
+import jax   # no jax.devices() here: it would open the chip again; the step phase names it
+step = phases.get("step", {}).get("result", {})
+timed = step.get("timed") or {}
+loss = phases.get("loss", {}).get("result", {})
+split = phases.get("split", {}).get("result", {})
+headline = {
+    "model": step.get("config"), "batch_size": step.get("batch_size"), "seq_len": step.get("seq_len"),
+    "fallback": step.get("fallback"),
+    "compile_s": (step.get("compile") or {}).get("wall_s"),
+    "step_ms_median": (timed.get("step") or {}).get("median_ms"),
+    "tokens_per_s": timed.get("tokens_per_s"), "mfu_6N": timed.get("mfu_6N"),
+    "mfu_6N_plus_attention": timed.get("mfu_6N_plus_attention"),
+    "memory_analysis_total_gib": ((step.get("batch_candidates") or {}).get(str(step.get("batch_size")), {})
+                                  .get("memory_analysis") or {}).get("total_gib"),
+    "peak_bytes_in_use": (timed.get("memory_stats_after") or {}).get("peak_bytes_in_use"),
+    "split_ms": {k: v.get("times_count_ms") for k, v in (split.get("pieces") or {}).items()},
+    "split_sum_ms": split.get("pieces_sum_ms"),
+    "kda_op": (split.get("kda_op") or {}).get("op"),
+    "kda_op_fwd_bwd_ms": ((split.get("kda_op") or {}).get("forward_backward") or {}).get("median_ms"),
+    "kda_op_peer_deltanet_tpu_v6e_ms": ((split.get("kda_op") or {}).get("peer") or {}).get("deltanet_tpu_v6e_ms"),
+    "loss_run": loss.get("command"),
+    "loss_first10_mean": loss.get("loss_first10_mean"), "loss_last10_mean": loss.get("loss_last10_mean"),
+    "loss_falls": loss.get("loss_falls"), "resume_equal": (loss.get("resume") or {}).get("equal"),
+    "checkpoints_read_on_cpu": (loss.get("checkpoints") or {}).get("exported_params_equal_uninterrupted"),
+}
+report = {"what": "tools/bench/train_device_check.sh", "commit": commit or "unknown", "smoke": smoke,
+          "python": sys.version.split()[0], "jax": jax.__version__, "device": step.get("device"),
+          "install_missing": missing[0].split() if missing else [], "total_s": total_s, "total_budget_s": budget_s,
+          "headline": headline, "phases": phases}
+(out / "train_device_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+print(json.dumps({k: report[k] for k in ("commit", "total_s", "headline")}, indent=1, default=str))
+for name, p in phases.items():
+  print(f"{name:8s} {p['status']} ({p['seconds']} s of {p['budget_s']})")
+PYEOF
+echo "== done in ${SECONDS} s"
+status=0
+grep -q $'\tfailed\|\ttimeout' "$STATUS_FILE" && status=1
+exit $status
