@@ -67,10 +67,16 @@ def _routing_blocks(module):
   return [m for _, m in nnx.iter_modules(module) if getattr(m, "record_routing", False)]
 
 
-def _checkpointed(fn: Callable, policy_name: str, train: bool) -> Callable:
+def _checkpointed(fn: Callable, policy_name: str, train: bool, *, in_scan: bool) -> Callable:
+  """`fn` under `jax.checkpoint` with the named policy (unchanged when not `train` or policy "none").
+
+  `prevent_cse` is off only for the scan body (`in_scan`), where jax's docs say it is safe: for an
+  unrolled layer XLA would otherwise merge the backward pass's recomputation with the forward (common
+  subexpressions) and keep every activation anyway, making the policy a no-op.
+  """
   if not train or REMAT_POLICIES[policy_name] is None:
     return fn
-  return jax.checkpoint(fn, policy=REMAT_POLICIES[policy_name], prevent_cse=False)
+  return jax.checkpoint(fn, policy=REMAT_POLICIES[policy_name], prevent_cse=not in_scan)
 
 
 def _pure(graphdefs, step, constrain):
@@ -118,7 +124,7 @@ def run_layers(layers, x, caches, step: Callable, constrain: Callable, *, plan, 
       x, news[i] = step(layer, x, caches[i])
       return constrain(x)
     gdef, st = nnx.split(layer)
-    fn = _checkpointed(_pure([gdef], step, constrain), remat_policy, train)
+    fn = _checkpointed(_pure([gdef], step, constrain), remat_policy, train, in_scan=False)
     x, (news[i],), (routed,) = fn([st], x, [caches[i]])
     _sow_routed(layer, routed)
     return x
@@ -143,7 +149,7 @@ def run_layers(layers, x, caches, step: Callable, constrain: Callable, *, plan, 
     have_cache = [all(c is not None for c in cs) for cs in group_caches]
     xs_caches = [jax.tree.map(lambda *a: jnp.stack(a), *cs) if ok else None
                  for cs, ok in zip(group_caches, have_cache)]
-    fn = _checkpointed(_pure(graphdefs, step, constrain), remat_policy, train)
+    fn = _checkpointed(_pure(graphdefs, step, constrain), remat_policy, train, in_scan=True)
 
     def body(carry, xs):
       states, cs = xs

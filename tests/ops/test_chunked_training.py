@@ -19,8 +19,9 @@ from tests.oracles import gate_f64, kda_recurrence_f64, l2norm_f64
 
 B, T, H, K, V, N = 2, 130, 2, 16, 8, 6
 FD_EPS = 1e-6
-# |<grad, u> - directional difference| <= REL_TOL * sum_i |grad_i u_i| (float32 rounding of the terms).
-REL_TOL = 2e-5
+# |<grad, u> - directional difference| <= REL_TOL * sum_i |grad_i u_i| (float32 rounding of the terms;
+# the observed ratio is at most 6e-7, for a_log, on the steep case).
+REL_TOL = 5e-6
 
 
 def _row(*runs):
