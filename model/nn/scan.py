@@ -14,8 +14,11 @@ the result equals the unrolled model's (tests/model/test_scan_layers.py).
 
 `remat_policy` (mode "train"; jax.checkpoint around each scanned group and unrolled layer): "none"
 (keep every activation), "full" (`nothing_saveable`, also accepted under that name: keep only layer
-inputs), "minimal" (`checkpoint_dots_with_no_batch_dims`: keep matmuls against parameters),
-"dots_saveable" (keep every matmul result).
+inputs; the shipped default, configs/base.py), "minimal" (`checkpoint_dots_with_no_batch_dims`: keep
+matmuls against parameters), "dots_saveable" (keep every matmul result). Unrolled layers are
+checkpointed with `prevent_cse=True`: without it XLA merges the recomputation into the forward pass
+and the policy saves nothing (docs/performance.md, "Training memory on v5e:1x1 (compiled ahead of
+time)").
 """
 
 from __future__ import annotations
