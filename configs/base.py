@@ -140,7 +140,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.allow_large_model = False
   # How a job compiles the model (model/nn/scan.py; parameters and numerics unchanged, never stored).
   c.scan_layers = False  # true: one jax.lax.scan over the repeated layer groups (48B: layers 2-25, 6 x [KDA, KDA, MLA, KDA])
-  c.remat_policy = "none"  # training rematerialisation: none, full (= nothing_saveable), minimal, dots_saveable
+  # Training rematerialisation (MaxText's names): none, full (= nothing_saveable), minimal, dots_saveable.
+  # Default full, as MaxText's: each layer keeps only its input and recomputes the rest in the backward
+  # pass; the 0.4B test model's 8 x 2048 step fits one v5e only so (docs/performance.md, "Training
+  # memory on v5e:1x1 (compiled ahead of time)"). Forward-only modes ignore it.
+  c.remat_policy = "full"
   c.compilation_cache_dir = ""  # jax's persistent compilation cache (train/serve/generate/benchmarks): "" = $KDA_COMPILATION_CACHE_DIR or ~/.cache/kda_plugin/jax; "none" = off
 
   # ---- Serving: generation and perplexity (tools.generate, tools.perplexity; model/engine/generator.py,

@@ -130,10 +130,18 @@ class KDABackend:
       if q.ndim != 3:
         raise ValueError(f"num_heads={num_heads} means lane-dense [B, T, H*K] inputs, got q of shape {q.shape}")
       q, k, v, g_raw = (x.reshape(x.shape[:2] + (num_heads, -1)) for x in (q, k, v, g_raw))
-    g = self.gate(g_raw, a_log, dt_bias, lower_bound)
-    o, state = _OPS[op](self.l2norm(q), self.l2norm(k), v, g, beta, initial_state=initial_state,
-                        output_final_state=output_final_state, segment_ids=segment_ids,
-                        max_num_segments=max_num_segments)
+    if op == "kda_chunked":
+      # The gate and the q/k L2 norm inside the op, per chunk: training keeps q, k and the raw gate in
+      # the compute dtype for the backward pass instead of float32 activated copies (same values).
+      o, state = _kda_chunked(q, k, v, g_raw, beta, initial_state=initial_state,
+                              output_final_state=output_final_state, segment_ids=segment_ids,
+                              max_num_segments=max_num_segments, a_log=a_log, dt_bias=dt_bias,
+                              lower_bound=lower_bound, use_qk_l2norm=True)
+    else:
+      g = self.gate(g_raw, a_log, dt_bias, lower_bound)
+      o, state = _OPS[op](self.l2norm(q), self.l2norm(k), v, g, beta, initial_state=initial_state,
+                          output_final_state=output_final_state, segment_ids=segment_ids,
+                          max_num_segments=max_num_segments)
     o = o.astype(q.dtype)
     return (o.reshape(o.shape[:2] + (-1,)) if lane_dense else o), state
 

@@ -47,7 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kda_plugin.ops._chunk_common import CHUNK, SUB
-from kda_plugin.ops._contract import check_kda_inputs, default_scale, is_concrete
+from kda_plugin.ops._contract import check_gate_args, check_kda_inputs, default_scale, is_concrete
+from kda_plugin.ops.gates import activate_gate, l2norm
 
 # Largest |decay| (nats, per channel) of one 16-row sub-block for which the diagonal sub-block may be
 # factored around its midpoint: each factor is then at most exp(FACTOR_LIMIT / 2) and every product,
@@ -374,7 +375,7 @@ def _slot_spans(seg, n_slots):
 
 
 def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, diag_mode="auto",
-                   prep=None, chunk=CHUNK, group=1):
+                   prep=None, chunk=CHUNK, group=1, out_dtype=None):
   """The segment-native chunked KDA algorithm on validated, activated inputs.
 
   Shared by `kda_chunked` (training, differentiated by JAX) and `kda_inference_xla` (forward).
@@ -401,9 +402,11 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
       is padded with padding chunks to a multiple of `group` chunks. A run-time choice inside
       `_chunk_prep` (score path, documents starting inside a chunk) is then made for the group: the
       general path whenever one of its chunks needs it (exact for all of them).
+    out_dtype: dtype of o (default q's); float32 forms `Aqk Vnew` at HIGHEST precision, another
+      dtype at DEFAULT.
 
   Returns:
-    `(o [B, T, H, V] in q's dtype, final [B, N, H, K, V] float32 or None)`.
+    `(o [B, T, H, V] in out_dtype, final [B, N, H, K, V] float32 or None)`.
   """
   if diag_mode not in DIAG_MODES:
     raise ValueError(f"diag_mode must be one of {DIAG_MODES}, got {diag_mode!r}")
@@ -531,7 +534,7 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
       buf = lax.cond(jnp.any(cc) | jnp.any(xs[-1] < n_slots), save, lambda bufs: bufs, buf)
     return (s_next, buf), jnp.swapaxes(o, 1, 2).astype(out_dtype)               # [B, C, H, V]
 
-  out_dtype = q.dtype
+  out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
   out_precision = _HI if out_dtype == jnp.float32 else lax.Precision.DEFAULT
   xs = (qc, kc, vc, gc, bc, segc, cont_lab, last_is_cont, cont_closes)
   if corr is not None:
@@ -548,7 +551,13 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
     buf0 = (jnp.zeros((b, n_slots, h, kd, vd), jnp.float32),
             jnp.zeros((b, n_slots + 1, h, c, vd), jnp.float32))
   grouped = jax.tree.map(lambda x: x.reshape((nc // group, group) + x.shape[1:]), xs)
-  (_, buf), o = lax.scan(step, (s0, buf0), grouped)
+  # Differentiated (training), the scan step is rematerialised: the backward pass keeps only each
+  # step's inputs (the chunk's rows and the state entering it, `[B, H, K, V]`) and recomputes the
+  # chunk's gates, scores, inverse and sub-block tensors from them, one chunk at a time. Without it
+  # autodiff stacks every chunk's intermediates (the inverse's 15 forward-substitution steps, the
+  # `[NB, NB, SUB, K]` sub-block columns of both score paths) for the whole sequence. The recomputed
+  # values are the same operations on the same inputs, so the gradients are unchanged.
+  (_, buf), o = lax.scan(jax.checkpoint(step, prevent_cse=False), (s0, buf0), grouped)
   o = jnp.moveaxis(o.reshape((nc,) + o.shape[2:]), 0, 1).reshape(b, tp, h, vd)[:, :t]
   if not want_final:
     return o, None
@@ -569,14 +578,28 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   return o, jnp.where(present[:, :, None, None, None], final, init)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "n_slots", "want_final", "diag_mode"))
-def _chunked_jit(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, diag_mode):
-  return kda_chunk_core(q, k, v, g, beta, seg, h0, scale=scale,
-                        n_slots=n_slots, want_final=want_final, diag_mode=diag_mode)
+@functools.partial(jax.jit, static_argnames=("scale", "n_slots", "want_final", "diag_mode", "lower_bound",
+                                             "use_l2norm"))
+def _chunked_jit(q, k, v, g, beta, seg, h0, gate, *, scale, n_slots, want_final, diag_mode, lower_bound=None,
+                 use_l2norm=False):
+  def prep(qc, kc, gc):  # float32 chunk [..., C, H, K], inside the (rematerialised) scan step
+    if use_l2norm:
+      qc, kc = l2norm(qc), l2norm(kc)
+    if gate is not None:
+      gc = activate_gate(gc, gate[0], gate[1], lower_bound)
+    return qc, kc, gc
+
+  use_prep = use_l2norm or gate is not None
+  # With the in-op L2 norm the op computes with the float32 normalised q (as `l2norm` of the
+  # unfused route returns it), so o is formed in float32 whatever q's dtype; the caller casts it.
+  return kda_chunk_core(q, k, v, g, beta, seg, h0, scale=scale, n_slots=n_slots, want_final=want_final,
+                        diag_mode=diag_mode, prep=prep if use_prep else None,
+                        out_dtype=jnp.float32 if use_l2norm else None)
 
 
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                segment_ids=None, max_num_segments=None):
+                segment_ids=None, max_num_segments=None, a_log=None, dt_bias=None, lower_bound=None,
+                use_qk_l2norm=False):
   """KDA in the chunked WY/UT form (chunk 64), differentiable with JAX autodiff (the training path).
 
   Equal to `kda_reference` (the token recurrence, docs/kda.md section 'Token recurrence') up to float32
@@ -603,18 +626,36 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     output_final_state: also return the final state(s).
     segment_ids: int32 `[B, T]` or `[T]`; 0 = padding, label n uses state slot n-1.
     max_num_segments: N (static); inferred from initial_state or concrete segment_ids when None.
+    a_log: `[H]` per-head log decay rate; turns on the in-op gate: `g` is then the raw gate input
+      (`f_b_proj(f_a_proj(x))`), activated in float32 per chunk by `gates.activate_gate`.
+    dt_bias: `[H*K]` or `[H, K]` gate bias (with a_log only), zeros if None.
+    lower_bound: static float in [-5, 0) selecting the bounded gate (with a_log only).
+    use_qk_l2norm: L2-normalise q and k per head inside the op (`gates.l2norm`, float32).
+
+  The in-op gate and L2 norm are applied per chunk inside the rematerialised scan step, so training
+  keeps only q, k, v and the raw gate in their own dtype (bfloat16 in a bfloat16 model) for the
+  backward pass, not float32 copies of the normalised q, k and the activated gate; the values are
+  those of applying `activate_gate` and `l2norm` first (the same float32 operations per row).
 
   Returns:
     `(o, final_state)`: o `[B, T, H, V]` in q's dtype (exactly 0 on padding); final_state float32 in
     initial_state's layout (a label never present keeps its initial state), or None.
 
   Raises:
-    ValueError, TypeError: see `kda_plugin.ops._contract.check_kda_inputs`.
+    ValueError, TypeError: see `kda_plugin.ops._contract.check_kda_inputs` and `check_gate_args`
+      (dt_bias or lower_bound without a_log, lower_bound outside [-5, 0), a_log / dt_bias sizes).
   """
+  g_is_raw = a_log is not None
   p = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
-                       max_num_segments=max_num_segments, scale=scale)
-  core = lambda seg, h0, sc, n: _chunked_jit(q, k, v, g, beta, seg, h0, scale=sc, n_slots=n,
-                                             want_final=bool(output_final_state), diag_mode="auto")
+                       max_num_segments=max_num_segments, scale=scale, g_is_raw=g_is_raw)
+  lb = check_gate_args(g_is_raw, a_log, dt_bias, lower_bound, p.num_heads, p.key_dim)
+  gate = None
+  if g_is_raw:
+    dt = jnp.zeros((p.num_heads * p.key_dim,), jnp.float32) if dt_bias is None else dt_bias
+    gate = (jnp.asarray(a_log, jnp.float32), jnp.asarray(dt, jnp.float32))
+  core = lambda seg, h0, sc, n: _chunked_jit(q, k, v, g, beta, seg, h0, gate, scale=sc, n_slots=n,
+                                             want_final=bool(output_final_state), diag_mode="auto",
+                                             lower_bound=lb, use_l2norm=bool(use_qk_l2norm))
   return run_with_slots(p, q, initial_state, scale, output_final_state, core)
 
 

@@ -173,8 +173,32 @@ class KimiLinearForCausalLM(nnx.Module):
                                         train=mode == "train")
     if logits_at == "last":
       return self.last_logits(x, segment_ids, num_slots), new_layers
-    logits = partitioning.constrain(self.lm_head(self.model.norm(x)), partitioning.LOGITS)
-    return logits, new_layers
+    if logits_at == "hidden":  # the LM head's input: the caller applies `head` (blocked training loss)
+      return self.model.norm(x), new_layers
+    return self.head(self.model.norm(x)), new_layers
+
+  def head(self, hidden):
+    """The LM head on final-normed hidden states: `[..., T, d]` -> logits `[..., T, vocab]` in the
+    compute dtype (constrained to the logits' logical axes when `hidden` is `[B, T, d]`)."""
+    logits = self.lm_head(hidden)
+    return partitioning.constrain(logits, partitioning.LOGITS) if logits.ndim == 3 else logits
+
+  def final_hidden(self, input_ids, segment_ids=None, positions=None, *, mode: str = "train",
+                   max_num_segments: int | None = None):
+    """The forward of `__call__` up to the LM head: `model.norm` of the last layer's output,
+    `[B, T, d]` in the compute dtype, so that `head(final_hidden(...)) == __call__(...)`.
+
+    The training loss applies `head` a block of tokens at a time (`model.training.steps.blocked_nll`)
+    so that no `[B, T, vocab]` logits (and no float32 log-softmax of them, or its gradient) are held
+    whole. Arguments and errors as `__call__`.
+    """
+    if mode not in MODES:
+      raise ValueError(f"mode must be one of {MODES} (use prefill()/decode() for cached inference), got {mode!r}")
+    n = max_num_segments or (1 if segment_ids is None else self.args.max_num_segments)
+    input_ids, segment_ids = self._check_inputs(input_ids, segment_ids, positions)
+    self._check_labels(segment_ids, n)
+    hidden, _ = self._run(input_ids, segment_ids, mode, n, logits_at="hidden")
+    return hidden
 
   def last_logits(self, hidden, segment_ids, num_slots: int):
     """The LM head at each document's last token only: `[B * N, vocab]` in decode layout (zeros for

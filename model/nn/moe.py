@@ -77,6 +77,31 @@ def resolve_moe_impl(impl: str) -> str:
   return "megablox" if target_platform() == "tpu" and whole else "dense"
 
 
+@jax.custom_vjp
+def combine_choices(weights, y):
+  """`sum_k weights[n, k] * y[n, k, :]` in float32: float32 `weights [N, k]`, `y [N, k, d]` in the
+  compute dtype -> float32 `[N, d]`.
+
+  The backward pass keeps `y` in its own dtype (autodiff of the float32 product would keep a float32
+  copy of it, `[N*k, d]`, per MoE layer); its gradients are those of the float32 product.
+  """
+  return jnp.sum(weights[..., None] * y.astype(jnp.float32), axis=1)
+
+
+def _combine_fwd(weights, y):
+  return combine_choices(weights, y), (weights, y)
+
+
+def _combine_bwd(res, g):
+  weights, y = res
+  dw = jnp.sum(g[:, None, :] * y.astype(jnp.float32), axis=-1)
+  dy = (weights[..., None] * g[:, None, :]).astype(y.dtype)
+  return dw, dy
+
+
+combine_choices.defvjp(_combine_fwd, _combine_bwd)
+
+
 class RouterBias(nnx.Variable):
   """The router's e_score_correction_bias (float32, updated outside gradient descent)."""
 
@@ -195,7 +220,7 @@ class Experts(nnx.Module):
     w1, w3, w2 = (p[...].astype(self.dtype) for p in (self.w1, self.w3, self.w2))
     h = jax.nn.silu(jax.lax.ragged_dot(xs, w1, sizes)) * jax.lax.ragged_dot(xs, w3, sizes)
     y = jax.lax.ragged_dot(h, w2, sizes)[inverse].reshape(n, k, -1)
-    return jnp.sum(weights[..., None] * y.astype(jnp.float32), axis=1)
+    return combine_choices(weights, y)
 
   def _megablox(self, x, weights, idx):
     # As _ragged, with the grouped matmuls in jax's Pallas TPU kernel (megablox gmm): each row tile
@@ -217,7 +242,7 @@ class Experts(nnx.Module):
                           self.gmm_interpret)
     h = jax.nn.silu(mm(xs, w1)) * mm(xs, w3)
     y = mm(h, w2)[inverse].reshape(n, k, -1)
-    return jnp.sum(weights[..., None] * y.astype(jnp.float32), axis=1)
+    return combine_choices(weights, y)
 
   def _gathered(self, x, weights, idx):
     # Only the chosen experts' weights, gathered per (token, choice): reads N*k experts instead of E.

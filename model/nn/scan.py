@@ -14,8 +14,11 @@ the result equals the unrolled model's (tests/model/test_scan_layers.py).
 
 `remat_policy` (mode "train"; jax.checkpoint around each scanned group and unrolled layer): "none"
 (keep every activation), "full" (`nothing_saveable`, also accepted under that name: keep only layer
-inputs), "minimal" (`checkpoint_dots_with_no_batch_dims`: keep matmuls against parameters),
-"dots_saveable" (keep every matmul result).
+inputs; the shipped default, configs/base.py), "minimal" (`checkpoint_dots_with_no_batch_dims`: keep
+matmuls against parameters), "dots_saveable" (keep every matmul result). Unrolled layers are
+checkpointed with `prevent_cse=True`: without it XLA merges the recomputation into the forward pass
+and the policy saves nothing (docs/performance.md, "Training memory on v5e:1x1 (compiled ahead of
+time)").
 """
 
 from __future__ import annotations
@@ -67,10 +70,16 @@ def _routing_blocks(module):
   return [m for _, m in nnx.iter_modules(module) if getattr(m, "record_routing", False)]
 
 
-def _checkpointed(fn: Callable, policy_name: str, train: bool) -> Callable:
+def _checkpointed(fn: Callable, policy_name: str, train: bool, *, in_scan: bool) -> Callable:
+  """`fn` under `jax.checkpoint` with the named policy (unchanged when not `train` or policy "none").
+
+  `prevent_cse` is off only for the scan body (`in_scan`), where jax's docs say it is safe: for an
+  unrolled layer XLA would otherwise merge the backward pass's recomputation with the forward (common
+  subexpressions) and keep every activation anyway, making the policy a no-op.
+  """
   if not train or REMAT_POLICIES[policy_name] is None:
     return fn
-  return jax.checkpoint(fn, policy=REMAT_POLICIES[policy_name], prevent_cse=False)
+  return jax.checkpoint(fn, policy=REMAT_POLICIES[policy_name], prevent_cse=not in_scan)
 
 
 def _pure(graphdefs, step, constrain):
@@ -118,7 +127,7 @@ def run_layers(layers, x, caches, step: Callable, constrain: Callable, *, plan, 
       x, news[i] = step(layer, x, caches[i])
       return constrain(x)
     gdef, st = nnx.split(layer)
-    fn = _checkpointed(_pure([gdef], step, constrain), remat_policy, train)
+    fn = _checkpointed(_pure([gdef], step, constrain), remat_policy, train, in_scan=False)
     x, (news[i],), (routed,) = fn([st], x, [caches[i]])
     _sow_routed(layer, routed)
     return x
@@ -143,7 +152,7 @@ def run_layers(layers, x, caches, step: Callable, constrain: Callable, *, plan, 
     have_cache = [all(c is not None for c in cs) for cs in group_caches]
     xs_caches = [jax.tree.map(lambda *a: jnp.stack(a), *cs) if ok else None
                  for cs, ok in zip(group_caches, have_cache)]
-    fn = _checkpointed(_pure(graphdefs, step, constrain), remat_policy, train)
+    fn = _checkpointed(_pure(graphdefs, step, constrain), remat_policy, train, in_scan=True)
 
     def body(carry, xs):
       states, cs = xs

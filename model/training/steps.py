@@ -179,26 +179,73 @@ def masked_nll(logits, targets, loss_mask):
   return jnp.sum(nll * mask), jnp.sum(mask)
 
 
+# Tokens (batch rows x positions) per block of the training loss (`blocked_nll`): the logits of one
+# block, their float32 log-softmax and its gradient are all the loss holds at once (2048 x 32000
+# float32 is 250 MiB; the whole 8 x 2048 batch would be 2 GiB each).
+LOSS_BLOCK_TOKENS = 2048
+
+
+def blocked_nll(head, hidden, targets, loss_mask, *, block_tokens: int = LOSS_BLOCK_TOKENS):
+  """`masked_nll(head(hidden), targets, loss_mask)`, formed one block of positions at a time.
+
+  The positions are cut into blocks of `max(1, block_tokens // B)` (the last padded, masked out) and
+  a `lax.scan` sums each block's `masked_nll`; each block is a `jax.checkpoint`, so the backward pass
+  recomputes that block's logits from its hidden states instead of keeping `[B, T, vocab]` logits,
+  their float32 log-softmax and its gradient for the whole batch. The batch axis is never split
+  (it stays sharded as the hidden states are). Equal to the unblocked loss up to the order of the
+  float32 sums.
+
+  Args:
+    head: `[B, P, d] -> [B, P, V]` logits (the model's `head`).
+    hidden: `[B, T, d]` the LM head's input. targets: int32 `[B, T]`. loss_mask: bool `[B, T]`.
+    block_tokens: tokens per block (>= 1); one block (no scan) when the batch fits in it.
+
+  Returns:
+    `(sum_nll float32 [], count float32 [])` in nats, as `masked_nll`.
+  """
+  b, t, _ = hidden.shape
+  per = max(1, min(t, int(block_tokens) // max(b, 1)))
+  if per >= t:
+    return masked_nll(head(hidden), targets, loss_mask)
+  n = -(-t // per)
+  pad = n * per - t
+  if pad:
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    loss_mask = jnp.pad(loss_mask, ((0, 0), (0, pad)))
+  blocks = lambda x: jnp.moveaxis(x.reshape((b, n, per) + x.shape[2:]), 1, 0)     # [n, B, per, ...]
+  one = jax.checkpoint(lambda h, tg, m: masked_nll(head(h), tg, m), prevent_cse=False)
+
+  def body(acc, xs):
+    s, c = one(*xs)
+    return (acc[0] + s, acc[1] + c), None
+
+  zero = jnp.zeros((), jnp.float32)
+  (total, count), _ = jax.lax.scan(body, (zero, zero), (blocks(hidden), blocks(targets), blocks(loss_mask)))
+  return total, count
+
+
 def _moe_blocks(model) -> list:
   """`(path, block)` of the model's `moe.SparseMoeBlock`s, in layer order."""
   return [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, moe.SparseMoeBlock)]
 
 
 def _forward_with_load(model, inputs, segment_ids, num_slots: int):
-  """`(logits, load)`: the forward in mode "train" of `model` (merged inside the step, or eagerly),
+  """`(hidden, load)`: the forward in mode "train" of `model` up to the LM head (`final_hidden`;
+  merged inside the step, or eagerly),
   with every MoE block recording its expert choices (`nnx.capture` of the `routed_experts`
   intermediates); `load` float32 `[L_moe, E]` counts the (non-padding token, choice) pairs each block
   routed to each expert (`moe.expert_load`)."""
   blocks = _moe_blocks(model)
   for _, b in blocks:
     b.record_routing = True
-  logits, inter = nnx.capture(model, nnx.Intermediate)(inputs, segment_ids, mode="train",
-                                                        max_num_segments=num_slots)
+  hidden, inter = nnx.capture(lambda m, *a, **k: m.final_hidden(*a, **k), nnx.Intermediate)(
+      model, inputs, segment_ids, mode="train", max_num_segments=num_slots)
   flat = dict(nnx.to_flat_state(inter))
   mask = jnp.reshape(segment_ids > 0, (-1,))
   loads = [moe.expert_load(flat[tuple(path) + ("routed_experts",)].get_value()[0], mask,
                            b.gate.e_score_correction_bias.shape[0]) for path, b in blocks]
-  return logits, jnp.stack(loads)
+  return hidden, jnp.stack(loads)
 
 
 def expert_load(graphdef, state, batch, num_slots: int):
@@ -235,10 +282,10 @@ def train_step_fn(graphdef, hparams: tuple, num_slots: int, router_bias_update_r
       model = nnx.merge(graphdef, params, state["rest"])
       load = None
       if rate > 0:
-        logits, load = _forward_with_load(model, inputs, segment_ids, num_slots)
+        hidden, load = _forward_with_load(model, inputs, segment_ids, num_slots)
       else:
-        logits = model(inputs, segment_ids, mode="train", max_num_segments=num_slots)
-      total, count = masked_nll(logits, targets, loss_mask)
+        hidden = model.final_hidden(inputs, segment_ids, mode="train", max_num_segments=num_slots)
+      total, count = blocked_nll(model.head, hidden, targets, loss_mask)
       return total / jnp.maximum(count, 1.0), (count, load)
 
     (loss, (count, load)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
