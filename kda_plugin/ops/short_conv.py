@@ -94,30 +94,37 @@ def short_conv(x, weight, *, segment_ids=None, cache=None, output_final_cache=Fa
   first = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
   start = lax.cummax(jnp.where(first, pos, 0), axis=1)            # first index of t's run
   offset = pos - start                                             # position inside the run
-  slot = jnp.clip(seg - 1, 0, n - 1)
   # Taps inside the run read x shifted by a static amount (pad and slice: XLA fuses them into the
   # sum, no gather and no [B, T, D] copy per tap).
   y = jnp.zeros((b, t, d), jnp.float32)
   for back in range(w):                                            # tap reading x[t - back]
     shifted = xf if back == 0 else jnp.pad(xf, ((0, 0), (back, 0), (0, 0)))[:, :t]
     y = y + jnp.where((back <= offset)[..., None], wf[w - 1 - back] * shifted, 0.0)
-  # Taps before the run read the slot's cache. They depend only on (slot, offset) for the run's
-  # first W-1 tokens: summed per slot first ([B, N, W-1, D]), then one gather per token. Without a
-  # cache they add nothing and are skipped: the gathered float32 [B, T, D] of a zero cache was kept
-  # from the forward to the backward pass of training (3 per KDA layer, 3.6 GiB at 8 x 2048 tokens).
+  # Taps before the run read the slot's cache. Without a cache they add nothing and are skipped
+  # (training: a zero cache's taps were kept from the forward to the backward pass). Only a run's
+  # first W-1 tokens have such taps, and they depend only on (slot, offset): summed per slot first
+  # ([B, N, W-1, D]), then added onto y at those B*N*(W-1) positions (a scatter-add into y). Not a
+  # [B, T, D] gather by (slot, offset): that depends on the weights and the cache alone, so XLA may
+  # compute every layer's copy before the first layer runs and hold them all (60 f32 [8192, 4096] in
+  # an 8192-token prefill of the 48B shard, 7.3 GiB); the scatter reads y and so runs in its layer.
+  labels = jnp.arange(1, n + 1)
+  is_lab = seg[:, None, :] == labels[None, :, None]                 # [B, N, T]
+  present = jnp.any(is_lab, axis=2)
   if w > 1 and not fresh:
     before = jnp.stack([sum(wf[w - 1 - back] * cache[:, :, w - 1 - back + o]
                             for back in range(o + 1, w)) for o in range(w - 1)], axis=2)
-    idx = slot * (w - 1) + jnp.clip(offset, 0, w - 2)              # [B, T]
-    from_cache = jnp.take_along_axis(before.reshape(b, n * (w - 1), d), idx[..., None], axis=1)
-    y = y + jnp.where((offset < w - 1)[..., None], from_cache, 0.0)
+    first_pos = jnp.argmax(is_lab, axis=2)                          # [B, N] first token of slot's run
+    at = first_pos[..., None] + jnp.arange(w - 1)                   # [B, N, W-1]
+    inside = present[..., None] & (at < t)
+    inside = inside & (jnp.take_along_axis(seg, jnp.clip(at, 0, t - 1).reshape(b, -1), axis=1)
+                       .reshape(at.shape) == labels[None, :, None])
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None, None], at.shape)
+    at = jnp.where(inside, at, t)                                   # out of range: dropped
+    y = y.at[rows, at].add(before, mode="drop")
   y = jnp.where((seg > 0)[..., None], act(y), 0.0).astype(x.dtype)
   if not output_final_cache:
     return y, None
 
-  labels = jnp.arange(1, n + 1)
-  is_lab = seg[:, None, :] == labels[None, :, None]               # [B, N, T]
-  present = jnp.any(is_lab, axis=2)
   last = jnp.max(jnp.where(is_lab, pos, -1), axis=2)              # [B, N]
   length = jnp.sum(is_lab, axis=2)
   i = jnp.arange(w - 1)

@@ -168,7 +168,7 @@ class KimiLinearForCausalLM(nnx.Module):
                    return_cache=return_cache, cache_length=cache_length)
 
     x, new_layers = scan_lib.run_layers(list(self.model.layers), x, caches, step,
-                                        lambda h: partitioning.constrain(h, partitioning.HIDDEN),
+                                        lambda h: layer_boundary(h, partitioning.HIDDEN),
                                         plan=self.scan_plan(), remat_policy=self.args.remat_policy,
                                         train=mode == "train")
     if logits_at == "last":
@@ -340,10 +340,24 @@ class KimiLinearForCausalLM(nnx.Module):
     x = partitioning.constrain(self.model.embed_tokens(ids), partitioning.DECODE_HIDDEN)
     x, layers = scan_lib.run_layers(list(self.model.layers), x, list(cache.layers),
                                     lambda layer, h, c: layer.decode(h, c, cache.lengths),
-                                    lambda h: partitioning.constrain(h, partitioning.DECODE_HIDDEN),
+                                    lambda h: layer_boundary(h, partitioning.DECODE_HIDDEN),
                                     plan=self.scan_plan(), remat_policy="none", train=False)
     logits = partitioning.constrain(self.lm_head(self.model.norm(x)), partitioning.DECODE_LOGITS)
     return (logits[:, None] if with_time else logits), cache_lib.ModelCache(tuple(layers), cache.lengths + 1)
+
+
+def layer_boundary(h, axes):
+  """The residual stream between two decoder layers: constrained to its logical `axes` and
+  materialised there in its dtype (`jax.lax.optimization_barrier`).
+
+  Without the barrier XLA (TPU and CPU) carries a bf16 residual chain in float32 (excess precision):
+  the last hidden state becomes one float32 sum of every layer's `[B, T, d]` contribution, each kept
+  alive until the final norm (33 x 36 MiB in the 48B shard's 8192-token prefill: 1.2 GiB of
+  temporaries, docs/performance.md), and the rounding then differs between programs (a training
+  step, an evaluation, a prefill) that fuse differently. With it every mode rounds the residual to
+  the compute dtype once per layer, as the model is written. A no-op on values in float32.
+  """
+  return jax.lax.optimization_barrier(partitioning.constrain(h, axes))
 
 
 def last_token_index(segment_ids, num_slots: int):
