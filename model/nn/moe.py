@@ -37,20 +37,18 @@ GMM_MAX_TK, GMM_MAX_TN = 1024, 1024
 GMM_LONG_ROWS, GMM_LONG_TM = 8192, 256   # at least this many rows (prefill): 256-row tiles
 
 
-def _divisor_tile(dim: int, cap: int) -> int:
-  """The largest multiple of 128 that divides `dim` and is at most `cap`; `dim` itself when it is at
-  most `cap` (a whole-dimension block), else 128 (megablox then handles the ragged last tile)."""
-  if dim <= cap:
-    return dim
-  return next((t for t in range(cap - cap % 128, 127, -128) if dim % t == 0), 128)
-
-
 def gmm_tiling(rows: int, k: int, n: int) -> tuple[int, int, int]:
   """Megablox `(tm, tk, tn)` for `rows` (a multiple of `GMM_ROWS`; of `GMM_LONG_TM` when there are at
-  least `GMM_LONG_ROWS`) times one expert's `[k, n]` weight: whole expert matrices where they fit the
-  caps, so a decode step runs a few grid steps per expert instead of (k/128) x (n/128)."""
+  least `GMM_LONG_ROWS`) times one expert's `[k, n]` weight.
+
+  tk = tn = the largest multiple of 128 up to the cap that divides both k and n (the backward pass
+  runs the same tiling with k and n swapped, so each tile must suit both dimensions), else 128 as
+  megablox's default (it masks the ragged last tile). A decode step then runs a few grid steps per
+  expert instead of (k/128) x (n/128)."""
   tm = GMM_LONG_TM if rows >= GMM_LONG_ROWS else GMM_ROWS
-  return tm, _divisor_tile(k, GMM_MAX_TK), _divisor_tile(n, GMM_MAX_TN)
+  cap = min(GMM_MAX_TK, GMM_MAX_TN)
+  t = next((c for c in range(cap, 127, -128) if k % c == 0 and n % c == 0), 128)
+  return tm, t, t
 
 
 def target_platform() -> str:

@@ -66,11 +66,11 @@ def test_auto_moe_impl_rule():
   assert resolve_moe_impl("ragged") == "ragged" and resolve_moe_impl("megablox") == "megablox"
 
 
-def test_gmm_tiling_covers_whole_experts_within_the_caps():
+def test_gmm_tiling_suits_both_orientations():
+  """One tile for k and n (the backward pass swaps them), the largest multiple of 128 dividing both."""
   from model.nn.moe import GMM_LONG_TM, GMM_ROWS, gmm_tiling
-  assert gmm_tiling(128, 1024, 512) == (GMM_ROWS, 1024, 512)            # 0.9B decode: one tile per expert
-  assert gmm_tiling(16384, 512, 1024) == (GMM_LONG_TM, 512, 1024)       # 0.9B prefill, w2
-  assert gmm_tiling(128, 2304, 1024) == (GMM_ROWS, 768, 1024)           # 48B: 2304 = 3 x 768
+  assert gmm_tiling(128, 1024, 512) == (GMM_ROWS, 512, 512)             # 0.9B decode: 2 tiles per expert
+  assert gmm_tiling(16384, 512, 1024) == (GMM_LONG_TM, 512, 512)        # 0.9B prefill, w2
+  assert gmm_tiling(128, 2304, 1024) == (GMM_ROWS, 256, 256)            # 48B: gcd 256
   assert gmm_tiling(128, 7168, 2048) == (GMM_ROWS, 1024, 1024)
-  assert gmm_tiling(128, 1000, 64) == (GMM_ROWS, 1000, 64)              # under a cap: the whole dimension
-  assert gmm_tiling(128, 1100, 64)[1] == 128                            # no divisor: megablox's ragged tile
+  assert gmm_tiling(128, 256, 64) == (GMM_ROWS, 128, 128)               # the demo's 64: megablox's default
