@@ -359,7 +359,7 @@ class ModelArgs:
   max_num_segments: int
   max_cache_length: int
   scan_layers: bool = False
-  remat_policy: str = "none"
+  remat_policy: str = "full"
   mla_impl: str = "auto"
 
   @classmethod

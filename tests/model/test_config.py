@@ -24,7 +24,7 @@ def test_overrides_parse_every_type():
 
 def test_none_on_a_string_key_is_unset_or_the_word_it_is_a_value_of():
   """README: `none` for unset. A string key whose default is "" takes it as "" (tokenizer_path=none was
-  refused); where "none" is one of the key's values it is that value (remat_policy=none, the default, was
+  refused); where "none" is one of the key's values it is that value (remat_policy=none, not the default, was
   refused on the command line)."""
   cfg = load_config(["tiny", "tokenizer_path=none", "output_json=None", "remat_policy=none", "split_long=none"])
   assert (cfg.tokenizer_path, cfg.output_json, cfg.remat_policy, cfg.split_long) == ("", "", "none", "none")
