@@ -271,7 +271,7 @@ def memory_advice(cfg) -> str:
   """What to change when a step does not fit: `lower MEMORY_KEYS`, then remat_policy=full and a routed
   moe_impl where the config does not use them yet (one line, for the `out of memory (...)` errors)."""
   more = []
-  if cfg.remat_policy != "full":
+  if cfg.remat_policy not in ("full", "nothing_saveable"):   # the same jax policy (model/nn/scan.py)
     more.append(f"remat_policy=full (now {cfg.remat_policy}; {REMAT_ADVICE})")
   impl = moe.resolve_moe_impl(cfg.moe_impl)
   if impl == "dense" and cfg.num_experts:

@@ -122,3 +122,19 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
   assert ck["exported_params_equal_uninterrupted"] is True and ck["train_checkpoint_params_equal_export"] is True
   head = report["headline"]
   assert head["resume_equal"] is True and head["loss_falls"] is True and head["step_ms_median"] > 0
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"TRAIN_PHASES": "step lossx"}, "error: TRAIN_PHASES: unknown phase 'lossx' (expected some of: step loss split)"),
+    ({"TRAIN_BUDGET_step": "abc"}, "error: TRAIN_BUDGET_step='abc': expected whole seconds >= 1"),
+    ({"TRAIN_BATCHES": "8 x"}, "error: TRAIN_BATCHES='8 x': expected batch sizes >= 1 separated by spaces"),
+])
+def test_bad_settings_are_refused_before_any_phase(tmp_path, env, message):
+  """A typo in a phase name, budget or batch list exits 2 with one line naming the variable; before the
+  fix a misspelt phase was silently dropped and the run reported success with an empty JSON."""
+  run = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                       env={**os.environ, "TRAIN_SMOKE": "1", "SKIP_INSTALL": "1", "PY": sys.executable,
+                            "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), **env})
+  assert run.returncode == 2, run.stdout + run.stderr
+  assert run.stderr.strip().splitlines()[-1].startswith(message), run.stderr
+  assert not (tmp_path / "out" / "train_device_check.json").exists()

@@ -96,6 +96,10 @@ skip() {  # skip NAME REASON
   echo "== $1: skipped: $2" | tee -a "$LOGS"
 }
 
+for p in $PHASES; do   # a typo must not silently drop a phase
+  case " model ckpt serving identity server real " in *" $p "*) ;;
+    *) echo "error: E2E_PHASES: unknown phase '$p' (expected some of: model ckpt serving identity server real)" >&2; exit 2;; esac
+done
 wants() { [[ " $PHASES " == *" $1 "* ]]; }
 
 # --- install ------------------------------------------------------------------------------------------

@@ -697,7 +697,14 @@ def main(argv=None) -> int:
   p.add_argument("--json", required=True, help="where the phase's figures are written (as it goes)")
   p.add_argument("--smoke", action="store_true", help="a tiny model and shapes (the CPU test)")
   p.add_argument("--set", action="append", default=[], help="step/split: key=value model override (repeatable)")
-  p.add_argument("--batches", default="8 4 1", help="step: batch sizes to compile, the largest that fits is timed")
+  def batch_list(text):
+    sizes = text.split()
+    if not sizes or not all(b.isdigit() and int(b) >= 1 for b in sizes):
+      raise argparse.ArgumentTypeError(f"expected batch sizes >= 1 separated by spaces, e.g. '8 4 1', got {text!r}")
+    return text
+
+  p.add_argument("--batches", default="8 4 1", type=batch_list,
+                 help="step: batch sizes to compile, the largest that fits is timed")
   p.add_argument("--batch", type=int, default=0, help="split: the batch size (default the first of --batches)")
   p.add_argument("--seq-len", type=int, default=2048)
   p.add_argument("--donate", action=argparse.BooleanOptionalAction, default=True,

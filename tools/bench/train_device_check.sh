@@ -27,7 +27,7 @@
 #   TRAIN_CORPUS (the text of the loss phase; default .train-data/tinyshakespeare.txt in the checkout, which
 #   the device tool carries; without it the repository's docs are used and the JSON says so), TRAIN_SMOKE=1 (tiny model and shapes on the CPU: the test), TRAIN_PHASES (default
 #   "step loss split"), TRAIN_MODEL_SET (model overrides of the step and split phases, e.g.
-#   "remat_policy=full scan_layers=true"), TRAIN_BATCHES (default "8 4 1"), TRAIN_DONATE=0 (the step phase
+#   "scan_layers=true remat_policy=none"), TRAIN_BATCHES (default "8 4 1"), TRAIN_DONATE=0 (the step phase
 #   then does not donate the train state, as train_step_fn's own jit runs it now; default 1: donated, as
 #   model/aot.py compiles it),
 #   CACHE_DIR (default /tmp/kda_train_jax_cache), TRAIN_BUDGET_<phase>=SECONDS (e.g. TRAIN_BUDGET_step=400 with
@@ -60,8 +60,17 @@ if [ "$SMOKE" = 1 ]; then   # a slow shared CPU: the figures do not matter, ever
   TOTAL_BUDGET=1200
   BUDGET=([install]=60 [step]=300 [loss]=500 [split]=300)
 fi
+for p in $PHASES; do   # a typo must not silently drop a phase
+  case " step loss split " in *" $p "*) ;; *) echo "error: TRAIN_PHASES: unknown phase '$p' (expected some of: step loss split)" >&2; exit 2;; esac
+done
+[[ "$BATCHES" =~ ^[[:space:]]*[1-9][0-9]*([[:space:]]+[1-9][0-9]*)*[[:space:]]*$ ]] \
+  || { echo "error: TRAIN_BATCHES='$BATCHES': expected batch sizes >= 1 separated by spaces, e.g. '8 4 1'" >&2; exit 2; }
 for k in install step loss split; do   # TRAIN_BUDGET_<phase>=SECONDS overrides a phase's budget
-  v="TRAIN_BUDGET_$k"; [ -n "${!v:-}" ] && BUDGET[$k]=${!v}
+  v="TRAIN_BUDGET_$k"
+  if [ -n "${!v:-}" ]; then
+    [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "error: $v='${!v}': expected whole seconds >= 1" >&2; exit 2; }
+    BUDGET[$k]=${!v}
+  fi
 done
 LOGS="$OUT/train_device_logs.txt"
 : > "$LOGS"
