@@ -258,9 +258,14 @@ def expert_load(graphdef, state, batch, num_slots: int):
 
 
 @functools.lru_cache(maxsize=8)
-def train_step_fn(graphdef, hparams: tuple, num_slots: int, router_bias_update_rate: float = 0.0):
+def train_step_fn(graphdef, hparams: tuple, num_slots: int, router_bias_update_rate: float = 0.0, *,
+                  donate: bool = False):
   """The jitted step `(state, batch) -> (new_state, metrics)`; cached so that runs of the same
   model and optimizer (a resumed run in the same process, tests) reuse one compilation.
+
+  `donate`: the step takes `state`'s buffers for the new state (updated in place), so one train state
+  is live instead of two; the `state` passed in is deleted by the call and must not be used again
+  (kda-train donates; callers that step one state twice, as tests comparing two steps do, do not).
 
   `batch` holds `inputs, targets, loss_mask, segment_ids` `[B, T]` (a `model.data.pipeline.Batch`
   or a dict). The forward runs in mode "train", i.e. through the backend's differentiable op
@@ -309,7 +314,7 @@ def train_step_fn(graphdef, hparams: tuple, num_slots: int, router_bias_update_r
       metrics["expert_load"] = load
     return new, metrics
 
-  jitted = jax.jit(step)
+  jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
   compiled = {}
 
   def fields(batch):

@@ -463,7 +463,10 @@ def train(cfg, *, progress: bool = True) -> dict:
                          f"data iterator step {it.step}")
 
     metrics = MetricsLog(out / METRICS_FILE, start)
-    step_fn = train_lib.train_step_fn(graphdef, hparams, num_slots, float(cfg.router_bias_update_rate))
+    # Donated: the step updates the train state in place (one state live, not two); nothing below
+    # reads a state after passing it to step_fn.
+    step_fn = train_lib.train_step_fn(graphdef, hparams, num_slots, float(cfg.router_bias_update_rate),
+                                      donate=True)
     losses, evals, pending = {}, {}, []
     compile_report = None
     step = start
@@ -535,6 +538,11 @@ def train(cfg, *, progress: bool = True) -> dict:
     except KeyboardInterrupt:
       # The interrupt may land between next(it) and the state update: re-derive the position from
       # the state (batches are a pure function of the step) so the checkpoint is consistent.
+      if any(x.is_deleted() for x in jax.tree.leaves(state)):
+        # landed inside step_fn after it took the donated state and before it returned the new one:
+        # no state to save; the last checkpoint stands
+        bar.write(f"interrupted inside a step: nothing newer than the last checkpoint in {ckpt.directory}")
+        raise
       step = int(jax.device_get(state["step"]))
       it.step = step
       if pending:

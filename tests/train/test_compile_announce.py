@@ -83,8 +83,8 @@ def test_a_step_the_compiler_refuses_is_one_line_with_its_figure_and_the_keys(co
   real = train_lib.train_step_fn
   ran = []
 
-  def refusing(*args):
-    fn = real(*args)
+  def refusing(*args, **kwargs):
+    fn = real(*args, **kwargs)
 
     def step(state, batch):
       ran.append(1)

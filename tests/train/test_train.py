@@ -37,8 +37,23 @@ def _metrics(out):
   return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_resume_matches_an_uninterrupted_run(corpus, tmp_path):
+def test_resume_matches_an_uninterrupted_run(corpus, tmp_path, monkeypatch):
+  real, taken = train_lib.train_step_fn, []
+
+  def recording(*args, **kwargs):
+    fn = real(*args, **kwargs)
+
+    def step(state, batch):
+      taken.append(state)
+      return fn(state, batch)
+    step.compile = fn.compile
+    return step
+  monkeypatch.setattr(trainer.train_lib, "train_step_fn", recording)
   full = train(tiny_config(corpus, tmp_path / "full", "steps=6", "checkpoint_every=0"), progress=False)
+  monkeypatch.setattr(trainer.train_lib, "train_step_fn", real)
+  # kda-train donates the train state to each step (one state live, not two): every state it passed
+  # in was taken by the step, the last one included
+  assert len(taken) == 6 and all(x.is_deleted() for s in taken for x in jax.tree.leaves(s))
   part = train(tiny_config(corpus, tmp_path / "split", "steps=6", "stop_at_step=3"), progress=False)
   assert part["step"] == 3 and part["export"] is None
   rest = train(tiny_config(corpus, tmp_path / "split", "steps=6"), progress=False)
@@ -195,8 +210,8 @@ def test_sigterm_checkpoints_the_current_step_and_resume_continues(corpus, tmp_p
 
   real = train_lib.train_step_fn
 
-  def killing_step_fn(*args):
-    fn = real(*args)
+  def killing_step_fn(*args, **kwargs):
+    fn = real(*args, **kwargs)
 
     def step(state, batch):
       if int(state["step"]) == 3:  # a scheduler preempts the job as the fourth update starts
@@ -226,7 +241,7 @@ def test_sigterm_before_the_first_step_says_nothing_was_saved(corpus, tmp_path, 
 
   import tools.train as train_tool
 
-  def killing_step_fn(*args):
+  def killing_step_fn(*args, **kwargs):
     def step(state, batch):  # preempted while the first step compiles: no step completes
       os.kill(os.getpid(), signal.SIGTERM)
       raise AssertionError("SIGTERM did not interrupt")
@@ -250,8 +265,8 @@ def test_sigterm_before_the_first_step_says_nothing_was_saved(corpus, tmp_path, 
 def _oom_at(real, at_step):
   """A `train_step_fn` whose step raises XLA's RESOURCE_EXHAUSTED (nothing allocated) when the state
   is at step `at_step`, and runs the real step otherwise."""
-  def step_fn(*args):
-    fn = real(*args)
+  def step_fn(*args, **kwargs):
+    fn = real(*args, **kwargs)
 
     def step(state, batch):
       if int(state["step"]) == at_step:
@@ -283,7 +298,8 @@ def test_out_of_memory_is_one_error_line_and_keeps_the_last_checkpoint(corpus, t
   assert train_tool.main(_argv(corpus, out, "steps=4")) == 2
   err = capsys.readouterr().err.strip().splitlines()
   advice = trainer.memory_advice(load_config(_argv(corpus, out, "steps=4")))
-  assert advice.startswith(f"lower {train_tool.MEMORY_KEYS}, or set remat_policy=full (now none;")
+  # remat_policy=full is the default: the advice names only the keys left to change
+  assert advice.startswith(f"lower {train_tool.MEMORY_KEYS}, or set moe_impl=") and "remat_policy" not in advice
   assert err[-1] == (f"error: out of memory ({xla}): {advice}; nothing was lost beyond the "
                      f"last checkpoint, step 2 in {out / 'checkpoints'}, which is intact (resuming needs the same "
                      f"batch_size and seq_len; eval_batch_size may change)"), err
@@ -311,7 +327,7 @@ def test_out_of_memory_in_the_first_step_says_there_is_no_checkpoint(corpus, tmp
   assert err.endswith("; no checkpoint had been written yet, so there is nothing to resume"), err
   assert not out.exists()  # the run created it and completed nothing
 
-  def other(*args):
+  def other(*args, **kwargs):
     def step(state, batch):
       raise jax.errors.JaxRuntimeError("INTERNAL: not a memory error")
     return step
@@ -329,8 +345,8 @@ def test_step_memory_is_checked_before_the_first_step(corpus, tmp_path, monkeypa
   real = train_lib.train_step_fn
   ran = []
 
-  def counting(*args):
-    fn = real(*args)
+  def counting(*args, **kwargs):
+    fn = real(*args, **kwargs)
 
     def step(state, batch):
       ran.append(1)
@@ -340,17 +356,18 @@ def test_step_memory_is_checked_before_the_first_step(corpus, tmp_path, monkeypa
   monkeypatch.setattr(trainer.train_lib, "train_step_fn", counting)
   monkeypatch.setattr(trainer.train_lib, "available_memory_bytes", lambda device: (1000, True))
   out = tmp_path / "run"
-  assert train_tool.main(_argv(corpus, out, "steps=4")) == 2
+  assert train_tool.main(_argv(corpus, out, "steps=4", "remat_policy=none")) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len([ln for ln in err if ln.startswith("error:")]) == 1, err
   assert err[-1].startswith("error: out of memory (a train step needs ") and "the host has 0.0 MiB available" in err[-1]
-  advice = trainer.memory_advice(load_config(_argv(corpus, out, "steps=4")))
+  advice = trainer.memory_advice(load_config(_argv(corpus, out, "steps=4", "remat_policy=none")))
   assert f"{advice}; checked before the first step, nothing was run" in err[-1], err
   # the keys to change beyond the batch: remat (none here) and the experts (dense on a CPU)
+  # remat_policy=none here (the default is full), so the advice names it
   assert "remat_policy=full (now none;" in advice and "moe_impl=megablox on a TPU or ragged elsewhere (now auto" in advice
   assert ran == [] and not out.exists()
   out.mkdir()  # a directory that existed (empty) is left empty: no checkpoints/ or metrics.jsonl
-  assert train_tool.main(_argv(corpus, out, "steps=4")) == 2
+  assert train_tool.main(_argv(corpus, out, "steps=4", "remat_policy=none")) == 2
   assert list(out.iterdir()) == [] and ran == []
 
 

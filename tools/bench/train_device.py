@@ -61,8 +61,9 @@ import time
 
 import numpy as np
 
+from tools.bench.e2e_device import PEAK_FLOPS, parameter_counts
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PEAK_FLOPS = 197e12          # TPU v5e, bf16 MXU peak (as in tools/bench/e2e_device.py)
 STEP_CONFIG = ["kimi_linear_48b_pattern_0p9b", "num_experts=4"]
 SMOKE_STEP_CONFIG = ["tiny", "num_hidden_layers=2", "kda_layers=[1]", "full_attn_layers=[2]"]  # every kind of block
 KDA_CHUNK = 64
@@ -113,23 +114,6 @@ def packed_batch(cfg, batch: int, seq_len: int, seed: int = 0) -> tuple[dict, li
   mask[:, :-1] &= seg[:, 1:] == seg[:, :-1]
   mask[:, -1] = False
   return {"inputs": ids, "targets": targets, "loss_mask": mask, "segment_ids": seg}, lengths
-
-
-def parameter_counts(params, cfg) -> dict:
-  """Parameters: all, the embedding table, the routed experts, and those one token uses (active)."""
-  # imported in the phase that needs it: a missing package fails that phase alone, by name
-  import jax
-  total = embed = routed = 0
-  for path, x in jax.tree_util.tree_leaves_with_path(params):
-    name, n = jax.tree_util.keystr(path), int(np.prod(x.shape))
-    total += n
-    if "embed_tokens" in name:
-      embed += n
-    elif "['experts']" in name and "shared" not in name:
-      routed += n
-  active_routed = routed * cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 0
-  return {"total": total, "embedding": embed, "routed_experts": routed,
-          "active": int(total - embed - routed + active_routed)}
 
 
 def layer_counts(cfg) -> dict:
@@ -242,9 +226,8 @@ def phase_step(args, out: dict) -> None:
               "attention": cfg.attention, "mla_impl": cfg.mla_impl, "seq_len": args.seq_len,
               "donate_state": args.donate,
               "donation_note": ("the step phase jits train_step_fn's step itself, donating the train state "
-                                "(as model/aot.py's fit check compiles it) when donate_state; kda-train runs "
-                                "train_step_fn's own jit, which donates nothing at this commit: it holds the "
-                                "old and the new train state at once (+ params and AdamW moments)"),
+                                "(as model/aot.py's fit check compiles it and kda-train runs it) when donate_state; "
+                                "without, the old and the new train state are live at once"),
               "parameters": params, "layers": layer_counts(cfg), "peak_flops": PEAK_FLOPS,
               "backend": jax.default_backend(), "device": dev.device_kind, "jax": jax.__version__,
               "init_s": round(time.perf_counter() - t0, 2), "memory_after_init": device_memory_stats()})
@@ -308,7 +291,7 @@ def phase_step(args, out: dict) -> None:
   step_s = timing["median_ms"] / 1e3
   tps = tokens / step_s
   attn = attention_flops(cfg, doc_lengths)
-  model_flops = 6.0 * params["active"] * tokens
+  model_flops = 6.0 * params["active_matmul"] * tokens
   xf = candidates[str(b)]["xla_flops"]
   out["timed"] = {
       "batch_size": b, "tokens_per_step": tokens, "documents": len(doc_lengths),
@@ -709,7 +692,7 @@ def main(argv=None) -> int:
   p.add_argument("--seq-len", type=int, default=2048)
   p.add_argument("--donate", action=argparse.BooleanOptionalAction, default=True,
                  help="step: donate the train state to the step, as model/aot.py compiles it (default); "
-                      "--no-donate: as train_step_fn's own jit runs it at this commit (two train states live)")
+                      "--no-donate: a step without donation (two train states live)")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--steps-per-repeat", type=int, default=3)
   p.add_argument("--dir", default="/tmp/kda_train_device_runs", help="loss: where the runs go")
