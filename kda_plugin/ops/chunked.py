@@ -578,22 +578,30 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   return o, jnp.where(present[:, :, None, None, None], final, init)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "n_slots", "want_final", "diag_mode", "lower_bound",
-                                             "use_l2norm"))
-def _chunked_jit(q, k, v, g, beta, seg, h0, gate, *, scale, n_slots, want_final, diag_mode, lower_bound=None,
-                 use_l2norm=False):
-  def prep(qc, kc, gc):  # float32 chunk [..., C, H, K], inside the (rematerialised) scan step
+def chunk_prep(gate, lower_bound, use_l2norm: bool):
+  """The in-op input stage of `kda_chunk_core` (its `prep`), or None when there is nothing to do:
+  float32 chunks `(q, k, g)` `[..., C, H, K]` -> L2-normalised q and k (`use_l2norm`) and the activated
+  gate (`gate` = (a_log, dt_bias) given, with `lower_bound`), run inside each (rematerialised) scan step."""
+  if not use_l2norm and gate is None:
+    return None
+
+  def prep(qc, kc, gc):
     if use_l2norm:
       qc, kc = l2norm(qc), l2norm(kc)
     if gate is not None:
       gc = activate_gate(gc, gate[0], gate[1], lower_bound)
     return qc, kc, gc
+  return prep
 
-  use_prep = use_l2norm or gate is not None
+
+@functools.partial(jax.jit, static_argnames=("scale", "n_slots", "want_final", "diag_mode", "lower_bound",
+                                             "use_l2norm"))
+def _chunked_jit(q, k, v, g, beta, seg, h0, gate, *, scale, n_slots, want_final, diag_mode, lower_bound=None,
+                 use_l2norm=False):
   # With the in-op L2 norm the op computes with the float32 normalised q (as `l2norm` of the
   # unfused route returns it), so o is formed in float32 whatever q's dtype; the caller casts it.
   return kda_chunk_core(q, k, v, g, beta, seg, h0, scale=scale, n_slots=n_slots, want_final=want_final,
-                        diag_mode=diag_mode, prep=prep if use_prep else None,
+                        diag_mode=diag_mode, prep=chunk_prep(gate, lower_bound, use_l2norm),
                         out_dtype=jnp.float32 if use_l2norm else None)
 
 

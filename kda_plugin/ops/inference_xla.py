@@ -25,8 +25,7 @@ import numpy as np
 
 from kda_plugin.ops._chunk_common import CHUNK, SUB
 from kda_plugin.ops._contract import InferenceCall, check_gate_args, check_kda_inputs
-from kda_plugin.ops.chunked import FACTOR_LIMIT, kda_chunk_core, run_with_slots
-from kda_plugin.ops.gates import activate_gate, l2norm
+from kda_plugin.ops.chunked import FACTOR_LIMIT, chunk_prep, kda_chunk_core, run_with_slots
 
 CHUNKS_PER_STEP = 2  # see the module docstring
 
@@ -123,15 +122,7 @@ def peak_memory_bytes(q, k, v, g, beta, *, segment_ids, initial_state, output_fi
                                              "lower_bound", "use_l2norm"))
 def _forward(q, k, v, g, beta, seg, h0, gate, *, scale, n_slots, want_final, diag_mode, lower_bound,
              use_l2norm):
-  def prep(qc, kc, gc):  # float32 chunk [..., C, H, K]
-    if use_l2norm:
-      qc, kc = l2norm(qc), l2norm(kc)
-    if gate is not None:
-      gc = activate_gate(gc, gate[0], gate[1], lower_bound)
-    return qc, kc, gc
-
-  use_prep = use_l2norm or gate is not None
   return kda_chunk_core(q, k, v, g, beta, seg, h0, scale=scale, n_slots=n_slots,
                         want_final=want_final, diag_mode=diag_mode,
-                        prep=prep if use_prep else None,
+                        prep=chunk_prep(gate, lower_bound, use_l2norm),
                         group=CHUNKS_PER_STEP if q.shape[1] > CHUNK else 1)

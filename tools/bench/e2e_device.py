@@ -79,20 +79,20 @@ def split(model):
 
 
 # --- costs -----------------------------------------------------------------------------------------
-def parameter_counts(model, cfg) -> dict:
-  """Parameters: all, the embedding table, the routed experts, and those one token uses (active)."""
+def parameter_counts(params, cfg) -> dict:
+  """Parameters of the tree `params` (a model's nnx.state, or a train state's "params"): all, the
+  embedding table, the routed experts, and those one token multiplies by (active_matmul)."""
   # imported in the phase that needs it: a missing package fails that phase alone, by name
   import jax
-  from flax import nnx
   total = embed = routed = 0
-  for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model)):
+  for path, x in jax.tree_util.tree_leaves_with_path(params):
     name, n = jax.tree_util.keystr(path), int(np.prod(x.shape))
     total += n
     if "embed_tokens" in name:
       embed += n
     elif "['experts']" in name and "shared" not in name:
       routed += n
-  active_routed = routed * cfg.num_experts_per_tok / cfg.num_experts
+  active_routed = routed * cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 0
   return {"total": total, "embedding": embed, "routed_experts": routed,
           "active_matmul": int(total - embed - routed + active_routed)}
 
@@ -153,7 +153,7 @@ def phase_model(args) -> dict:
   t0 = time.perf_counter()
   model = build_model(cfg)
   graphdef, treedef, leaves = split(model)
-  params = parameter_counts(model, cfg)
+  params = parameter_counts(nnx.state(model), cfg)
   weights = tree_bytes(leaves)
   out = {"config": args.config or (SMOKE_CONFIG if args.smoke else FULL_CONFIG), "overrides": args.set,
          "dtype": cfg.dtype, "attention": cfg.attention, "moe_impl": cfg.moe_impl, "scan_layers": cfg.scan_layers,

@@ -73,42 +73,7 @@ for k in install step loss split; do   # TRAIN_BUDGET_<phase>=SECONDS overrides 
   fi
 done
 LOGS="$OUT/train_device_logs.txt"
-: > "$LOGS"
-STATUS_FILE="$WORK/status.tsv"
-: > "$STATUS_FILE"
-rm -f "$WORK"/*.json "$WORK"/*.json.tmp   # a previous run's figures must not pass for this run's
-
-record() {  # record NAME STATUS RC SECONDS BUDGET
-  printf '%s\t%s\t%s\t%s\t%s\n' "$@" >> "$STATUS_FILE"
-}
-
-left() { echo $((TOTAL_BUDGET - SECONDS)); }
-
-run_phase() {  # run_phase NAME COMMAND...: under min(its budget, the time left); log appended to $LOGS
-  local name=$1 budget=${BUDGET[$1]} start=$SECONDS rc
-  shift
-  [ "$(left)" -lt "$budget" ] && budget=$(left)
-  if [ "$budget" -le 5 ]; then
-    record "$name" "skipped: no time left of the ${TOTAL_BUDGET} s budget" -1 0 "${BUDGET[$name]}"
-    echo "== $name: skipped (no time left)"
-    return
-  fi
-  echo "== $name (budget ${budget} s; at ${SECONDS} s)" | tee -a "$LOGS"
-  if declare -F "$1" >/dev/null; then   # a function of this script
-    export -f "$1"
-    export PY INDEX VENV ROOT WHEELS
-    timeout -k 10 "$budget" bash -c '"$@"' _ "$@" > "$WORK/$name.log" 2>&1
-  else
-    timeout -k 10 "$budget" "$@" > "$WORK/$name.log" 2>&1
-  fi
-  rc=$?
-  cat "$WORK/$name.log" >> "$LOGS"
-  tail -n 25 "$WORK/$name.log"
-  local status=ok
-  [ $rc -eq 124 ] || [ $rc -eq 137 ] && status="timeout after ${budget} s"
-  [ $rc -ne 0 ] && [ "$status" = ok ] && status="failed (rc $rc)"
-  record "$name" "$status" "$rc" $((SECONDS - start)) "${BUDGET[$name]}"
-}
+. "$ROOT/tools/bench/device_phases.sh"   # record, left, run_phase; clears $LOGS and the last run's figures
 
 wants() { [[ " $PHASES " == *" $1 "* ]]; }
 
