@@ -9,8 +9,9 @@ CHECK failure aborts the process), and asserts on the compiled executable's `mem
     no 1-wide padded beta / segment columns);
   - `estimate_peak_memory` (a closed form, nothing compiled) is within 10 % of arguments + outputs
     + temporaries.
-`make test` runs the cases below (about 10 s each); `make test-slow` adds the whole lowering matrix
-(initial state x final state x gate family x dtype) on all three generations.
+`make test` runs the FAST cases and the `*_FAST` layouts below (about 10 s each); `make test-slow` adds
+the whole lowering matrix (initial state x final state x gate family x dtype) on all three generations
+and every layout at both ends of the JAX range.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ def _id(c):
           f"{'' if c['final'] else '-nofinal'}{shape}")
 
 
-FAST = ([_case("tpu7x", d, g, h) for d, g, h in itertools.product(
-            ["bfloat16", "float32"], ["softplus", "bounded"], [False, True])]
+# Each dtype and gate family once, with and without an initial state, on each generation; the rest
+# of the matrix is in SLOW.
+FAST = ([_case("tpu7x", "bfloat16", "bounded"), _case("tpu7x", "float32", "softplus", True)]
         + [_case("tpu7x", key_dim=64, value_dim=64), _case("tpu7x", key_dim=256, value_dim=256)]
         + [_case("tpu7x", batch=256, docs=16, num_segments=16)]  # SMEM must not grow with B*T
-        + [_case(chip, "bfloat16", g) for chip in ("v5e", "v6e") for g in ("softplus", "bounded")])
+        + [_case("v5e", "bfloat16", "softplus"), _case("v6e", "bfloat16", "bounded")])
 SLOW = [_case(chip, d, g, h, f) for chip in ("v5e", "v6e", "tpu7x")
         for h, f, g, d in itertools.product([False, True], [False, True],
                                             ["pre_activated", "softplus", "bounded"],
@@ -135,6 +137,14 @@ def test_call_larger_than_hbm_is_a_value_error_before_lowering(tpu_aot):
 BOTH_ENDS = [dict(layout=layout, dtype=dtype, heads=heads)
              for layout in ("lane_dense", "heads") for dtype in ("bfloat16", "float32")
              for heads in (8, 32) if not (heads == 32 and dtype == "float32")]
+# make test: each layout and dtype once per end (the bf16 strided load that failed on jax 0.10.2 included)
+OLDEST_FAST = {"heads-bfloat16-H32", "lane_dense-float32-H8"}
+NEWEST_FAST = {"heads-float32-H8", "lane_dense-bfloat16-H32"}
+
+
+def _ends(fast):
+  name = lambda c: f"{c['layout']}-{c['dtype']}-H{c['heads']}"
+  return [pytest.param(c, id=name(c), marks=() if name(c) in fast else pytest.mark.slow) for c in BOTH_ENDS]
 
 
 def _layout_args(chip, c, precision=None):
@@ -151,19 +161,19 @@ def _check_layout(report):
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("case", BOTH_ENDS, ids=lambda c: f"{c['layout']}-{c['dtype']}-H{c['heads']}")
+@pytest.mark.parametrize("case", _ends(OLDEST_FAST))
 def test_kernel_compiles_on_jax_0_10_2(tpu_aot_jax0102, case):
   _check_layout(tpu_aot_jax0102.run(MODULE, *_layout_args("v5e-2x2", case), timeout=600))
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("case", BOTH_ENDS, ids=lambda c: f"{c['layout']}-{c['dtype']}-H{c['heads']}")
+@pytest.mark.parametrize("case", _ends(NEWEST_FAST))
 def test_kernel_compiles_on_the_newest_jax(tpu_aot, case):
   _check_layout(tpu_aot.run(MODULE, *_layout_args("v5e", case), timeout=600))
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("aot", ["tpu_aot_jax0102", "tpu_aot"])
+@pytest.mark.parametrize("aot", ["tpu_aot_jax0102", pytest.param("tpu_aot", marks=pytest.mark.slow)])
 def test_bf16_kernel_compiles_under_a_highest_precision_context(aot, request):
   """A caller's jax.default_matmul_precision('highest') must not reach the kernel's bf16 products
   (Mosaic refuses fp32 contract precision on bf16 operands)."""
