@@ -599,7 +599,10 @@ def phase_loss(args, out: dict) -> None:
   resume_from = ckpt.latest_step()
   ckpt.close()
   runs["A_killed"]["checkpointed_step"] = resume_from
-  runs["B_resumed"] = launch("B_resumed", a)
+  if resume_from is None:   # A never reached a checkpoint (it failed, or the kill came first): nothing to resume
+    runs["B_resumed"] = {"skipped": "A_killed wrote no checkpoint to resume from"}
+  else:
+    runs["B_resumed"] = launch("B_resumed", a)
   runs["C_uninterrupted"] = launch("C_uninterrupted", c)
   write_json(args.json, out)
 
@@ -626,7 +629,8 @@ def phase_loss(args, out: dict) -> None:
       "max_abs_loss_diff_after_resume": max(diffs) if diffs else None,
       "max_abs_loss_diff_before_kill": max(before) if before else None,
       "tolerance": 0.0,
-      "equal": complete and max(diffs + before) == 0.0,
+      # null when the comparison could not be made (no checkpoint, or a run stopped early)
+      "equal": (max(diffs + before) == 0.0) if complete else None,
       "why_exact": ("one device: the resumed run executes the same compiled step on the same batches (the data "
                     "iterator's position is checkpointed) from a state restored bit for bit (f32 parameters, "
                     "AdamW moments, step, PRNG key), and XLA's reductions on one device are deterministic, so "
@@ -643,6 +647,13 @@ def phase_loss(args, out: dict) -> None:
   ckpt = train_lib.TrainCheckpointer(a / "checkpoints", 3)
   report["train_checkpoint_steps"] = ckpt.all_steps()
   latest = ckpt.latest_step()
+  if latest is None:
+    ckpt.close()
+    report["restored_step"] = None
+    out["checkpoints"] = report
+    write_json(args.json, out)
+    say("loss: no train checkpoint was written; resume: " + json.dumps(out["resume"]))
+    return
   step_dir = a / "checkpoints" / str(latest)
   report["train_checkpoint_layout"] = sorted(str(p.relative_to(step_dir)) for p in step_dir.iterdir()) if step_dir.is_dir() else []
   cfg = load_config([*keys, f"output_dir={a}"])
