@@ -219,30 +219,42 @@ def _raise_interrupt(signum, frame):
 
 
 class _Interrupts:
-  """SIGTERM as KeyboardInterrupt, held back while a checkpoint is being written: a signal that lands in
-  `ckpt.save` (Orbax writing, its threads mid-file) is raised once that checkpoint is complete, so a
-  preempted run never leaves a half-written step behind (and Orbax logs no failed write)."""
+  """SIGTERM as KeyboardInterrupt, held back (`hold`) while a checkpoint is being written or a step is
+  dispatched: a signal that lands in `ckpt.save` (Orbax writing, its threads mid-file) is raised once
+  that checkpoint is complete, so a preempted run never leaves a half-written step behind, and one that
+  lands while a step takes the donated train state is raised once the new state is bound, so the run
+  can checkpoint it. A KeyboardInterrupt raised where Python discards exceptions (a gc callback, a
+  __del__) would be lost: `check`, called once a step, raises it again."""
 
   def __init__(self):
-    self.saving = False
+    self.held = False
     self.pending = None
+    self.received = None
 
   def handler(self, signum, frame):
-    if self.saving:
+    if self.held:
       self.pending = signum
       return
+    self.received = signum   # cleared by `check` only: raised below, it may be swallowed
     _raise_interrupt(signum, frame)
+
+  def check(self):
+    """Raises a SIGTERM whose KeyboardInterrupt was swallowed."""
+    if self.received is not None:
+      signum, self.received = self.received, None
+      _raise_interrupt(signum, None)
 
   @contextlib.contextmanager
   def hold(self):
-    self.saving = True
+    self.held = True
     try:
       yield
     finally:
-      self.saving = False
-    if self.pending is not None:
-      signum, self.pending = self.pending, None
-      _raise_interrupt(signum, None)
+      self.held = False
+      if self.pending is not None:   # raised even when the held block failed: the interrupt wins
+        signum, self.pending = self.pending, None
+        self.received = None
+        _raise_interrupt(signum, None)
 
 
 def _remove_unused_run(out: pathlib.Path, created: bool) -> None:
@@ -426,6 +438,7 @@ def train(cfg, *, progress: bool = True) -> dict:
   # `step` counts dispatched steps (asynchronous: an out-of-memory surfaces later); `completed` the last
   # step known to have run (its metrics fetched or its checkpoint written).
   start = step = saved = completed = None
+  told = False   # the loop said what an interrupt left checkpointed
   try:
     out.mkdir(parents=True, exist_ok=True)
     ckpt = train_lib.TrainCheckpointer(out / CHECKPOINT_SUBDIR, cfg.checkpoint_keep)
@@ -519,9 +532,11 @@ def train(cfg, *, progress: bool = True) -> dict:
           batch = to_global(batch)
         if step == start:  # before the first step: announced, timed, and XLA's own figure of what it needs
           compile_report = check_step_memory(step_fn, state, batch, reuse=mesh is None, cfg=cfg)
-        state, m = step_fn(state, batch)
-        step += 1
-        pending.append((step, m))
+        interrupts.check()
+        with interrupts.hold():  # a SIGTERM now is raised once the new state and its metrics are kept
+          state, m = step_fn(state, batch)
+          step += 1
+          pending.append((step, m))
         bar.update(1)
         if step % cfg.log_every == 0 or step == final_step:
           rec = log_pending()
@@ -536,6 +551,7 @@ def train(cfg, *, progress: bool = True) -> dict:
         if cfg.export_every and step % cfg.export_every == 0 and step < cfg.steps:
           export_parameters(out / f"{PARAMS_SUBDIR}-{step}", graphdef, state, cfg)
     except KeyboardInterrupt:
+      told = True
       # The interrupt may land between next(it) and the state update: re-derive the position from
       # the state (batches are a pure function of the step) so the checkpoint is consistent.
       if any(x.is_deleted() for x in jax.tree.leaves(state)):
@@ -550,6 +566,8 @@ def train(cfg, *, progress: bool = True) -> dict:
       if step > start and step not in ckpt.all_steps():
         save()
         bar.write(f"interrupted: checkpointed step {step} in {ckpt.directory}; run the same command to resume")
+      elif step > start:   # landed while this step's checkpoint was written: it is complete
+        bar.write(f"interrupted: step {step} is checkpointed in {ckpt.directory}; run the same command to resume")
       raise
     finally:
       mesh_ctx.close()
@@ -565,6 +583,9 @@ def train(cfg, *, progress: bool = True) -> dict:
   except KeyboardInterrupt:
     if completed is None or completed == start:  # interrupted before this run's first step finished
       _nothing_saved(out, created, start)
+    elif not told:   # after the loop: while the parameters were exported
+      _say(f"interrupted: the last checkpoint, step {saved}, is in {out / CHECKPOINT_SUBDIR}; run the same "
+           f"command to resume (and export)")
     raise
   except Exception as e:
     if completed is None or completed == start:  # no step completed: leave no empty run directory behind

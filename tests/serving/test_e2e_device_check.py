@@ -63,3 +63,21 @@ def test_every_phase_runs_in_smoke_mode(tmp_path):
   server = phases["server"]["result"]
   assert server["compile_detail"].startswith("0 compiled"), server
   assert server["socket_removed"] and server["exit_status"] == 0
+
+
+@pytest.mark.parametrize("phases, message", [
+    ("model modle", "error: E2E_PHASES: unknown phase 'modle' (expected some of: model ckpt serving identity server real)"),
+    (" ", "error: E2E_PHASES=' ': expected some of: model ckpt serving identity server real"),
+])
+def test_bad_phases_are_refused_before_anything_is_touched(tmp_path, phases, message):
+  """A typo exits 2 with one line, before the script creates or clears anything: the last run's logs
+  and figures stay (before, the log was emptied first), and an empty list is not a successful run."""
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "e2e_logs.txt").write_text("the last run's log\n")
+  env = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), E2E_SMOKE="1", SKIP_INSTALL="1",
+             PY=sys.executable, E2E_PHASES=phases)
+  proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  assert proc.stderr.strip().splitlines() == [message]
+  assert (tmp_path / "out" / "e2e_logs.txt").read_text() == "the last run's log\n"
+  assert not (tmp_path / "work").exists()

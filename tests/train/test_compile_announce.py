@@ -35,6 +35,11 @@ def test_compile_is_announced_and_a_restart_loads_it_from_the_persistent_cache(c
   import tools.train as train_tool
 
   cache = tmp_path / "jax"
+  # as in a new process: a test before this one in the same worker may have compiled this very step,
+  # which jax would then take from its in-memory cache without compiling (and so without writing it
+  # to the persistent cache that the restart below must load it from)
+  jax.clear_caches()
+  train_lib.train_step_fn.cache_clear()
   try:
     assert train_tool.main(_argv(corpus, tmp_path / "a", "steps=3", "stop_at_step=1", f"compilation_cache_dir={cache}")) == 0
     err = capsys.readouterr().err

@@ -223,12 +223,13 @@ def test_sigterm_checkpoints_the_current_step_and_resume_continues(corpus, tmp_p
   out = tmp_path / "run"
   with pytest.raises(KeyboardInterrupt):
     train(tiny_config(corpus, out, "steps=6", "checkpoint_every=0"), progress=False)
+  # held while the step takes the donated state: raised once step 4's state is bound, which is checkpointed
   saved = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
-  assert saved == [3]
-  assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
+  assert saved == [4]
+  assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
   monkeypatch.setattr(trainer.train_lib, "train_step_fn", real)
   rest = train(tiny_config(corpus, out, "steps=6", "checkpoint_every=0"), progress=False)
-  assert rest["start_step"] == 3 and sorted(rest["losses"]) == [4, 5, 6]
+  assert rest["start_step"] == 4 and sorted(rest["losses"]) == [5, 6]
   full = train(tiny_config(corpus, tmp_path / "full", "steps=6", "checkpoint_every=0"), progress=False)
   assert [r["loss"] for r in _metrics(out)] == [full["losses"][s] for s in range(1, 7)]
   assert signal.getsignal(signal.SIGTERM) is not trainer._raise_interrupt  # handler restored
@@ -380,3 +381,31 @@ def test_step_memory_figure_is_xla_s():
   assert train_lib.step_bytes_needed(c, arguments_resident=False) >= 256 * 256 * 4
   have, resident = train_lib.available_memory_bytes(jax.devices()[0])
   assert resident and have > 0
+
+
+def test_a_swallowed_sigterm_is_raised_again_and_a_held_one_on_release():
+  """A SIGTERM's KeyboardInterrupt raised where Python discards exceptions (jax's gc callback: the
+  run went on to its last step and exited 0) is raised again by `check` before the next step; one that
+  lands in a held block (a checkpoint write, a step taking the donated state) is raised as it ends,
+  even when the block failed."""
+  import signal
+
+  ints = trainer._Interrupts()
+  try:
+    ints.handler(signal.SIGTERM, None)
+  except KeyboardInterrupt:
+    pass   # swallowed, as in a gc callback
+  with pytest.raises(KeyboardInterrupt, match="signal 15"):
+    ints.check()
+  ints.check()   # raised once
+  ran = []
+  with pytest.raises(KeyboardInterrupt, match="signal 15"):
+    with ints.hold():
+      ints.handler(signal.SIGTERM, None)   # held: not raised here
+      ran.append(1)
+  assert ran == [1]
+  with pytest.raises(KeyboardInterrupt):
+    with ints.hold():
+      ints.handler(signal.SIGTERM, None)
+      raise ValueError("the held block failed")
+  ints.check()   # a held interrupt is not raised a second time

@@ -81,7 +81,7 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
   assert timed["step"]["min_ms"] <= timed["step"]["median_ms"] <= timed["step"]["max_ms"]
   assert timed["tokens_per_s"] == pytest.approx(256 / (timed["step"]["median_ms"] / 1e3), rel=1e-3)
   flops = timed["flops_per_step"]
-  assert flops["model_6N"] == 6 * step["parameters"]["active"] * 256
+  assert flops["model_6N"] == 6 * step["parameters"]["active_matmul"] * 256
   assert timed["mfu_6N"] == pytest.approx(flops["model_6N"] * timed["tokens_per_s"] / 256 / 197e12, abs=1e-4)
   mem = step["batch_candidates"]["4"]["memory_analysis"]
   assert mem["total_bytes"] == mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"]
@@ -128,6 +128,7 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
     ({"TRAIN_PHASES": "step lossx"}, "error: TRAIN_PHASES: unknown phase 'lossx' (expected some of: step loss split)"),
     ({"TRAIN_BUDGET_step": "abc"}, "error: TRAIN_BUDGET_step='abc': expected whole seconds >= 1"),
     ({"TRAIN_BATCHES": "8 x"}, "error: TRAIN_BATCHES='8 x': expected batch sizes >= 1 separated by spaces"),
+    ({"TRAIN_PHASES": " "}, "error: TRAIN_PHASES=' ': expected some of: step loss split"),
 ])
 def test_bad_settings_are_refused_before_any_phase(tmp_path, env, message):
   """A typo in a phase name, budget or batch list exits 2 with one line naming the variable; before the
@@ -137,4 +138,4 @@ def test_bad_settings_are_refused_before_any_phase(tmp_path, env, message):
                             "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), **env})
   assert run.returncode == 2, run.stdout + run.stderr
   assert run.stderr.strip().splitlines()[-1].startswith(message), run.stderr
-  assert not (tmp_path / "out" / "train_device_check.json").exists()
+  assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()   # nothing made, nothing cleared

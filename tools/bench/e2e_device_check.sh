@@ -32,7 +32,6 @@ cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/kda_e2e_out}
 WORK=${WORK:-/tmp/kda_e2e}
-mkdir -p "$OUT" "$WORK"
 if [ -z "${PY:-}" ]; then
   if [ -x /root/.pyenv/versions/3.11.7/bin/python3 ]; then PY=/root/.pyenv/versions/3.11.7/bin/python3
   else PY=$(cd /tmp && python3 -c 'import sys; print(sys.executable)'); fi
@@ -53,7 +52,13 @@ if [ "$SMOKE" = 1 ]; then   # a slow shared CPU: the figures do not matter, ever
   BUDGET=([install]=60 [model]=300 [ckpt]=300 [serving]=400 [identity]=300 [server]=300 [real]=1)
 fi
 SMOKE_FLAG=(); [ "$SMOKE" = 1 ] && SMOKE_FLAG=(--smoke)
+[ -n "${PHASES//[[:space:]]/}" ] || { echo "error: E2E_PHASES='$PHASES': expected some of: model ckpt serving identity server real" >&2; exit 2; }
+for p in $PHASES; do   # a typo must not silently drop a phase
+  case " model ckpt serving identity server real " in *" $p "*) ;;
+    *) echo "error: E2E_PHASES: unknown phase '$p' (expected some of: model ckpt serving identity server real)" >&2; exit 2;; esac
+done
 LOGS="$OUT/e2e_logs.txt"
+mkdir -p "$OUT" "$WORK"   # after the checks: a refused run leaves nothing behind
 . "$ROOT/tools/bench/device_phases.sh"   # record, left, run_phase; clears $LOGS and the last run's figures
 
 skip() {  # skip NAME REASON
@@ -61,10 +66,6 @@ skip() {  # skip NAME REASON
   echo "== $1: skipped: $2" | tee -a "$LOGS"
 }
 
-for p in $PHASES; do   # a typo must not silently drop a phase
-  case " model ckpt serving identity server real " in *" $p "*) ;;
-    *) echo "error: E2E_PHASES: unknown phase '$p' (expected some of: model ckpt serving identity server real)" >&2; exit 2;; esac
-done
 wants() { [[ " $PHASES " == *" $1 "* ]]; }
 
 # --- install ------------------------------------------------------------------------------------------

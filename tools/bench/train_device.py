@@ -232,7 +232,7 @@ def phase_step(args, out: dict) -> None:
               "backend": jax.default_backend(), "device": dev.device_kind, "jax": jax.__version__,
               "init_s": round(time.perf_counter() - t0, 2), "memory_after_init": device_memory_stats()})
   say(f"model {cfg.model_name} {out['config']}: {params['total'] / 1e9:.3f} B parameters, "
-      f"{params['active'] / 1e9:.3f} B active; {dev.device_kind}")
+      f"{params['active_matmul'] / 1e9:.3f} B active; {dev.device_kind}")
   step_fn = train_lib.train_step_fn(graphdef, hparams, cfg.max_num_segments, float(cfg.router_bias_update_rate))
   data = {b: packed_batch(cfg, b, args.seq_len, seed=b) for b in batches}
   say(f"compiling the train step for batch sizes {batches} x seq_len {args.seq_len} at once (cold on a fresh "

@@ -37,7 +37,6 @@ cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/kda_train_out}
 WORK=${WORK:-/tmp/kda_train}
-mkdir -p "$OUT" "$WORK"
 if [ -z "${PY:-}" ]; then
   if [ -x /root/.pyenv/versions/3.11.7/bin/python3 ]; then PY=/root/.pyenv/versions/3.11.7/bin/python3
   else PY=$(cd /tmp && python3 -c 'import sys; print(sys.executable)'); fi
@@ -60,6 +59,7 @@ if [ "$SMOKE" = 1 ]; then   # a slow shared CPU: the figures do not matter, ever
   TOTAL_BUDGET=1200
   BUDGET=([install]=60 [step]=300 [loss]=500 [split]=300)
 fi
+[ -n "${PHASES//[[:space:]]/}" ] || { echo "error: TRAIN_PHASES='$PHASES': expected some of: step loss split" >&2; exit 2; }
 for p in $PHASES; do   # a typo must not silently drop a phase
   case " step loss split " in *" $p "*) ;; *) echo "error: TRAIN_PHASES: unknown phase '$p' (expected some of: step loss split)" >&2; exit 2;; esac
 done
@@ -73,6 +73,7 @@ for k in install step loss split; do   # TRAIN_BUDGET_<phase>=SECONDS overrides 
   fi
 done
 LOGS="$OUT/train_device_logs.txt"
+mkdir -p "$OUT" "$WORK"   # after the checks: a refused run leaves nothing behind
 . "$ROOT/tools/bench/device_phases.sh"   # record, left, run_phase; clears $LOGS and the last run's figures
 
 wants() { [[ " $PHASES " == *" $1 "* ]]; }
