@@ -259,15 +259,29 @@ def _splash_block(t_pad: int) -> int:
 
 
 @functools.lru_cache(maxsize=32)
+def _splash_mask(t_pad: int, heads: int):
+  """A causal mask over `t_pad` tokens for each of `heads` heads (hashable: jax caches the NumPy mask
+  processing behind a kernel on it)."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415 (TPU-only module)
+  return splash.MultiHeadMask([splash.CausalMask((t_pad, t_pad)) for _ in range(heads)])
+
+
 def _splash_kernel(t_pad: int, heads: int, save_residuals: bool, interpret: bool):
-  """One splash kernel per (padded row, heads): a causal mask over `t_pad` tokens, blocks of
-  `_splash_block(t_pad)` for the forward and both backward kernels."""
+  """The splash kernel for a causal mask over `t_pad` tokens, blocks of `_splash_block(t_pad)` for the
+  forward and both backward kernels.
+
+  Built anew on every call, inside the caller's trace, and never cached: the kernel holds its mask
+  metadata as jax arrays made with `jnp.array` when it is built, so a kernel built under one trace holds
+  that trace's values. Kept for another trace (another jit, or the remat / grad sub-traces of one train
+  step), they either raise UnexpectedTracerError or become hidden extra inputs of the compiled
+  executable, which `jit(...).lower(...).compile()` then cannot be called with ("compiled for N inputs
+  but called with N-k", seen on a v5e with jax 0.10.2). Rebuilding costs little: the NumPy processing
+  of the (cached, hashable) mask is cached by jax."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415 (TPU-only module)
   bl = _splash_block(t_pad)
   sizes = splash.BlockSizes(block_q=bl, block_kv=bl, block_kv_compute=bl, block_q_dkv=bl, block_kv_dkv=bl,
                             block_kv_dkv_compute=bl, block_q_dq=bl, block_kv_dq=bl)
-  mask = splash.MultiHeadMask([splash.CausalMask((t_pad, t_pad)) for _ in range(heads)])
-  return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+  return splash.make_splash_mha(_splash_mask(t_pad, heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                 save_residuals=save_residuals, interpret=interpret)
 
 

@@ -11,7 +11,8 @@ Usage: python -m tests.aot.compile_mla_tpu --chip v5e --seq-len 8192 [--impl aut
   [--heads 8 --hidden 1024 --batch 1 --docs 1 --dtype bfloat16]
 
 Output (last stdout line): {"chip", "impl", "seq_len", "argument_bytes", "output_bytes", "temp_bytes",
-"flops", "has_tpu_custom_call", "compile_s"}.
+"flops", "has_tpu_custom_call", "compile_s"}; with --kernel-only also "entry_parameters" (the compiled
+executable's inputs) and "arguments" (what a caller passes: 4).
 """
 
 from __future__ import annotations
@@ -118,14 +119,29 @@ def _kernel_only(args) -> int:
       if args.grad else fwd
   start = time.perf_counter()
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    if args.grad:   # another trace first, as a train step's remat and grad sub-traces are
+      jax.jit(fwd).lower(q, k, v, seg)
     compiled = jax.jit(fn).lower(q, k, v, seg).compile()
   ma = compiled.memory_analysis()
   print(json.dumps(dict(chip=args.chip, impl="splash", seq_len=t, grad=args.grad, kernel_only=True,
+                        entry_parameters=_entry_parameters(compiled.as_text()), arguments=4,
                         argument_bytes=int(ma.argument_size_in_bytes), output_bytes=int(ma.output_size_in_bytes),
                         temp_bytes=int(ma.temp_size_in_bytes),
                         has_tpu_custom_call="tpu_custom_call" in compiled.as_text(),
                         compile_s=round(time.perf_counter() - start, 2), jax=jax.__version__)))
   return 0
+
+
+def _entry_parameters(hlo: str) -> int:
+  """The number of parameters of the compiled HLO's ENTRY computation: the inputs the executable takes."""
+  lines = hlo.splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
+  n = 0
+  for line in lines[start + 1:]:
+    if line.startswith("}"):
+      break
+    n += " parameter(" in line
+  return n
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
   intermediates sit in v5e's 128 MiB of VMEM, which `memory_analysis` does not count, so shorter rows
   would not show the growth.
 - The kernel at MLA's head dims (q/k 192, v 128) compiles on the chip's end (jax 0.10.2, libtpu
-  0.0.42: topology v5e:2x2, one chip used) forward, backward and in its residual-saving form.
+  0.0.42: topology v5e:2x2, one chip used) forward, backward and in its residual-saving form, and the
+  compiled executable takes exactly the arguments a caller passes (the backward traced after a forward).
 """
 
 from __future__ import annotations
@@ -32,5 +33,8 @@ def test_mla_prefill_temporaries_grow_linearly_on_v5e(tpu_aot):
 def test_splash_kernel_compiles_on_jax_0_10_2(tpu_aot_jax0102, flags):
   r = tpu_aot_jax0102.run(MODULE, "--chip", "v5e-2x2", "--seq-len", "8192", "--kernel-only", *flags, timeout=600)
   assert r["jax"] == "0.10.2" and r["has_tpu_custom_call"], r
+  # The executable takes the 4 arguments and nothing else: a kernel kept from another trace added hidden
+  # inputs (its mask metadata), and the compiled train step could not be called on the chip.
+  assert r["entry_parameters"] == r["arguments"], r
   # Linear memory: temporaries below one [H, T, T] bf16 block of scores (1 GiB here).
   assert r["temp_bytes"] < 8 * 8192 * 8192 * 2, r

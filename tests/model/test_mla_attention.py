@@ -163,6 +163,23 @@ def test_splash_interpret_matches_float64_oracle():
   np.testing.assert_allclose(np.asarray(o2), np.asarray(o), atol=0, rtol=0)
 
 
+def test_splash_kernel_is_not_reused_across_traces():
+  """Two jits of the splash gradient, each lowered, compiled and called as `Compiled` (what kda-train does),
+  and the second traced after the first. The kernel's mask metadata is made while tracing; a kernel kept
+  from the first trace carried its values into the second (UnexpectedTracerError here; on a TPU, hidden
+  extra inputs: "compiled for 392 inputs but called with 382" at kda-train's first step, jax 0.10.2)."""
+  rng = np.random.default_rng(5)
+  q, k, v = (jnp.asarray(rng.normal(0, 1, (1, 128, 1, 128)), jnp.float32) for _ in range(3))
+  seg = jnp.asarray(np.repeat([1, 2], 64)[None].astype(np.int32))
+  for scale in (0.1, 0.2):   # two different functions: two traces
+    def loss(q, scale=scale):
+      return jnp.sum(attention.splash_attention(q, k, v, seg, scale=scale, interpret=True, with_lse=False)[0] ** 2)
+
+    got = jax.jit(jax.grad(loss)).lower(q).compile()(q)
+    want = jax.grad(lambda q: jnp.sum(attention.dense_attention(q, k, v, seg, scale=scale)[0] ** 2))(q)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * float(np.abs(want).max()), rtol=0)
+
+
 @pytest.mark.slow
 def test_splash_interpret_gradients_match_dense():
   (q, k, v), seg = _inputs(200, 2, 192, 128, jnp.float32, seed=4)
