@@ -129,6 +129,14 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
     ({"TRAIN_BUDGET_step": "abc"}, "error: TRAIN_BUDGET_step='abc': expected whole seconds >= 1"),
     ({"TRAIN_BATCHES": "8 x"}, "error: TRAIN_BATCHES='8 x': expected batch sizes >= 1 separated by spaces"),
     ({"TRAIN_PHASES": " "}, "error: TRAIN_PHASES=' ': expected some of: step loss split"),
+    # a misspelt budget name was silently ignored (the phase then ran under its default budget)
+    ({"TRAIN_BUDGET_stpe": "400"}, "error: TRAIN_BUDGET_stpe: unknown phase 'stpe' (expected TRAIN_BUDGET_<phase> "
+                                   "with a phase of: install step loss split)"),
+    ({"TRAIN_BUDGET_": "400"}, "error: TRAIN_BUDGET_: unknown phase ''"),
+    # the 0/1 switches: any other value passed silently for one of them
+    ({"TRAIN_SMOKE": "yes"}, "error: TRAIN_SMOKE='yes': expected 0 or 1 (empty: the default)"),
+    ({"TRAIN_DONATE": "2"}, "error: TRAIN_DONATE='2': expected 0 or 1 (empty: the default)"),
+    ({"SKIP_INSTALL": "true"}, "error: SKIP_INSTALL='true': expected 0 or 1 (empty: the default)"),
     # a bad model key or value: one line naming TRAIN_MODEL_SET, not a traceback inside the step phase
     ({"TRAIN_MODEL_SET": "scan_layers=true scan_layer=true"},
      "error: TRAIN_MODEL_SET: unknown config key 'scan_layer'; did you mean scan_layers"),
@@ -136,9 +144,10 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
     ({"TRAIN_MODEL_SET": "scan_layers"}, "error: TRAIN_MODEL_SET: override 'scan_layers' must be written key=value"),
 ])
 def test_bad_settings_are_refused_before_any_phase(tmp_path, env, message):
-  """A typo in a phase name, budget, batch list or model key exits 2 with one line naming the variable;
-  before the fix a misspelt phase was silently dropped and the run reported success with an empty JSON, and
-  a bad model key was a traceback inside the step phase after the install."""
+  """A typo in a phase name, budget, switch, batch list or model key exits 2 with one line naming the
+  variable; before the fix a misspelt phase was silently dropped and the run reported success with an empty
+  JSON, a misspelt budget or a switch of "yes" was silently read as something else, and a bad model key was
+  a traceback inside the step phase after the install."""
   run = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                        env={**os.environ, "TRAIN_SMOKE": "1", "SKIP_INSTALL": "1", "PY": sys.executable,
                             "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), **env})

@@ -33,12 +33,17 @@
 #   CACHE_DIR (default /tmp/kda_train_jax_cache), TRAIN_BUDGET_<phase>=SECONDS (e.g. TRAIN_BUDGET_step=400 with
 #   TRAIN_PHASES=step when the cold compile needs longer; the total stays 570 s).
 # Bad settings exit 2 with one `error:` line naming the variable, before anything is created or cleared:
-# an unknown phase, a bad batch list; a TRAIN_MODEL_SET key (or
+# TRAIN_SMOKE, TRAIN_DONATE and SKIP_INSTALL other than 0, 1 or empty; a TRAIN_BUDGET_<name> whose name is
+# not a phase (install step loss split); an unknown phase, a bad batch list; a TRAIN_MODEL_SET key (or
 # value) the model config refuses (checked with PY and the checkout; when PY lacks the project's packages,
 # before the install, the key names alone, and the step phase checks the values).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
+# Every check below exits 2 with one line naming the variable, before anything is created or cleared.
+for v in TRAIN_SMOKE TRAIN_DONATE SKIP_INSTALL; do   # 0 or 1 (empty: the default); "yes" must not pass for either
+  case "${!v:-}" in ""|0|1) ;; *) echo "error: $v='${!v}': expected 0 or 1 (empty: the default)" >&2; exit 2;; esac
+done
 OUT=${OUT:-/tmp/kda_train_out}
 WORK=${WORK:-/tmp/kda_train}
 if [ -z "${PY:-}" ]; then
@@ -69,6 +74,13 @@ for p in $PHASES; do   # a typo must not silently drop a phase
 done
 [[ "$BATCHES" =~ ^[[:space:]]*[1-9][0-9]*([[:space:]]+[1-9][0-9]*)*[[:space:]]*$ ]] \
   || { echo "error: TRAIN_BATCHES='$BATCHES': expected batch sizes >= 1 separated by spaces, e.g. '8 4 1'" >&2; exit 2; }
+while IFS= read -r -d '' kv; do   # a misspelt TRAIN_BUDGET_<phase> must not be silently ignored
+  name=${kv%%=*}
+  [[ "$name" == TRAIN_BUDGET_* ]] || continue
+  case " install step loss split " in *" ${name#TRAIN_BUDGET_} "*) ;;
+    *) echo "error: $name: unknown phase '${name#TRAIN_BUDGET_}' (expected TRAIN_BUDGET_<phase> with a phase of: install step loss split)" >&2
+       exit 2;; esac
+done < <(env -0)
 for k in install step loss split; do   # TRAIN_BUDGET_<phase>=SECONDS overrides a phase's budget
   v="TRAIN_BUDGET_$k"
   if [ -n "${!v:-}" ]; then
