@@ -490,6 +490,7 @@ def train(cfg, *, progress: bool = True) -> dict:
       if start != it.step:
         raise TrainError(f"checkpoint {ckpt.directory / str(latest)} is inconsistent: train step {start} but "
                          f"data iterator step {it.step}")
+      _say(f"resuming from step {start} (checkpoint {ckpt.directory / str(latest)})")
 
     metrics = MetricsLog(out / METRICS_FILE, start)
     # Donated: the step updates the train state in place (one state live, not two); nothing below
