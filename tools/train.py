@@ -18,8 +18,9 @@ What a run does:
     (model.training.steps); the forward runs in mode "train" (kda_native routes it to kda_chunked);
   * checkpoints: the whole train state (params, optimizer state, step, PRNG key) and the data
     iterator's position every `checkpoint_every` steps into DIR/checkpoints (Orbax, last
-    `checkpoint_keep` kept). Running the same command again resumes from the latest checkpoint and
-    continues exactly as an uninterrupted run; `stop_at_step=N` ends a run early on purpose, Ctrl-C
+    `checkpoint_keep` kept). Running the same command again resumes from the latest checkpoint (it
+    prints "resuming from step N (checkpoint DIR/checkpoints/N)") and continues exactly as an
+    uninterrupted run; `stop_at_step=N` ends a run early on purpose, Ctrl-C
     (or SIGTERM) checkpoints the current step before exiting;
   * evaluation: held-out loss and perplexity every `eval_every` steps and at the end, over the
     first `eval_max_windows` held-out windows, each window scored on its own (a quick, slightly

@@ -35,7 +35,7 @@ from model.nn import moe
 from model.errors import out_of_memory, out_of_memory_message
 from model.data.pipeline import DataFormatError, make_eval_windows, make_train_iterator, read_text_file, \
     split_heldout
-from model.data.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
+from model.data.tokenizer import TIKTOKEN_FILE, TokenizerError, check_tokenizer_fits, load_tokenizer
 from model.training.steps import TrainError
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -59,7 +59,14 @@ COMPILE_TIMES_FILE = "kda-train-compile-seconds.json"
 def _tokenizer(cfg):
   """The tokenizer of `tokenizer_path`, or ids-only (format "ids") built from the config's ids."""
   if cfg.tokenizer_path:
-    tok = load_tokenizer(cfg.tokenizer_path)
+    name = f"tokenizer_path={cfg.tokenizer_path!r}"
+    if not os.path.exists(cfg.tokenizer_path):
+      raise TrainError(f"{name} does not exist: expected a sentencepiece .model file (tools.train_tokenizer writes "
+                       f"one), or a directory with {TIKTOKEN_FILE} and tokenizer_config.json")
+    try:
+      tok = load_tokenizer(cfg.tokenizer_path)
+    except TokenizerError as e:   # a directory without tiktoken.model, a file that is no tokenizer
+      raise TrainError(f"{name}: {e}") from None
   elif cfg.train_data_format == "ids":
     tok = load_tokenizer(None, vocab_size=cfg.vocab_size, bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id,
                          pad_id=cfg.pad_token_id)
@@ -67,7 +74,7 @@ def _tokenizer(cfg):
     raise TrainError(f"tokenizer_path is required for train_data_format={cfg.train_data_format!r} (a "
                      f"sentencepiece .model from tools.train_tokenizer); only format 'ids' trains without one")
   try:
-    check_tokenizer_fits(tok, cfg, name=repr(cfg.tokenizer_path))
+    check_tokenizer_fits(tok, cfg, name=f"tokenizer_path={cfg.tokenizer_path!r}" if cfg.tokenizer_path else None)
   except TokenizerError as e:
     raise TrainError(str(e)) from None
   return tok
@@ -422,6 +429,12 @@ def train(cfg, *, progress: bool = True) -> dict:
   out = pathlib.Path(cfg.output_dir).absolute()
   if out.exists() and not out.is_dir():
     raise TrainError(f"output_dir={cfg.output_dir!r} exists and is not a directory")
+  for above in out.parents:   # the nearest existing directory above it: a file there cannot hold the run
+    if above.exists() or above.is_symlink():
+      if not above.is_dir():
+        raise TrainError(f"output_dir={cfg.output_dir!r}: {str(above)!r} is a file, not a directory, so the run "
+                         f"directory cannot be made under it")
+      break
   check_output_dir(out, cfg.output_dir, cfg.overwrite)
   tok = _tokenizer(cfg)
   it, windows = build_data(cfg, tok)
@@ -440,7 +453,10 @@ def train(cfg, *, progress: bool = True) -> dict:
   start = step = saved = completed = None
   told = False   # the loop said what an interrupt left checkpointed
   try:
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+      out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:   # e.g. no permission to write in the directory above it
+      raise TrainError(f"output_dir={cfg.output_dir!r}: cannot create it ({e.strerror or e})") from None
     ckpt = train_lib.TrainCheckpointer(out / CHECKPOINT_SUBDIR, cfg.checkpoint_keep)
     meta = _meta(cfg, tok)
     latest = ckpt.latest_step()
@@ -474,6 +490,7 @@ def train(cfg, *, progress: bool = True) -> dict:
       if start != it.step:
         raise TrainError(f"checkpoint {ckpt.directory / str(latest)} is inconsistent: train step {start} but "
                          f"data iterator step {it.step}")
+      _say(f"resuming from step {start} (checkpoint {ckpt.directory / str(latest)})")
 
     metrics = MetricsLog(out / METRICS_FILE, start)
     # Donated: the step updates the train state in place (one state live, not two); nothing below

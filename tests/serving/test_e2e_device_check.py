@@ -81,3 +81,22 @@ def test_bad_phases_are_refused_before_anything_is_touched(tmp_path, phases, mes
   assert proc.stderr.strip().splitlines() == [message]
   assert (tmp_path / "out" / "e2e_logs.txt").read_text() == "the last run's log\n"
   assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"E2E_SMOKE": "yes"}, "error: E2E_SMOKE='yes': expected 0 or 1 (empty: the default)"),
+    ({"SKIP_INSTALL": "true"}, "error: SKIP_INSTALL='true': expected 0 or 1 (empty: the default)"),
+    ({"SKIP_INSTALL": "01"}, "error: SKIP_INSTALL='01': expected 0 or 1 (empty: the default)"),
+])
+def test_switches_other_than_0_or_1_are_refused_by_name(tmp_path, env, message):
+  """E2E_SMOKE=yes used to run the full (TPU) check and SKIP_INSTALL=true an install: only 0, 1 or empty
+  pass; anything else exits 2 with one line naming the variable, before anything is created or cleared."""
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "e2e_logs.txt").write_text("the last run's log\n")
+  full = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), E2E_SMOKE="1", SKIP_INSTALL="1",
+              PY=sys.executable, E2E_PHASES="model")
+  proc = subprocess.run(["bash", str(SCRIPT)], env={**full, **env}, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  assert proc.stderr.strip().splitlines() == [message]
+  assert (tmp_path / "out" / "e2e_logs.txt").read_text() == "the last run's log\n"
+  assert not (tmp_path / "work").exists()

@@ -3,6 +3,7 @@ and the command line (one line on stderr, exit status 2, no traceback, nothing w
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
@@ -138,6 +139,58 @@ def test_command_line_error_is_one_line_without_traceback(tmp_path):
   assert "Traceback" not in proc.stderr and not out.exists()
 
 
+@pytest.mark.parametrize("below", ["sub", "a/b/c"])
+def test_output_dir_under_a_file_names_output_dir(corpus, tmp_path, capsys, below):
+  """A file where a directory of output_dir's path should be: the error was the bare errno line
+  ("[Errno 20] Not a directory: ..."), given after the data was read; now it names output_dir and the
+  file, before anything is read or written."""
+  (tmp_path / "afile").write_text("mine\n")
+  given = str(tmp_path / "afile" / below)
+  with pytest.raises(TrainError) as e:
+    train(tiny_config(corpus, given), progress=False)
+  assert str(e.value) == (f"output_dir={given!r}: {str(tmp_path / 'afile')!r} is a file, not a directory, so the "
+                          f"run directory cannot be made under it")
+  assert main(["tiny", f"train_data={corpus}", "train_data_format=ids", f"output_dir={given}"]) == 2
+  assert capsys.readouterr().err == f"error: {e.value}\n"
+  assert (tmp_path / "afile").read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == ["afile",
+                                                                                                        "count.ids"]
+
+
+def test_output_dir_that_cannot_be_created_names_output_dir(corpus, tmp_path, monkeypatch):
+  """Any other failure to create output_dir (here a PermissionError, as a read-only parent gives) names it."""
+  out = tmp_path / "ro" / "run"
+  real = pathlib.Path.mkdir
+
+  def refuse(self, *args, **kwargs):
+    if self == out:
+      raise PermissionError(13, "Permission denied", str(self))
+    return real(self, *args, **kwargs)
+  monkeypatch.setattr(pathlib.Path, "mkdir", refuse)
+  with pytest.raises(TrainError) as e:
+    train(tiny_config(corpus, out), progress=False)
+  assert str(e.value) == f"output_dir={str(out)!r}: cannot create it (Permission denied)"
+  assert not out.exists()
+
+
+def test_a_missing_or_invalid_tokenizer_names_tokenizer_path(tmp_path, capsys):
+  text = tmp_path / "c.txt"
+  text.write_text("To be, or not to be.\n\nThat is the question.\n\nWhether 'tis nobler.\n")
+  missing = str(tmp_path / "nope.model")
+  with pytest.raises(TrainError) as e:
+    train(tiny_config(text, tmp_path / "o", "train_data_format=text", f"tokenizer_path={missing}"), progress=False)
+  assert str(e.value) == (f"tokenizer_path={missing!r} does not exist: expected a sentencepiece .model file "
+                          f"(tools.train_tokenizer writes one), or a directory with tiktoken.model and "
+                          f"tokenizer_config.json")
+  assert main(["tiny", f"train_data={text}", f"tokenizer_path={missing}", f"output_dir={tmp_path / 'o'}"]) == 2
+  assert capsys.readouterr().err == f"error: {e.value}\n"
+  (tmp_path / "tokdir").mkdir()
+  with pytest.raises(TrainError, match=r"^tokenizer_path='.*tokdir': the tokenizer directory .* has no tiktoken.model"):
+    train(tiny_config(text, tmp_path / "o", f"tokenizer_path={tmp_path / 'tokdir'}"), progress=False)
+  with pytest.raises(TrainError, match=r"^tokenizer_path='.*c.txt': not a valid sentencepiece model file"):
+    train(tiny_config(text, tmp_path / "o", f"tokenizer_path={text}"), progress=False)
+  assert not (tmp_path / "o").exists()
+
+
 def test_impossible_mesh_is_refused_on_one_device(corpus, tmp_path):
   import jax
   n = jax.device_count()
@@ -171,7 +224,7 @@ def test_tokenizer_that_does_not_fit_the_config(tmp_path):
   with pytest.raises(TrainError) as e:
     train(tiny_config(text, tmp_path / "o", *base), progress=False)
   assert str(e.value) == (
-      f"the tokenizer {str(tok)!r} does not fit the model config: it has 1024 tokens but vocab_size=64; its bos id "
+      f"the tokenizer tokenizer_path={str(tok)!r} does not fit the model config: it has 1024 tokens but vocab_size=64; its bos id "
       f"is 2 but bos_token_id=1; its eos id is 3 but eos_token_id=2; pass vocab_size=1024 bos_token_id=2 "
       f"eos_token_id=3 (vocab_size may be larger)")
   with pytest.raises(TrainError, match=r"its bos id is 2 but bos_token_id=1; its eos id is 3 but eos_token_id=2; "

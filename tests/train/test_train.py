@@ -37,7 +37,7 @@ def _metrics(out):
   return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_resume_matches_an_uninterrupted_run(corpus, tmp_path, monkeypatch):
+def test_resume_matches_an_uninterrupted_run(corpus, tmp_path, monkeypatch, capsys):
   real, taken = train_lib.train_step_fn, []
 
   def recording(*args, **kwargs):
@@ -54,10 +54,16 @@ def test_resume_matches_an_uninterrupted_run(corpus, tmp_path, monkeypatch):
   # kda-train donates the train state to each step (one state live, not two): every state it passed
   # in was taken by the step, the last one included
   assert len(taken) == 6 and all(x.is_deleted() for s in taken for x in jax.tree.leaves(s))
+  capsys.readouterr()
   part = train(tiny_config(corpus, tmp_path / "split", "steps=6", "stop_at_step=3"), progress=False)
   assert part["step"] == 3 and part["export"] is None
+  assert "resuming" not in capsys.readouterr().err   # a fresh run says nothing of the kind
   rest = train(tiny_config(corpus, tmp_path / "split", "steps=6"), progress=False)
   assert rest["start_step"] == 3 and rest["step"] == 6
+  # the resumed run says where it starts from, before the compile
+  err = capsys.readouterr().err.splitlines()
+  line = f"resuming from step 3 (checkpoint {tmp_path / 'split' / 'checkpoints' / '3'})"
+  assert line in err and err.index(line) < next(i for i, x in enumerate(err) if x.startswith("compiling the train step"))
 
   # Same losses step by step (the interrupted run's first three, the resumed run's last three) and
   # the same final train state, bit for bit: params, optimizer moments, step and PRNG key.

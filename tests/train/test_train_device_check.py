@@ -129,13 +129,111 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
     ({"TRAIN_BUDGET_step": "abc"}, "error: TRAIN_BUDGET_step='abc': expected whole seconds >= 1"),
     ({"TRAIN_BATCHES": "8 x"}, "error: TRAIN_BATCHES='8 x': expected batch sizes >= 1 separated by spaces"),
     ({"TRAIN_PHASES": " "}, "error: TRAIN_PHASES=' ': expected some of: step loss split"),
+    # a misspelt budget name was silently ignored (the phase then ran under its default budget)
+    ({"TRAIN_BUDGET_stpe": "400"}, "error: TRAIN_BUDGET_stpe: unknown phase 'stpe' (expected TRAIN_BUDGET_<phase> "
+                                   "with a phase of: install step loss split)"),
+    ({"TRAIN_BUDGET_": "400"}, "error: TRAIN_BUDGET_: unknown phase ''"),
+    # the 0/1 switches: any other value passed silently for one of them
+    ({"TRAIN_SMOKE": "yes"}, "error: TRAIN_SMOKE='yes': expected 0 or 1 (empty: the default)"),
+    ({"TRAIN_DONATE": "2"}, "error: TRAIN_DONATE='2': expected 0 or 1 (empty: the default)"),
+    ({"SKIP_INSTALL": "true"}, "error: SKIP_INSTALL='true': expected 0 or 1 (empty: the default)"),
+    # a bad model key or value: one line naming TRAIN_MODEL_SET, not a traceback inside the step phase
+    ({"TRAIN_MODEL_SET": "scan_layers=true scan_layer=true"},
+     "error: TRAIN_MODEL_SET: unknown config key 'scan_layer'; did you mean scan_layers"),
+    ({"TRAIN_MODEL_SET": "remat_policy=nonsense"}, "error: TRAIN_MODEL_SET: remat_policy must be one of"),
+    ({"TRAIN_MODEL_SET": "scan_layers"}, "error: TRAIN_MODEL_SET: override 'scan_layers' must be written key=value"),
 ])
 def test_bad_settings_are_refused_before_any_phase(tmp_path, env, message):
-  """A typo in a phase name, budget or batch list exits 2 with one line naming the variable; before the
-  fix a misspelt phase was silently dropped and the run reported success with an empty JSON."""
+  """A typo in a phase name, budget, switch, batch list or model key exits 2 with one line naming the
+  variable; before the fix a misspelt phase was silently dropped and the run reported success with an empty
+  JSON, a misspelt budget or a switch of "yes" was silently read as something else, and a bad model key was
+  a traceback inside the step phase after the install."""
   run = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                        env={**os.environ, "TRAIN_SMOKE": "1", "SKIP_INSTALL": "1", "PY": sys.executable,
                             "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), **env})
   assert run.returncode == 2, run.stdout + run.stderr
-  assert run.stderr.strip().splitlines()[-1].startswith(message), run.stderr
+  assert run.stderr.strip().splitlines() == [run.stderr.strip()] and run.stderr.startswith(message), run.stderr
   assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()   # nothing made, nothing cleared
+
+
+def test_a_bad_model_key_is_refused_by_name_before_the_install_too(tmp_path):
+  """Before the install, PY may lack the project's packages (ml_collections here made unimportable): the
+  key names of TRAIN_MODEL_SET are checked against configs/base.py's text, before anything is touched (the
+  last run's log stays); good names pass that check with a note."""
+  fake = tmp_path / "fake"
+  (fake / "ml_collections").mkdir(parents=True)
+  (fake / "ml_collections" / "__init__.py").write_text("raise ImportError('not installed', name='ml_collections')\n")
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "train_device_logs.txt").write_text("the last run's log\n")
+  env = {**os.environ, "TRAIN_SMOKE": "1", "SKIP_INSTALL": "1", "PY": sys.executable, "OUT": str(tmp_path / "out"),
+         "WORK": str(tmp_path / "work"), "PYTHONPATH": str(fake), "TRAIN_MODEL_SET": "scan_layers=true kda_layer=[1]"}
+  run = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+  assert run.returncode == 2, run.stdout + run.stderr
+  assert run.stderr.strip() == ("error: TRAIN_MODEL_SET: unknown config key 'kda_layer'; did you mean kda_layers, "
+                                "scan_layers, full_attn_layers? (see configs/base.py for every key)")
+  assert (tmp_path / "out" / "train_device_logs.txt").read_text() == "the last run's log\n"
+  assert not (tmp_path / "work").exists()
+  ok = subprocess.run([sys.executable, "-m", "tools.bench.train_device", "check-set", "--smoke", "--set-source",
+                       "TRAIN_MODEL_SET", "--set", "scan_layers=true", "--set", "kda_layers=[1]"],
+                      capture_output=True, text=True, timeout=60, cwd=REPO, env={**env, "PYTHONPATH": f"{fake}:{REPO}"})
+  assert ok.returncode == 0, ok.stdout + ok.stderr
+  assert "note: TRAIN_MODEL_SET key names checked only (ml_collections is not installed here" in ok.stdout
+
+
+def test_config_keys_read_from_the_text_are_the_configs_keys():
+  """The package-free key check reads configs/base.py's `c.<key> = ...` lines: the same keys as the config."""
+  from configs import base
+  assert train_device.config_keys_from_text() == (list(base.get_config().keys()), base.RENAMED)
+
+
+@pytest.mark.parametrize("flag", ["--seq-len", "--repeats", "--steps-per-repeat", "--batch", "--loss-steps",
+                                  "--kill-at", "--checkpoint-every"])
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_count_flags_must_be_whole_numbers_of_at_least_one(tmp_path, capsys, flag, value):
+  """`--seq-len 0` used to run the phase into an IndexError; every count flag now refuses < 1 by name."""
+  phase = "loss" if flag in ("--loss-steps", "--kill-at", "--checkpoint-every") else "split"
+  with pytest.raises(SystemExit) as e:
+    train_device.main([phase, "--json", str(tmp_path / "x.json"), "--smoke", flag, value])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err == (f"python -m tools.bench.train_device: error: argument {flag}: expected a whole number >= 1, "
+                 f"got {value!r} (see --help)\n")
+  assert not (tmp_path / "x.json").exists()
+
+
+def test_kill_at_must_come_before_the_last_step_and_json_is_required(tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    train_device.main(["loss", "--json", str(tmp_path / "x.json"), "--loss-steps", "40"])   # --kill-at 150
+  assert e.value.code == 2
+  assert "error: argument --kill-at: expected fewer than --loss-steps=40, got 150" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as e:
+    train_device.main(["step", "--smoke"])
+  assert e.value.code == 2
+  assert "error: the following arguments are required: --json" in capsys.readouterr().err
+  assert not list(tmp_path.iterdir())
+
+
+def test_a_bad_set_is_one_line_before_the_phase_runs(tmp_path, capsys):
+  """`--set` is checked before the phase builds anything: one line naming --set and the key, exit 2, no JSON."""
+  assert train_device.main(["step", "--json", str(tmp_path / "x.json"), "--smoke", "--set", "scan_layer=true"]) == 2
+  assert capsys.readouterr().err == ("error: --set: unknown config key 'scan_layer'; did you mean scan_layers, "
+                                     "kda_layers, full_attn_layers? (see configs/base.py for every key)\n")
+  assert not (tmp_path / "x.json").exists()
+  assert train_device.main(["check-set", "--smoke", "--seq-len", "64", "--set-source", "TRAIN_MODEL_SET",
+                            "--set", "scan_layers=maybe"]) == 2
+  assert capsys.readouterr().err == "error: TRAIN_MODEL_SET: scan_layers expects bool, got 'maybe'\n"
+  assert train_device.main(["check-set", "--smoke", "--seq-len", "64", "--set", "scan_layers=true"]) == 0
+  assert capsys.readouterr().out == "--set: ok\n"
+
+
+def test_help_has_the_description_once_and_every_flag_explained(capsys):
+  parser = train_device.build_parser()
+  missing = [a.dest for a in parser._actions if not a.help]
+  assert missing == []
+  text = parser.format_help()
+  first = train_device.__doc__.split("\n\n")[0].splitlines()[0]
+  assert text.count(first) == 1
+  assert "Formulas (docs/training.md" in text   # the rest of the docstring, as the epilog
+  with pytest.raises(SystemExit) as e:
+    train_device.main(["--help"])
+  assert e.value.code == 0 and capsys.readouterr().out.count(first) == 1

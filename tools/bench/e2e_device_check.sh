@@ -27,9 +27,14 @@
 #   "model ckpt serving identity server real"), CACHE_DIR (default /tmp/kda_e2e_jax_cache),
 #   E2E_MODEL_SET (model config overrides for every phase's model, e.g. "moe_impl=ragged attention=kda_chunked"),
 #   KDA_COMPILE_THREADS (threads that compile an engine's executables; default half the cores).
+# E2E_SMOKE and SKIP_INSTALL other than 0, 1 or empty, and an unknown phase, exit 2 with one `error:` line
+# naming the variable, before anything is created or cleared.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
+for v in E2E_SMOKE SKIP_INSTALL; do   # 0 or 1 (empty: the default); "yes" must not pass for either
+  case "${!v:-}" in ""|0|1) ;; *) echo "error: $v='${!v}': expected 0 or 1 (empty: the default)" >&2; exit 2;; esac
+done
 OUT=${OUT:-/tmp/kda_e2e_out}
 WORK=${WORK:-/tmp/kda_e2e}
 if [ -z "${PY:-}" ]; then

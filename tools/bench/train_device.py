@@ -3,6 +3,7 @@ and a crash in one leaves the others' figures): the train step of the 0.4B model
 by layer kind, the KDA training op alone, and `kda-train` on real text with a kill and a resume.
 
     python -m tools.bench.train_device PHASE --json FILE [--smoke] [--set key=value ...]
+    python -m tools.bench.train_device check-set [--smoke] [--seq-len N] [--set key=value ...]
 
 PHASE:
   step   the whole train step (`model.training.steps.train_step_fn`: forward, backward, AdamW) of
@@ -42,6 +43,9 @@ Formulas (docs/training.md, "On a TPU"):
         triangular inverse); an ESTIMATE of the algorithm's matmul work, not a count of what XLA runs;
     and XLA's own FLOP count of the compiled step (`cost_analysis`) beside them.
 `--smoke`: a tiny model and shapes on whatever backend jax has (the CPU test runs it that way).
+`check-set`: the --set overrides checked against the step/split model config, nothing run (the shell
+script runs it before it creates or clears anything); a bad key or value is one `error:` line naming
+`--set-source` and the key, exit status 2. So is a count flag below 1 (`--seq-len 0`).
 """
 
 from __future__ import annotations
@@ -682,30 +686,61 @@ def phase_loss(args, out: dict) -> None:
 
 
 PHASES = {"step": phase_step, "split": phase_split, "loss": phase_loss}
+CHECK_SET = "check-set"   # not a phase: checks --set against the config the step and split phases load
 
 
-def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m tools.bench.train_device", description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-  p.add_argument("phase", choices=sorted(PHASES))
-  p.add_argument("--json", required=True, help="where the phase's figures are written (as it goes)")
+def positive_int(text: str) -> int:
+  """argparse type of the count flags: a whole number >= 1 (argparse names the flag in its error)."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+  return value
+
+
+def batch_list(text: str) -> str:
+  """argparse type of --batches: batch sizes >= 1 separated by spaces."""
+  sizes = text.split()
+  if not sizes or not all(b.isdigit() and int(b) >= 1 for b in sizes):
+    raise argparse.ArgumentTypeError(f"expected batch sizes >= 1 separated by spaces, e.g. '8 4 1', got {text!r}")
+  return text
+
+
+class _Parser(argparse.ArgumentParser):
+  """Bad arguments: one `prog: error: argument --flag: ...` line and exit status 2, not the whole usage."""
+
+  def error(self, message):
+    self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  summary, rest = __doc__.split("\n\n", 1)
+  p = _Parser(prog="python -m tools.bench.train_device", description=summary,
+              formatter_class=argparse.RawDescriptionHelpFormatter, epilog=rest)
+  p.add_argument("phase", choices=[*sorted(PHASES), CHECK_SET],
+                 help=f"the phase to run (see below); {CHECK_SET}: only check the --set overrides against the "
+                      f"step/split model config (with --smoke and --seq-len as the phase gets them), exit 2 "
+                      f"naming --set-source and the bad key; no --json")
+  p.add_argument("--json", help="where the phase's figures are written (as it goes); required by every phase")
   p.add_argument("--smoke", action="store_true", help="a tiny model and shapes (the CPU test)")
   p.add_argument("--set", action="append", default=[], help="step/split: key=value model override (repeatable)")
-  def batch_list(text):
-    sizes = text.split()
-    if not sizes or not all(b.isdigit() and int(b) >= 1 for b in sizes):
-      raise argparse.ArgumentTypeError(f"expected batch sizes >= 1 separated by spaces, e.g. '8 4 1', got {text!r}")
-    return text
-
+  p.add_argument("--set-source", default="--set",
+                 help="what the --set overrides are called in an error (train_device_check.sh: TRAIN_MODEL_SET)")
   p.add_argument("--batches", default="8 4 1", type=batch_list,
                  help="step: batch sizes to compile, the largest that fits is timed")
-  p.add_argument("--batch", type=int, default=0, help="split: the batch size (default the first of --batches)")
-  p.add_argument("--seq-len", type=int, default=2048)
+  p.add_argument("--batch", type=positive_int, default=None,
+                 help="split: the batch size, >= 1 (default the first of --batches)")
+  p.add_argument("--seq-len", type=positive_int, default=2048,
+                 help="step/split: tokens per packed row, >= 1 (default 2048)")
   p.add_argument("--donate", action=argparse.BooleanOptionalAction, default=True,
                  help="step: donate the train state to the step, as model/aot.py compiles it (default); "
                       "--no-donate: a step without donation (two train states live)")
-  p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--steps-per-repeat", type=int, default=3)
+  p.add_argument("--repeats", type=positive_int, default=5,
+                 help="step/split: timed loops, >= 1; the median and spread are over them (default 5)")
+  p.add_argument("--steps-per-repeat", type=positive_int, default=3,
+                 help="step/split: calls dispatched per timed loop and blocked on once, >= 1 (default 3)")
   p.add_argument("--dir", default="/tmp/kda_train_device_runs", help="loss: where the runs go")
   p.add_argument("--corpus", default="", help="loss: the text to train on (default: tinyshakespeare.txt)")
   p.add_argument("--loss-model", nargs="*", default=["demo", "dtype=bfloat16"],
@@ -713,12 +748,78 @@ def main(argv=None) -> int:
   p.add_argument("--loss-set", nargs="*", default=["seq_len=512", "batch_size=8", "max_num_segments=16",
                                                    "learning_rate=2e-3", "warmup_steps=30"],
                  help="loss: more key=value of the runs")
-  p.add_argument("--loss-steps", type=int, default=300)
-  p.add_argument("--kill-at", type=int, default=150, help="loss: SIGTERM run A once its metrics reach this step")
-  p.add_argument("--checkpoint-every", type=int, default=50)
+  p.add_argument("--loss-steps", type=positive_int, default=300,
+                 help="loss: steps of each kda-train run, >= 1 (default 300)")
+  p.add_argument("--kill-at", type=positive_int, default=150,
+                 help="loss: SIGTERM run A once its metrics reach this step, >= 1 and below --loss-steps (default 150)")
+  p.add_argument("--checkpoint-every", type=positive_int, default=50,
+                 help="loss: checkpoint_every of the kda-train runs, >= 1 (default 50)")
   p.add_argument("--child-platforms", default="", help="loss: JAX_PLATFORMS of the kda-train runs")
   p.add_argument("--cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
+  return p
+
+
+def check_model_set(args) -> str | None:
+  """The error of the step/split model config with `args.set` (keys, values, the config's own checks),
+  naming `args.set_source`; None when it loads. Without the project's packages (ml_collections: the
+  machine's Python before the install), only the key names are checked, against configs/base.py's text."""
+  try:
+    from model.config import ConfigError
+  except ImportError as e:   # the install has not run yet: the key names, which need no package
+    keys, renamed = config_keys_from_text()
+    for kv in args.set:
+      if "=" not in kv:
+        return f"{args.set_source}: override {kv!r} must be written key=value"
+      key = kv.split("=", 1)[0].strip().lstrip("-")
+      if key not in keys and key not in renamed:   # model.config's message (_unknown_key)
+        import difflib
+        close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
+        return (f"{args.set_source}: unknown config key {key!r}" + (f"; did you mean {', '.join(close)}?" if close
+                                                                    else "") + " (see configs/base.py for every key)")
+    say(f"note: {args.set_source} key names checked only ({e.name or e} is not installed here; the values are "
+        f"checked when the phase loads the config)")
+    return None
+  try:
+    step_config(args, args.batch or int(args.batches.split()[0]))
+  except ConfigError as e:
+    return f"{args.set_source}: {e}"
+  return None
+
+
+def config_keys_from_text() -> tuple[list[str], dict[str, str]]:
+  """`(every key of configs/base.py, sorted as ConfigDict lists them; RENAMED: old name -> new)`, read from
+  the file's text (its `c.<key> = ...` lines): no package needed."""
+  import ast
+  tree = ast.parse((REPO / "configs" / "base.py").read_text())
+  keys: set[str] = set()
+  renamed: dict[str, str] = {}
+  for node in ast.walk(tree):
+    if not isinstance(node, ast.Assign):
+      continue
+    for t in node.targets:
+      if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "c":
+        keys.add(t.attr)
+      elif isinstance(t, ast.Name) and t.id == "RENAMED":
+        renamed = dict(ast.literal_eval(node.value))
+  return sorted(keys), renamed
+
+
+def main(argv=None) -> int:
+  p = build_parser()
   args = p.parse_args(argv)
+  if args.phase != CHECK_SET and not args.json:
+    p.error(f"the following arguments are required: --json (the phase {args.phase} writes its figures there)")
+  if args.phase == "loss" and args.kill_at >= args.loss_steps:
+    p.error(f"argument --kill-at: expected fewer than --loss-steps={args.loss_steps}, got {args.kill_at} "
+            f"(run A must be stopped before it ends)")
+  if args.phase == CHECK_SET or (args.phase in ("step", "split") and args.set):
+    error = check_model_set(args)   # a bad override is one line now, not a traceback inside the phase
+    if error:
+      print(f"error: {error}", file=sys.stderr)
+      return 2
+    if args.phase == CHECK_SET:
+      say(f"{args.set_source}: ok")
+      return 0
   if args.phase != "loss":   # the runs of the loss phase enable their own (compilation_cache_dir=)
     # imported in the phase that needs it: a missing package fails that phase alone, by name
     from model.engine import compilation_cache

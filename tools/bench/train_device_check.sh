@@ -32,9 +32,18 @@
 #   model/aot.py compiles it),
 #   CACHE_DIR (default /tmp/kda_train_jax_cache), TRAIN_BUDGET_<phase>=SECONDS (e.g. TRAIN_BUDGET_step=400 with
 #   TRAIN_PHASES=step when the cold compile needs longer; the total stays 570 s).
+# Bad settings exit 2 with one `error:` line naming the variable, before anything is created or cleared:
+# TRAIN_SMOKE, TRAIN_DONATE and SKIP_INSTALL other than 0, 1 or empty; a TRAIN_BUDGET_<name> whose name is
+# not a phase (install step loss split); an unknown phase, a bad batch list; a TRAIN_MODEL_SET key (or
+# value) the model config refuses (checked with PY and the checkout; when PY lacks the project's packages,
+# before the install, the key names alone, and the step phase checks the values).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
+# Every check below exits 2 with one line naming the variable, before anything is created or cleared.
+for v in TRAIN_SMOKE TRAIN_DONATE SKIP_INSTALL; do   # 0 or 1 (empty: the default); "yes" must not pass for either
+  case "${!v:-}" in ""|0|1) ;; *) echo "error: $v='${!v}': expected 0 or 1 (empty: the default)" >&2; exit 2;; esac
+done
 OUT=${OUT:-/tmp/kda_train_out}
 WORK=${WORK:-/tmp/kda_train}
 if [ -z "${PY:-}" ]; then
@@ -65,6 +74,13 @@ for p in $PHASES; do   # a typo must not silently drop a phase
 done
 [[ "$BATCHES" =~ ^[[:space:]]*[1-9][0-9]*([[:space:]]+[1-9][0-9]*)*[[:space:]]*$ ]] \
   || { echo "error: TRAIN_BATCHES='$BATCHES': expected batch sizes >= 1 separated by spaces, e.g. '8 4 1'" >&2; exit 2; }
+while IFS= read -r -d '' kv; do   # a misspelt TRAIN_BUDGET_<phase> must not be silently ignored
+  name=${kv%%=*}
+  [[ "$name" == TRAIN_BUDGET_* ]] || continue
+  case " install step loss split " in *" ${name#TRAIN_BUDGET_} "*) ;;
+    *) echo "error: $name: unknown phase '${name#TRAIN_BUDGET_}' (expected TRAIN_BUDGET_<phase> with a phase of: install step loss split)" >&2
+       exit 2;; esac
+done < <(env -0)
 for k in install step loss split; do   # TRAIN_BUDGET_<phase>=SECONDS overrides a phase's budget
   v="TRAIN_BUDGET_$k"
   if [ -n "${!v:-}" ]; then
@@ -72,6 +88,23 @@ for k in install step loss split; do   # TRAIN_BUDGET_<phase>=SECONDS overrides 
     BUDGET[$k]=${!v}
   fi
 done
+read -r -d '' -a MODEL_KV <<< "${TRAIN_MODEL_SET:-}"   # split on blanks, no glob: kda_layers=[1] stays as written
+MODEL_SET=(); for kv in "${MODEL_KV[@]}"; do MODEL_SET+=(--set "$kv"); done
+if [ ${#MODEL_SET[@]} -gt 0 ]; then   # a bad key: one line now, not a traceback inside the step phase
+  CHECK_ARGS=(--seq-len 2048); [ "$SMOKE" = 1 ] && CHECK_ARGS=(--smoke --seq-len 64)
+  # with PY and the checkout (before the install: the key names alone when PY lacks the project's packages)
+  check=$(cd / && PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cpu "$PY" -m tools.bench.train_device \
+          check-set --set-source TRAIN_MODEL_SET "${CHECK_ARGS[@]}" "${MODEL_SET[@]}" 2>&1)
+  rc=$?
+  if [ $rc -ne 0 ]; then
+    last=$(tail -n 1 <<< "$check")
+    [ $rc -eq 2 ] && [[ "$last" == "error: TRAIN_MODEL_SET"* ]] && { echo "$last" >&2; exit 2; }
+    echo "$check" >&2
+    echo "error: TRAIN_MODEL_SET: could not be checked with PY=$PY (exit status $rc, above)" >&2
+    exit 2
+  fi
+  echo "$check"
+fi
 LOGS="$OUT/train_device_logs.txt"
 mkdir -p "$OUT" "$WORK"   # after the checks: a refused run leaves nothing behind
 . "$ROOT/tools/bench/device_phases.sh"   # record, left, run_phase; clears $LOGS and the last run's figures
@@ -111,7 +144,6 @@ fi
 cd "$WORK"   # the project's .python-version must not pick another Python; the phases find the package installed
 [ "${SKIP_INSTALL:-0}" = 1 ] && cd "$ROOT"
 
-MODEL_SET=(); for kv in ${TRAIN_MODEL_SET:-}; do MODEL_SET+=(--set "$kv"); done
 DRIVER=("$VPY" -m tools.bench.train_device)
 if [ "$SMOKE" = 1 ]; then
   STEP_ARGS=(--smoke --batches "4 2" --seq-len 64 --repeats 2 --steps-per-repeat 2)
