@@ -592,11 +592,33 @@ def phase_loss(args, out: dict) -> None:
 
   a, c = work / "A_killed_then_B_resumed", work / "C_uninterrupted"
   runs = {}
+  out["runs"] = runs
+
+  def record_curve():
+    """The loss curve from C (uninterrupted), or, until C has logged, from A then B (the same run, killed
+    and resumed): written after every run, so a phase stopped at its budget still reports what ran."""
+    recs = {r["step"]: r for r in read_metrics(c) if "loss" in r}
+    source = "C_uninterrupted"
+    if not recs:
+      recs = {r["step"]: r for r in read_metrics(a) if "loss" in r}
+      source = "A_killed then B_resumed" if recs else None
+    curve_steps = [1] + list(range(10, steps + 1, 10))
+    out["loss_curve_from"] = source
+    out["loss_curve"] = {str(s): recs[s]["loss"] for s in curve_steps if s in recs}
+    first = [recs[s]["loss"] for s in range(1, 11) if s in recs]
+    last = [recs[s]["loss"] for s in range(steps - 9, steps + 1) if s in recs]
+    out["loss_first10_mean"] = float(np.mean(first)) if first else None
+    out["loss_last10_mean"] = float(np.mean(last)) if last else None
+    out["loss_falls"] = bool(first and last and out["loss_last10_mean"] < out["loss_first10_mean"] - 0.5)
+    out["seconds_per_step_median"] = (statistics.median(r["seconds_per_step"] for r in recs.values())
+                                      if recs else None)
+    write_json(args.json, out)
+    return recs
+
   runs["A_killed"] = launch("A_killed", a, kill=True)
   killed_metrics = read_metrics(a)
   runs["A_killed"]["metrics_steps"] = [killed_metrics[0]["step"], killed_metrics[-1]["step"]] if killed_metrics else []
-  out["runs"] = runs
-  write_json(args.json, out)
+  record_curve()
   # imported here: the orbax checkpoint listing needs the project (this process runs on the CPU)
   from model.training import steps as train_lib
   ckpt = train_lib.TrainCheckpointer(a / "checkpoints", 3)
@@ -607,22 +629,13 @@ def phase_loss(args, out: dict) -> None:
     runs["B_resumed"] = {"skipped": "A_killed wrote no checkpoint to resume from"}
   else:
     runs["B_resumed"] = launch("B_resumed", a)
+  record_curve()
   runs["C_uninterrupted"] = launch("C_uninterrupted", c)
-  write_json(args.json, out)
-
-  full = {r["step"]: r for r in read_metrics(c) if "loss" in r}
+  record_curve()
+  full = {r["step"]: r for r in read_metrics(c) if "loss" in r}   # the reference of the resume check: C only
   joined = {r["step"]: r for r in read_metrics(a) if "loss" in r}
-  curve_steps = [1] + list(range(10, steps + 1, 10))
-  out["loss_curve"] = {str(s): full[s]["loss"] for s in curve_steps if s in full}
-  first = [full[s]["loss"] for s in range(1, 11) if s in full]
-  last = [full[s]["loss"] for s in range(steps - 9, steps + 1) if s in full]
-  out["loss_first10_mean"] = float(np.mean(first)) if first else None
-  out["loss_last10_mean"] = float(np.mean(last)) if last else None
-  out["loss_falls"] = bool(first and last and out["loss_last10_mean"] < out["loss_first10_mean"] - 0.5)
   evals = [r for r in read_metrics(c) if "heldout_loss" in r]
   out["heldout"] = evals[-1] if evals else None
-  out["seconds_per_step_median"] = (statistics.median(r["seconds_per_step"] for r in full.values())
-                                    if full else None)
   after = [s for s in range(1, steps + 1) if resume_from is not None and s > resume_from]
   diffs = [abs(joined[s]["loss"] - full[s]["loss"]) for s in after if s in joined and s in full]
   before = [abs(joined[s]["loss"] - full[s]["loss"]) for s in range(1, (resume_from or 0) + 1)
