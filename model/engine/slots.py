@@ -1,7 +1,7 @@
 """The slot pool: a fixed `ModelCache` of S sequences (decode layout) that every engine step updates.
 
 Slot s holds one running request: per KDA layer its float32 state and conv windows, per MLA layer
-its latents `[max_model_len, r + dr]` (rows >= lengths[s] are stale and masked), and `lengths[s]`.
+its latents `[max_model_len, latent_width]` (rows >= lengths[s] are stale and masked), and `lengths[s]`.
 Slots absent from a step come back bit-unchanged, so idle and finished slots need no masking. For
 the prefix cache, `take`, `take_mid` and `put` move one slot's state to and from the host (each one
 executable, compiled on first use).

@@ -33,6 +33,8 @@ _NEG = attention.NEG  # finite "minus infinity": a fully masked row gives zeros,
 # Cached tokens per step of the prefix loop (`_attend_prefix_then_window`): bounds the prefix scores to
 # [B, H, T, N, PREFIX_BLOCK] and the loop's wasted work (the last block's invalid tail) to this many.
 PREFIX_BLOCK = 128
+# A cached latent wider than this is padded with zero columns to a multiple of it (`latent_width`).
+LATENT_LANES = 128
 # Tokens per region of the prefix attention (after the first N; `_attend_prefix_then_window`): each
 # region loops over as many prefix blocks as its own tokens need.
 PREFIX_REGION = 256
@@ -79,7 +81,19 @@ class MultiHeadLatentAttention(nnx.Module):
 
   @property
   def latent_width(self) -> int:
-    return self.rank + self.dr
+    """Columns of a cached latent: `r + dr`, padded with zero columns to a multiple of `LATENT_LANES`
+    when wider than it (Kimi's 512 + 64 = 576 -> 640). TPU keeps a `[S, L, C]` array with C minor
+    only when C fills whole 128-lane tiles; at 576 it lays L minor, and every decode step then copied
+    the whole cache into the other layout and back (docs/performance.md, "MLA decode: the latent
+    cache's layout"). Narrower latents (test models) are not padded."""
+    w = self.rank + self.dr
+    return w if w <= LATENT_LANES else -(-w // LATENT_LANES) * LATENT_LANES
+
+  def _pad_latent(self, x):
+    """`[..., r + dr]` -> `[..., latent_width]` with zero columns (queries against the cache too: a
+    zero query column meets the cache's padding, so the products are those of the unpadded width)."""
+    pad = self.latent_width - x.shape[-1]
+    return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
   def query(self, x):
     """`[..., d]` -> `[..., nH, dn + dr]`."""
@@ -87,15 +101,15 @@ class MultiHeadLatentAttention(nnx.Module):
     return q.reshape(q.shape[:-1] + (self.num_heads, self.dn + self.dr))
 
   def latent(self, x):
-    """`[..., d]` -> cached latent `[..., r + dr]` = [kv_a_layernorm(c_kv) | k_r]."""
+    """`[..., d]` -> cached latent `[..., latent_width]` = [kv_a_layernorm(c_kv) | k_r | zero padding]."""
     c = self.kv_a_proj_with_mqa(x)
-    return jnp.concatenate([self.kv_a_layernorm(c[..., :self.rank]), c[..., self.rank:]], axis=-1)
+    return self._pad_latent(jnp.concatenate([self.kv_a_layernorm(c[..., :self.rank]), c[..., self.rank:]], axis=-1))
 
   def expand(self, lat):
-    """Latent `[..., r + dr]` -> (keys `[..., nH, dn + dr]`, values `[..., nH, dv]`)."""
+    """Latent `[..., latent_width]` -> (keys `[..., nH, dn + dr]`, values `[..., nH, dv]`)."""
     kv = self.kv_b_proj(lat[..., :self.rank])
     kv = kv.reshape(kv.shape[:-1] + (self.num_heads, self.dn + self.dv))
-    k_r = jnp.broadcast_to(lat[..., None, self.rank:], kv.shape[:-1] + (self.dr,))
+    k_r = jnp.broadcast_to(lat[..., None, self.rank:self.rank + self.dr], kv.shape[:-1] + (self.dr,))
     return jnp.concatenate([kv[..., :self.dn], k_r], axis=-1), kv[..., self.dn:]
 
   def _out(self, o):
@@ -139,11 +153,11 @@ class MultiHeadLatentAttention(nnx.Module):
 
     Args:
       x: `[B, T, d]`. segment_ids: int32 `[B, T]` (0 = padding: attends to nothing, output 0).
-      prefix: latent `[B, N, L, r + dr]` of each slot's earlier tokens, or None.
+      prefix: latent `[B, N, L, latent_width]` of each slot's earlier tokens, or None.
       prefix_lengths: int32 `[B, N]`, valid prefix tokens per slot (entries at >= length ignored).
 
     Returns:
-      `(y [B, T, d], latent [B, T, r + dr])`; the latent is what a cache stores for these tokens.
+      `(y [B, T, d], latent [B, T, latent_width])`; the latent is what a cache stores for these tokens.
     """
     q = self.query(x)
     lat = self.latent(x)
@@ -211,7 +225,7 @@ class MultiHeadLatentAttention(nnx.Module):
 
     Args:
       q: float32 `[B, T, nH, dn + dr]`. window: the window's own softmax parts `(m, l [B, H, T], acc [B, H, T, dv])`.
-      prefix: latent `[B, N, L, r + dr]`. prefix_lengths: int32 `[B, N]`. seg: int32 `[B, T]` (label
+      prefix: latent `[B, N, L, latent_width]`. prefix_lengths: int32 `[B, N]`. seg: int32 `[B, T]` (label
       n reads slot n-1's prefix; 0 = padding).
 
     Returns:
@@ -225,7 +239,8 @@ class MultiHeadLatentAttention(nnx.Module):
     slot = jnp.clip(seg - 1, 0, n - 1)                                                    # [B, T]
     own_length = jnp.where(seg > 0, jnp.take_along_axis(prefix_lengths, slot, axis=1), 0)  # [B, T]
     w_uk, w_uv = self._absorbed_weights()
-    q_abs = jnp.concatenate([jnp.einsum("bthd,rhd->bthr", q[..., :self.dn], w_uk), q[..., self.dn:]], axis=-1)
+    q_abs = self._pad_latent(jnp.concatenate([jnp.einsum("bthd,rhd->bthr", q[..., :self.dn], w_uk), q[..., self.dn:]],
+                                             axis=-1))
     rows = jnp.arange(b)[:, None]
 
     def region(lo, hi):
@@ -290,7 +305,7 @@ class MultiHeadLatentAttention(nnx.Module):
     `attend` up to float32 summation order (float32 throughout).
 
     Args:
-      x: `[S, d]`. latent_cache: `[S, L, r + dr]`. lengths: int32 `[S]`, tokens already cached
+      x: `[S, d]`. latent_cache: `[S, L, latent_width]`. lengths: int32 `[S]`, tokens already cached
         (the new token is written at index `lengths[s]`; callers keep `lengths < L`).
 
     Returns:
@@ -306,7 +321,7 @@ class MultiHeadLatentAttention(nnx.Module):
     # One product against the whole cached row [latent, shared key part] (the query's rope part
     # beside its absorbed part), and the weighted sum over the whole row, its latent part kept:
     # slicing the cache into the two parts first copies every slot's L rows each step.
-    q_row = jnp.concatenate([q_lat, q[..., self.dn:]], axis=-1)             # [S, nH, r + dr]
+    q_row = self._pad_latent(jnp.concatenate([q_lat, q[..., self.dn:]], axis=-1))   # [S, nH, latent_width]
     scores = jnp.einsum("shc,slc->shl", q_row, c) * self.scale
     mask = (jnp.arange(cache.shape[1])[None, :] <= lengths[:, None])[:, None, :]
     p = _masked_softmax(scores, mask)
