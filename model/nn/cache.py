@@ -6,9 +6,10 @@ empty sequence). Every array is indexed by s first.
 
 - `KDALayerCache` (a KDA layer): `state` float32 `[S, H, K, V]` (key-major), and the last W-1
   inputs of each short conv, oldest first, float32 `[S, W-1, H*K]` (`conv_q`, `conv_k`, `conv_v`).
-- `MLALayerCache` (an MLA layer): `latent` `[S, L, latent_width]` (`MultiHeadLatentAttention.latent_width`: kv_lora_rank + qk_rope_head_dim, zero-padded to a multiple of 128 when wider) in the compute
-  dtype: per token the kv_a_layernorm-ed latent followed by the shared key part; slots at index
-  >= `lengths[s]` are unused.
+- `MLALayerCache` (an MLA layer): `latent` `[S, L, latent_width]` in the compute dtype: per token the
+  kv_a_layernorm-ed latent, the shared key part, then zero columns up to a multiple of 128 when
+  kv_lora_rank + qk_rope_head_dim is wider than 128 (`MultiHeadLatentAttention.latent_width`); slots
+  at index >= `lengths[s]` are unused.
 - `ModelCache`: `layers` (one cache per decoder layer, in order) and `lengths` int32 `[S]`, the
   tokens seen so far by each sequence (the MLA write index; equal for every layer).
 """
