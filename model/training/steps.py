@@ -476,9 +476,24 @@ class TrainCheckpointer:
     self._mgr.wait_until_finished()
 
   def read_meta(self, step: int) -> dict:
-    """The run metadata of checkpoint `step` (without reading any array)."""
+    """The run metadata of checkpoint `step` (without reading any array).
+
+    Raises:
+      TrainError: the step directory holds no readable metadata (`_incomplete`).
+    """
     ocp = self._ocp
-    return self._mgr.restore(int(step), args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
+    try:
+      return self._mgr.restore(int(step), args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+      raise self._incomplete(step, META_ITEM, e) from None
+
+  def _incomplete(self, step: int, item: str, e: BaseException) -> TrainError:
+    """The error of a step directory that lacks `item` or cannot be read: not a kda-train checkpoint,
+    or one damaged after it was written (Orbax renames a step into place only once it is whole)."""
+    where = self.directory / str(step)
+    return TrainError(f"checkpoint {where} is incomplete or not a kda-train checkpoint ({item!r} cannot be read: "
+                      f"{type(e).__name__}: {str(e)[:200]}); move it away to resume from an earlier step, or "
+                      f"choose another output_dir")
 
   def restore(self, step: int, target_state):
     """`(state, data_state)` of checkpoint `step`, restored into the structure, shapes and dtypes
@@ -492,7 +507,10 @@ class TrainCheckpointer:
     try:
       out = self._mgr.restore(int(step), args=ocp.args.Composite(**{
           STATE_ITEM: ocp.args.StandardRestore(abstract), DATA_ITEM: ocp.args.JsonRestore()}))
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+      missing = [i for i in (STATE_ITEM, DATA_ITEM) if not (self.directory / str(step) / i).exists()]
+      if missing or isinstance(e, FileNotFoundError):
+        raise self._incomplete(step, missing[0] if missing else STATE_ITEM, e) from None
       raise TrainError(f"checkpoint {self.directory / str(step)} does not fit this model/optimizer: "
                        f"{type(e).__name__}: {str(e)[:300]}") from None
     return out[STATE_ITEM], out[DATA_ITEM]

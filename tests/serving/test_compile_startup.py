@@ -91,6 +91,11 @@ def test_cache_directory_rules(tmp_path, monkeypatch):
   assert compilation_cache.resolve_dir("") == tmp_path / "env"
   assert compilation_cache.resolve_dir(str(tmp_path / "given")) == tmp_path / "given"
   assert compilation_cache.resolve_dir("none") is None and compilation_cache.resolve_dir("off") is None
+  # As a key=value override: "none" must stay the word (the override rule makes other ""-default keys "")
+  from model.config import load_config   # noqa: PLC0415
+  for word in ("none", "off"):
+    assert compilation_cache.resolve_dir(load_config(["demo", f"compilation_cache_dir={word}"]).compilation_cache_dir) is None
+  assert load_config(["demo", "tokenizer_path=none"]).tokenizer_path == ""
   blocker = tmp_path / "file"
   blocker.write_text("")
   with pytest.raises(UsageError, match="compilation_cache_dir=.*cannot write there"):

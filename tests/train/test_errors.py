@@ -252,3 +252,29 @@ def test_train_tokenizer_output_with_the_tiny_config(tmp_path):
   fixed = _tokenizer(tiny_config(text, tmp_path / "o", *keys, *msg.split("; pass ")[1].split(" (")[0].split()))
   assert (fixed.vocab_size, fixed.bos_id, fixed.eos_id, fixed.pad_id) == (300, 2, 3, 0)
   assert not (tmp_path / "o").exists()
+
+
+def test_a_damaged_checkpoint_is_named_not_a_traceback(corpus, tmp_path):
+  """A step directory that is no kda-train checkpoint (junk in it), or one whose train state was
+  removed: a TrainError naming the step directory and the missing item, not a KeyError from Orbax."""
+  import shutil
+
+  from model.data.pipeline import BatchIterator, pack_documents
+  from model.training.trainer import CHECKPOINT_SUBDIR, _meta, _tokenizer
+
+  junk = tmp_path / "junk"
+  (junk / CHECKPOINT_SUBDIR / "3").mkdir(parents=True)
+  (junk / CHECKPOINT_SUBDIR / "3" / "junk").write_text("x")
+  with pytest.raises(TrainError, match=r"checkpoint .*checkpoints/3 is incomplete or not a kda-train checkpoint "
+                                       r"\('meta' cannot be read"):
+    train(tiny_config(corpus, junk), progress=False)
+
+  out = tmp_path / "run"
+  cfg = tiny_config(corpus, out)
+  state = {"step": np.zeros((), np.int32)}
+  ckpt = train_lib.TrainCheckpointer(out / CHECKPOINT_SUBDIR, 2)
+  ckpt.save(0, state, BatchIterator(pack_documents([[1, 5, 6, 2]], 32), 4, 0).state, _meta(cfg, _tokenizer(cfg)))
+  shutil.rmtree(out / CHECKPOINT_SUBDIR / "0" / train_lib.STATE_ITEM)
+  with pytest.raises(TrainError, match=r"checkpoints/0 is incomplete or not a kda-train checkpoint \('state' cannot"):
+    ckpt.restore(0, state)
+  ckpt.close()

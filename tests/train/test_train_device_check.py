@@ -142,6 +142,9 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
      "error: TRAIN_MODEL_SET: unknown config key 'scan_layer'; did you mean scan_layers"),
     ({"TRAIN_MODEL_SET": "remat_policy=nonsense"}, "error: TRAIN_MODEL_SET: remat_policy must be one of"),
     ({"TRAIN_MODEL_SET": "scan_layers"}, "error: TRAIN_MODEL_SET: override 'scan_layers' must be written key=value"),
+    # a mistyped corpus failed inside the loss phase, after the install; a PY without jax after OUT was cleared
+    ({"TRAIN_CORPUS": "/nonexistent/corpus.txt"}, "error: TRAIN_CORPUS='/nonexistent/corpus.txt': no such file"),
+    ({"PY": "/nonexistent/python3"}, "error: PY='/nonexistent/python3': not a Python with jax"),
 ])
 def test_bad_settings_are_refused_before_any_phase(tmp_path, env, message):
   """A typo in a phase name, budget, switch, batch list or model key exits 2 with one line naming the
@@ -154,6 +157,21 @@ def test_bad_settings_are_refused_before_any_phase(tmp_path, env, message):
   assert run.returncode == 2, run.stdout + run.stderr
   assert run.stderr.strip().splitlines() == [run.stderr.strip()] and run.stderr.startswith(message), run.stderr
   assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()   # nothing made, nothing cleared
+
+
+@pytest.mark.parametrize("script", ["train_device_check.sh", "e2e_device_check.sh", "tpu_device_check.sh"])
+def test_help_and_a_stray_argument(tmp_path, script):
+  """The device checks take their settings from the environment: --help prints the header (its usage and
+  every variable) and exits 0; any argument is refused (before, `--help` started a full run)."""
+  path = SCRIPT.parent / script
+  env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work")}
+  run = subprocess.run(["bash", str(path), "--help"], capture_output=True, text=True, timeout=60, env=env)
+  assert run.returncode == 0 and "Usage" in run.stdout and "set -uo" not in run.stdout, run.stdout + run.stderr
+  assert not run.stdout.startswith("#!") and not (tmp_path / "out").exists()
+  run = subprocess.run(["bash", str(path), "phases=step"], capture_output=True, text=True, timeout=60, env=env)
+  assert run.returncode == 2 and run.stderr.startswith(f"error: unexpected argument 'phases=step': {script} takes no "
+                                                       "arguments"), run.stderr
+  assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
 
 
 def test_a_bad_model_key_is_refused_by_name_before_the_install_too(tmp_path):
@@ -210,6 +228,12 @@ def test_kill_at_must_come_before_the_last_step_and_json_is_required(tmp_path, c
     train_device.main(["step", "--smoke"])
   assert e.value.code == 2
   assert "error: the following arguments are required: --json" in capsys.readouterr().err
+  # a missing corpus: exit 2 before the run directory or the JSON exists (it was exit 1, both left behind)
+  with pytest.raises(SystemExit) as e:
+    train_device.main(["loss", "--corpus", str(tmp_path / "nope.txt"), "--json", str(tmp_path / "x.json"),
+                       "--dir", str(tmp_path / "runs")])
+  assert e.value.code == 2
+  assert f"error: argument --corpus: no such file: '{tmp_path / 'nope.txt'}'" in capsys.readouterr().err
   assert not list(tmp_path.iterdir())
 
 

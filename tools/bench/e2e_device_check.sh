@@ -30,6 +30,12 @@
 # E2E_SMOKE and SKIP_INSTALL other than 0, 1 or empty, and an unknown phase, exit 2 with one `error:` line
 # naming the variable, before anything is created or cleared.
 set -uo pipefail
+case "${1:-}" in   # settings are environment variables; an argument would be ignored, so refuse it
+  "") ;;
+  -h|--help) sed -n '2,/^set -uo pipefail$/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0"; exit 0;;
+  *) echo "error: unexpected argument '$1': $(basename "$0") takes no arguments; it is configured by environment variables (--help lists them)" >&2
+     exit 2;;
+esac
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 for v in E2E_SMOKE SKIP_INSTALL; do   # 0 or 1 (empty: the default); "yes" must not pass for either

@@ -23,6 +23,12 @@
 #   JAX_PLATFORMS=cpu, the numerics selection (skipped off a TPU), two benchmark cases at a small size
 #   with implementation xla. tests/kernels/test_device_time_tool.py runs it so.
 set -uo pipefail
+case "${1:-}" in   # settings are environment variables; an argument would be ignored, so refuse it
+  "") ;;
+  -h|--help) sed -n '2,/^set -uo pipefail$/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0"; exit 0;;
+  *) echo "error: unexpected argument '$1': $(basename "$0") takes no arguments; it is configured by environment variables (--help lists them)" >&2
+     exit 2;;
+esac
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/kda_tpu_check}

@@ -822,6 +822,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.phase != CHECK_SET and not args.json:
     p.error(f"the following arguments are required: --json (the phase {args.phase} writes its figures there)")
+  if args.phase == "loss" and args.corpus and not pathlib.Path(args.corpus).is_file():   # before any file is made
+    p.error(f"argument --corpus: no such file: {args.corpus!r} (expected the text to train on)")
   if args.phase == "loss" and args.kill_at >= args.loss_steps:
     p.error(f"argument --kill-at: expected fewer than --loss-steps={args.loss_steps}, got {args.kill_at} "
             f"(run A must be stopped before it ends)")

@@ -40,6 +40,12 @@
 # value) the model config refuses (checked with PY and the checkout; when PY lacks the project's packages,
 # before the install, the key names alone, and the step phase checks the values).
 set -uo pipefail
+case "${1:-}" in   # settings are environment variables; an argument would be ignored, so refuse it
+  "") ;;
+  -h|--help) sed -n '2,/^set -uo pipefail$/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0"; exit 0;;
+  *) echo "error: unexpected argument '$1': $(basename "$0") takes no arguments; it is configured by environment variables (--help lists them)" >&2
+     exit 2;;
+esac
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 # Every check below exits 2 with one line naming the variable, before anything is created or cleared.
@@ -109,6 +115,11 @@ if [ ${#MODEL_SET[@]} -gt 0 ]; then   # a bad key: one line now, not a traceback
   fi
   echo "$check"
 fi
+if [ -n "${TRAIN_CORPUS:-}" ] && [ ! -f "$TRAIN_CORPUS" ]; then
+  echo "error: TRAIN_CORPUS='$TRAIN_CORPUS': no such file (expected the text of the loss phase, e.g. tinyshakespeare.txt)" >&2; exit 2
+fi
+PY_INFO=$(cd / && "$PY" -c "import jax, sys; print(sys.version.split()[0], 'jax', jax.__version__)" 2>&1) \
+  || { echo "error: PY='$PY': not a Python with jax (${PY_INFO##*$'\n'}); set PY to the machine's Python with JAX" >&2; exit 2; }
 LOGS="$OUT/train_device_logs.txt"
 mkdir -p "$OUT" "$WORK"   # after the checks: a refused run leaves nothing behind
 . "$ROOT/tools/bench/device_phases.sh"   # record, left, run_phase; clears $LOGS and the last run's figures
@@ -117,8 +128,7 @@ wants() { [[ " $PHASES " == *" $1 "* ]]; }
 
 # --- install ------------------------------------------------------------------------------------------
 echo "== environment: PY=$PY"
-"$PY" -c "import jax, sys; print(sys.version.split()[0], 'jax', jax.__version__)" 2>&1 | tail -1 \
-  || { echo "no Python with jax at PY=$PY"; exit 2; }
+echo "${PY_INFO##*$'\n'}"
 
 install_project() {
   local pip=("$VENV/bin/python" -m pip install --isolated --quiet --no-cache-dir --index-url "$INDEX")
