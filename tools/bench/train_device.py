@@ -777,7 +777,7 @@ def check_model_set(args) -> str | None:
   naming `args.set_source`; None when it loads. Without the project's packages (ml_collections: the
   machine's Python before the install), only the key names are checked, against configs/base.py's text."""
   try:
-    from model.config import ConfigError
+    from model.config import ConfigError  # noqa: PLC0415  (needs ml_collections: absent before the install)
   except ImportError as e:   # the install has not run yet: the key names, which need no package
     keys, renamed = config_keys_from_text()
     for kv in args.set:
@@ -785,7 +785,7 @@ def check_model_set(args) -> str | None:
         return f"{args.set_source}: override {kv!r} must be written key=value"
       key = kv.split("=", 1)[0].strip().lstrip("-")
       if key not in keys and key not in renamed:   # model.config's message (_unknown_key)
-        import difflib
+        import difflib  # noqa: PLC0415  (only on this error path)
         close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
         return (f"{args.set_source}: unknown config key {key!r}" + (f"; did you mean {', '.join(close)}?" if close
                                                                     else "") + " (see configs/base.py for every key)")
@@ -802,7 +802,7 @@ def check_model_set(args) -> str | None:
 def config_keys_from_text() -> tuple[list[str], dict[str, str]]:
   """`(every key of configs/base.py, sorted as ConfigDict lists them; RENAMED: old name -> new)`, read from
   the file's text (its `c.<key> = ...` lines): no package needed."""
-  import ast
+  import ast  # noqa: PLC0415  (only where the project's packages are not installed yet)
   tree = ast.parse((REPO / "configs" / "base.py").read_text())
   keys: set[str] = set()
   renamed: dict[str, str] = {}
