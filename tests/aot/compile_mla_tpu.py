@@ -41,9 +41,14 @@ def main(argv=None) -> int:
                        "(no flax: the jax 0.10.2 compile venv has none)")
   ap.add_argument("--with-lse", action="store_true",
                   help="with --kernel-only: the residual-saving form (output and log-sum-exp), as a cached prefill calls it")
+  ap.add_argument("--decode", action="store_true",
+                  help="compile one decode step of the layer (`decode_latent`, its cache donated) for --batch "
+                       "sequences against a latent cache of --seq-len rows, and report the cache's copies")
   args = ap.parse_args(argv)
   if args.kernel_only:
     return _kernel_only(args)
+  if args.decode:
+    return _decode(args)
 
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
@@ -129,6 +134,52 @@ def _kernel_only(args) -> int:
                         temp_bytes=int(ma.temp_size_in_bytes),
                         has_tpu_custom_call="tpu_custom_call" in compiled.as_text(),
                         compile_s=round(time.perf_counter() - start, 2), jax=jax.__version__)))
+  return 0
+
+
+def _decode(args) -> int:
+  """One MLA decode step at the real widths: the latent cache's width, the layout XLA gives it, how many
+  whole-cache copies the step makes, and XLA's bytes accessed (an estimate of the HBM traffic)."""
+  import re  # noqa: PLC0415  (this mode only)
+
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  from jax.experimental import topologies  # noqa: PLC0415
+
+  from model import partitioning  # noqa: PLC0415
+  from model.config import ModelArgs, load_config  # noqa: PLC0415
+  from model.nn.mla import MultiHeadLatentAttention  # noqa: PLC0415
+
+  cfg = load_config(["kimi_linear_48b_a3b", f"dtype={args.dtype}", f"weight_dtype={args.dtype}", "num_experts=16",
+                     "ici_data_parallelism=1"])
+  margs = ModelArgs.from_config(cfg, validate=False)
+  topo = topologies.get_topology_desc(topology_name=TOPOLOGIES[args.chip], platform="tpu")
+  mesh = partitioning.create_mesh(cfg, topo.devices[:1])
+  s, length, dt = args.batch, args.seq_len, jnp.dtype(args.dtype)
+  with partitioning.mesh_context(mesh, cfg):
+    with nnx.use_eager_sharding(False):
+      abstract = nnx.eval_shape(lambda: MultiHeadLatentAttention(margs, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    sds = lambda shape, d: jax.ShapeDtypeStruct(shape, d, sharding=sharding)
+    state = jax.tree.map(lambda a: sds(a.shape, a.dtype), state)
+    width = abstract.latent_width
+    args_ = (state, sds((s, margs.hidden_size), dt), sds((s, length, width), dt), sds((s,), jnp.int32))
+    compiled = jax.jit(lambda st, x, c, n: nnx.merge(graphdef, st).decode_latent(x, c, n),
+                       donate_argnums=2).lower(*args_).compile()
+  hlo = compiled.as_text()
+  entry = hlo[hlo.index("ENTRY"):]
+  name = f"{jnp.dtype(dt).name.replace('bfloat16', 'bf16').replace('float32', 'f32')}[{s},{length},{width}]"
+  layout = re.search(re.escape(name) + r"\{([0-9,]+)", entry)
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  ma = compiled.memory_analysis()
+  print(json.dumps(dict(chip=args.chip, decode=True, batch=s, cache_length=length, latent_width=width,
+                        unpadded_width=abstract.rank + abstract.dr, cache_layout=layout.group(1) if layout else None,
+                        cache_copies=len(re.findall(re.escape(name) + r"\S* copy\(", entry)),
+                        cache_bytes=s * length * width * dt.itemsize, temp_bytes=int(ma.temp_size_in_bytes),
+                        bytes_accessed=float((cost or {}).get("bytes accessed", -1.0)), jax=jax.__version__)))
   return 0
 
 
