@@ -80,17 +80,17 @@ def _expected_type(cfg, key):
   return type(cfg[key])
 
 
+# String keys whose default is "" but where the word "none" means something else than unset:
+# compilation_cache_dir="" is the default cache directory, "none" turns the cache off.
+_NONE_IS_A_WORD = frozenset({"compilation_cache_dir"})
+
+
 def _unset_is_empty() -> frozenset[str]:
   """The string keys whose unset value is "" (tokenizer_path, output_json, ...): `none` sets them to ""."""
   global _UNSET_IS_EMPTY
   if _UNSET_IS_EMPTY is None:
     _UNSET_IS_EMPTY = frozenset(k for k, v in base.get_config().items() if v == "") - _NONE_IS_A_WORD
   return _UNSET_IS_EMPTY
-
-
-# String keys whose default is "" but where the word "none" means something else than unset:
-# compilation_cache_dir="" is the default cache directory, "none" turns the cache off.
-_NONE_IS_A_WORD = frozenset({"compilation_cache_dir"})
 
 
 _UNSET_IS_EMPTY: frozenset[str] | None = None

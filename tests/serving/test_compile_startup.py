@@ -94,7 +94,8 @@ def test_cache_directory_rules(tmp_path, monkeypatch):
   # As a key=value override: "none" must stay the word (the override rule makes other ""-default keys "")
   from model.config import load_config   # noqa: PLC0415
   for word in ("none", "off"):
-    assert compilation_cache.resolve_dir(load_config(["demo", f"compilation_cache_dir={word}"]).compilation_cache_dir) is None
+    cfg = load_config(["demo", f"compilation_cache_dir={word}"])
+    assert compilation_cache.resolve_dir(cfg.compilation_cache_dir) is None
   assert load_config(["demo", "tokenizer_path=none"]).tokenizer_path == ""
   blocker = tmp_path / "file"
   blocker.write_text("")
