@@ -100,3 +100,24 @@ def test_switches_other_than_0_or_1_are_refused_by_name(tmp_path, env, message):
   assert proc.stderr.strip().splitlines() == [message]
   assert (tmp_path / "out" / "e2e_logs.txt").read_text() == "the last run's log\n"
   assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"E2E_BUDGET_model": "400s"}, "error: E2E_BUDGET_model='400s': expected whole seconds >= 1"),
+    ({"E2E_BUDGET_model": "0"}, "error: E2E_BUDGET_model='0': expected whole seconds >= 1"),
+    ({"E2E_BUDGET_modle": "400"}, "error: E2E_BUDGET_modle: unknown phase 'modle' (expected E2E_BUDGET_<phase> with "
+                                  "a phase of: install model ckpt serving identity server real)"),
+])
+def test_bad_phase_budgets_are_refused_by_name(tmp_path, env, message):
+  """E2E_BUDGET_<phase> (shared with the train check, tools/bench/device_budgets.sh): a budget that is not
+  whole seconds, or one whose phase is misspelt (it would be silently ignored), exits 2 with one line
+  before anything is created or cleared."""
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "e2e_logs.txt").write_text("the last run's log\n")
+  full = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), E2E_SMOKE="1", SKIP_INSTALL="1",
+              PY=sys.executable, E2E_PHASES="model")
+  proc = subprocess.run(["bash", str(SCRIPT)], env={**full, **env}, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  assert proc.stderr.strip().splitlines() == [message]
+  assert (tmp_path / "out" / "e2e_logs.txt").read_text() == "the last run's log\n"
+  assert not (tmp_path / "work").exists()

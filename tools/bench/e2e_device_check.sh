@@ -26,9 +26,12 @@
 #   E2E_SMOKE=1 (tiny model and shapes, CPU: the test), E2E_REAL=1, E2E_PHASES (default all:
 #   "model ckpt serving identity server real"), CACHE_DIR (default /tmp/kda_e2e_jax_cache),
 #   E2E_MODEL_SET (model config overrides for every phase's model, e.g. "moe_impl=ragged attention=kda_chunked"),
-#   KDA_COMPILE_THREADS (threads that compile an engine's executables; default half the cores).
-# E2E_SMOKE and SKIP_INSTALL other than 0, 1 or empty, and an unknown phase, exit 2 with one `error:` line
-# naming the variable, before anything is created or cleared.
+#   KDA_COMPILE_THREADS (threads that compile an engine's executables; default half the cores),
+#   E2E_BUDGET_<phase>=SECONDS (a phase's time limit, e.g. E2E_BUDGET_model=400 with E2E_PHASES=model;
+#   the whole check still stops at 570 s: one device command is at most 600 s).
+# E2E_SMOKE and SKIP_INSTALL other than 0, 1 or empty, an unknown phase, and a budget that is not whole
+# seconds or names no phase, exit 2 with one `error:` line naming the variable, before anything is
+# created or cleared.
 set -uo pipefail
 case "${1:-}" in   # settings are environment variables; an argument would be ignored, so refuse it
   "") ;;
@@ -62,6 +65,8 @@ if [ "$SMOKE" = 1 ]; then   # a slow shared CPU: the figures do not matter, ever
   TOTAL_BUDGET=1500
   BUDGET=([install]=60 [model]=300 [ckpt]=300 [serving]=400 [identity]=300 [server]=300 [real]=1)
 fi
+. "$ROOT/tools/bench/device_budgets.sh"   # E2E_BUDGET_<phase>=SECONDS overrides a phase's budget
+apply_budget_overrides E2E_ install model ckpt serving identity server real
 SMOKE_FLAG=(); [ "$SMOKE" = 1 ] && SMOKE_FLAG=(--smoke)
 [ -n "${PHASES//[[:space:]]/}" ] || { echo "error: E2E_PHASES='$PHASES': expected some of: model ckpt serving identity server real" >&2; exit 2; }
 for p in $PHASES; do   # a typo must not silently drop a phase

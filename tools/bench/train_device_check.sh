@@ -84,20 +84,8 @@ for p in $PHASES; do   # a typo must not silently drop a phase
 done
 [[ "$BATCHES" =~ ^[[:space:]]*[1-9][0-9]*([[:space:]]+[1-9][0-9]*)*[[:space:]]*$ ]] \
   || { echo "error: TRAIN_BATCHES='$BATCHES': expected batch sizes >= 1 separated by spaces, e.g. '8 4 1'" >&2; exit 2; }
-while IFS= read -r -d '' kv; do   # a misspelt TRAIN_BUDGET_<phase> must not be silently ignored
-  name=${kv%%=*}
-  [[ "$name" == TRAIN_BUDGET_* ]] || continue
-  case " install step loss split " in *" ${name#TRAIN_BUDGET_} "*) ;;
-    *) echo "error: $name: unknown phase '${name#TRAIN_BUDGET_}' (expected TRAIN_BUDGET_<phase> with a phase of: install step loss split)" >&2
-       exit 2;; esac
-done < <(env -0)
-for k in install step loss split; do   # TRAIN_BUDGET_<phase>=SECONDS overrides a phase's budget
-  v="TRAIN_BUDGET_$k"
-  if [ -n "${!v:-}" ]; then
-    [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "error: $v='${!v}': expected whole seconds >= 1" >&2; exit 2; }
-    BUDGET[$k]=${!v}
-  fi
-done
+. "$ROOT/tools/bench/device_budgets.sh"   # TRAIN_BUDGET_<phase>=SECONDS overrides a phase's budget
+apply_budget_overrides TRAIN_ install step loss split
 read -r -d '' -a MODEL_KV <<< "${TRAIN_MODEL_SET:-}"   # split on blanks, no glob: kda_layers=[1] stays as written
 MODEL_SET=(); for kv in "${MODEL_KV[@]}"; do MODEL_SET+=(--set "$kv"); done
 if [ ${#MODEL_SET[@]} -gt 0 ]; then   # a bad key: one line now, not a traceback inside the step phase

@@ -1,0 +1,25 @@
+# Sourced by the device checks before anything is created: <PREFIX>BUDGET_<phase>=SECONDS environment
+# variables override the BUDGET associative array (phase -> seconds) of the sourcing script.
+#
+# apply_budget_overrides PREFIX PHASE...: e.g. `apply_budget_overrides E2E_ install model serving` reads
+# E2E_BUDGET_model=400. A value that is not whole seconds >= 1, or a PREFIXBUDGET_<name> whose name is
+# not one of PHASES (a misspelt phase must not be silently ignored), exits 2 with one `error:` line.
+apply_budget_overrides() {
+  local prefix=$1 kv name k v
+  shift
+  local known=" $* "
+  while IFS= read -r -d '' kv; do
+    name=${kv%%=*}
+    [[ "$name" == "${prefix}BUDGET_"* ]] || continue
+    case "$known" in *" ${name#"${prefix}BUDGET_"} "*) ;;
+      *) echo "error: $name: unknown phase '${name#"${prefix}BUDGET_"}' (expected ${prefix}BUDGET_<phase> with a phase of: $*)" >&2
+         exit 2;; esac
+  done < <(env -0)
+  for k in "$@"; do
+    v="${prefix}BUDGET_$k"
+    if [ -n "${!v:-}" ]; then
+      [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "error: $v='${!v}': expected whole seconds >= 1" >&2; exit 2; }
+      BUDGET[$k]=${!v}
+    fi
+  done
+}
