@@ -1,0 +1,111 @@
+r"""Where a KDA layer's prefill time goes on a device: the mixer of the 0.9B test model
+(configs/kimi_linear_48b_pattern_0p9b.py, random weights, bf16) at one `[1, T, hidden]` row, timed whole
+and in pieces, each piece its own jitted program (wall clock, blocked, median of --repeats after a
+warm-up call; every program compiled before any is timed).
+
+Pieces: the mixer as prefill runs it (16 document slots, caches returned), the mixer without caches
+(1 slot), the three projections + short convs, the gate and beta projections, the kernel alone on
+precomputed inputs (16 slots with final states; 1 slot without), and the output norm + o_proj.
+
+Usage: python -m tools.bench.kda_layer_split [--seq-len 8192] [--repeats 20] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--seq-len", type=int, default=8192)
+  ap.add_argument("--repeats", type=int, default=20)
+  ap.add_argument("--config", default="kimi_linear_48b_pattern_0p9b")
+  ap.add_argument("--json", default=None)
+  args = ap.parse_args(argv)
+  if args.seq_len < 64 or args.repeats < 1:
+    ap.error("--seq-len must be >= 64 and --repeats >= 1")
+  import jax  # noqa: PLC0415  (after argument parsing: --help needs no jax)
+  import jax.numpy as jnp  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  import kda_plugin  # noqa: F401,PLC0415  (registers kda_native)
+  from model import registry  # noqa: PLC0415
+  from model.config import ModelArgs, load_config  # noqa: PLC0415
+  from model.nn.kda import KimiDeltaAttention  # noqa: PLC0415
+
+  cfg = load_config([args.config, "dtype=bfloat16"])
+  margs = ModelArgs.from_config(cfg, validate=False)
+  with nnx.use_eager_sharding(False):
+    mixer = KimiDeltaAttention(margs, registry.get_backend(margs.attention), rngs=nnx.Rngs(0))
+  gd, st = nnx.split(mixer)
+  t = args.seq_len
+  x = jax.random.normal(jax.random.key(1), (1, t, margs.hidden_size)).astype(jnp.bfloat16)
+  seg = jnp.ones((1, t), jnp.int32)
+  kd = margs.kda_head_dim
+  m = lambda s: nnx.merge(gd, s)
+
+  def whole(s, x, seg, slots, ret):
+    return m(s)(x, segment_ids=seg, mode="prefill", num_slots=slots, return_cache=ret, cache_length=t)
+
+  def inputs(s, x, seg):
+    mm, be = m(s), m(s).backend
+    qkv = [be.short_conv(p(x), c.kernel[...], segment_ids=seg, cache=None, max_num_segments=16)[0]
+           for p, c in ((mm.q_proj, mm.q_conv1d), (mm.k_proj, mm.k_conv1d), (mm.v_proj, mm.v_conv1d))]
+    return (*qkv, mm.f_b_proj(mm.f_a_proj(x)), jax.nn.sigmoid(mm.b_proj(x).astype(jnp.float32)))
+
+  def projections(s, x, seg):
+    mm = m(s)
+    return mm.q_proj(x), mm.k_proj(x), mm.v_proj(x)
+
+  def kernel(s, q, k, v, g, beta, seg, slots, ret):
+    mm = m(s)
+    return mm.backend.kda(q, k, v, g, beta, mode="prefill", segment_ids=seg, initial_state=None,
+                          output_final_state=ret, max_num_segments=slots, implementation=mm.implementation,
+                          num_heads=q.shape[-1] // kd, a_log=mm.A_log[...], dt_bias=mm.dt_bias[...],
+                          lower_bound=mm.lower_bound)
+
+  def output(s, o, x):
+    return m(s)._output(o, x)
+
+  pre = jax.jit(inputs)(st, x, seg)
+  jax.block_until_ready(pre)
+  o = jax.jit(lambda s, *a: kernel(s, *a, 1, False)[0])(st, *pre, seg)
+  programs = {
+      "mixer, 16 slots, caches (as prefill)": (lambda s, x, seg: whole(s, x, seg, 16, True), (st, x, seg)),
+      "mixer, 1 slot, no cache": (lambda s, x, seg: whole(s, x, seg, 1, False), (st, x, seg)),
+      "q/k/v projections": (projections, (st, x, seg)),
+      "projections + short convs + gate + beta": (inputs, (st, x, seg)),
+      "kernel, 16 slots, final states": (lambda s, *a: kernel(s, *a, 16, True), (st, *pre, seg)),
+      "kernel, 1 slot, no final state": (lambda s, *a: kernel(s, *a, 1, False), (st, *pre, seg)),
+      "output norm + gate + o_proj": (output, (st, o, x)),
+  }
+  t0 = time.perf_counter()
+  compiled = {name: jax.jit(fn).lower(*a).compile() for name, (fn, a) in programs.items()}
+  print(f"compiled {len(compiled)} programs in {time.perf_counter() - t0:.1f} s", flush=True)
+  rows = {}
+  for name, exe in compiled.items():
+    a = programs[name][1]
+    jax.block_until_ready(exe(*a))
+    runs = []
+    for _ in range(args.repeats):
+      t1 = time.perf_counter()
+      jax.block_until_ready(exe(*a))
+      runs.append(time.perf_counter() - t1)
+    rows[name] = {"median_ms": round(statistics.median(runs) * 1e3, 4), "min_ms": round(min(runs) * 1e3, 4),
+                  "max_ms": round(max(runs) * 1e3, 4)}
+    print(f"{name:42s} {rows[name]['median_ms']:8.3f} ms [{rows[name]['min_ms']:.3f}, {rows[name]['max_ms']:.3f}]",
+          flush=True)
+  report = {"what": "tools/bench/kda_layer_split.py", "config": args.config, "seq_len": t, "repeats": args.repeats,
+            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "pieces": rows}
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
