@@ -63,3 +63,14 @@ def test_device_check_script_smoke(tmp_path):
   bench = json.loads((tmp_path / "kernel_device_time.json").read_text())
   assert [c["name"] for c in bench["cases"]] == ["seed_bf16", "decode_h24_b32"]
   assert all("median_ms" in c for c in bench["cases"])
+
+
+def test_the_softplus_gate_case_runs_the_unbounded_gate(tmp_path):
+  """Kimi-Linear's gate (kda_gate_lower_bound None) is its own case: every other prefill case passes the
+  bounded gate, whose kernel path is much cheaper, so the model's own path must be timed too."""
+  out = tmp_path / "t.json"
+  rc = kdt.main(["--smoke", "--implementation", "xla", "--cases", "seed_bf16_softplus_gate", "seed_bf16",
+                 "--repeats", "2", "--loop-ms", "1", "--compile-workers", "1", "--json", str(out)])
+  assert rc == 0
+  gates = [c["gate"] for c in json.loads(out.read_text())["cases"]]
+  assert gates == ["softplus (no lower bound)", f"bounded ({kdt.LOWER_BOUND})"]

@@ -73,7 +73,12 @@ PREFILL = {
     "t4096_h24_64x64": (1, 4096, 24, "bfloat16", "lane_dense", [64] * 64, 0.6),
     "one_8_token_doc_h24": (1, 8, 24, "bfloat16", "lane_dense", [8], 0.05),
     "b16_t2048_h8_4docs": (16, 2048, 8, "bfloat16", "lane_dense", [500, 530, 490, 528], 1.2),
+    # Kimi-Linear's own gate: the softplus gate, no lower bound (kda_gate_lower_bound None, the config
+    # default). Every case above uses the bounded gate (LOWER_BOUND), whose diagonal score blocks factor
+    # into one matmul; the unbounded gate builds them elementwise (_chunk_math.intra_chunk_scores).
+    "seed_bf16_softplus_gate": (1, 8192, 8, "bfloat16", "lane_dense", [4079, 4113], 0.35),
 }
+SOFTPLUS_GATE = {"seed_bf16_softplus_gate"}   # PREFILL cases run with lower_bound=None
 # name: (B, H, target ms, implementation). B=1's target is the XLA step's measured 0.056 ms (not to
 # regress); the `_xla` rows time the XLA step beside the kernel.
 DECODE = {"decode_h24_b1": (1, 24, 0.056, "auto"), "decode_h24_b32": (32, 24, 0.14, "auto"),
@@ -86,9 +91,11 @@ DECODE = {"decode_h24_b1": (1, 24, 0.056, "auto"), "decode_h24_b32": (32, 24, 0.
 # (checked by tests/aot/test_tpu_decode_compile.py; an unknown option is a compile error).
 DECODE_COMPILER_OPTIONS = {"xla_vf_vmem_memory_space_assignment": False}
 
-def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation="pallas_tpu"):
-  """(fn(v, consts) -> (o, final), v, consts, hbm_bytes, flops) for one kda_inference call (bounded
-  in-kernel gate, q/k L2 norm, final states: the seed's options)."""
+def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation="pallas_tpu",
+                 lower_bound=LOWER_BOUND):
+  """(fn(v, consts) -> (o, final), v, consts, hbm_bytes, flops) for one kda_inference call (in-kernel
+  gate, bounded by `lower_bound` or the softplus gate for None; q/k L2 norm, final states: the seed's
+  options)."""
   from kda_plugin.ops.inference import kda_inference  # noqa: PLC0415  (after jax is configured)
   rng = np.random.default_rng(0)
   dt = jnp.dtype(dtype)
@@ -105,7 +112,7 @@ def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation
   def fn(v_, c):
     return kda_inference(c["q"], c["k"], v_, c["g"], c["beta"], segment_ids=c["seg"],
                          output_final_state=True, max_num_segments=n, use_qk_l2norm=True,
-                         a_log=c["a_log"], dt_bias=c["dt_bias"], lower_bound=LOWER_BOUND,
+                         a_log=c["a_log"], dt_bias=c["dt_bias"], lower_bound=lower_bound,
                          num_heads=None if heads else h, implementation=implementation)
 
   item = dt.itemsize
@@ -239,9 +246,11 @@ def _build(name, *, smoke, implementation):
     if smoke:
       b, t, h = min(b, 2), min(t, SMOKE_PREFILL_T), min(h, SMOKE_HEADS)
       lengths = _smoke_lengths(t, lengths)
+    lower_bound = None if name in SOFTPLUS_GATE else LOWER_BOUND
     fn, x, consts, hbm, flops = prefill_case(b, t, h, dtype, layout, lengths,
-                                             implementation=implementation)
-    shape = dict(batch=b, seq_len=t, heads=h, dtype=dtype, layout=layout, documents=len(lengths))
+                                             implementation=implementation, lower_bound=lower_bound)
+    shape = dict(batch=b, seq_len=t, heads=h, dtype=dtype, layout=layout, documents=len(lengths),
+                 gate="softplus (no lower bound)" if lower_bound is None else f"bounded ({lower_bound})")
   else:
     b, h, target, impl = DECODE[name]
     if smoke:
