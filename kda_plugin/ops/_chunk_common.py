@@ -22,6 +22,10 @@ L2NORM_EPS = 1e-6
 # matmul operand (a factor times a q or k entry) finite; the products that are kept are bounded by
 # |q_r| |k_i| whatever the factors.
 MAX_FACTORED_EXPONENT = 60.0
+# The steepest per-row log decay of a chunk that still takes the factored diagonal blocks when the gate
+# has no static bound (the TPU kernel checks each chunk's rows at run time): factored_shift(-8) = 60,
+# MAX_FACTORED_EXPONENT.
+GENTLE_LOG_DECAY = -8.0
 
 
 def activate_gate(raw, a_exp, dt_bias, lower_bound):

@@ -247,19 +247,38 @@ def _chunk(j, c, off, srcs, beta_all, a_exp, dtb, o_ref, h0_ref, fs_ref, carry_r
       qs.append(q * scale)
       ks.append(k)
     Gs = [G_all[:, i * kp:(i + 1) * kp] for i in range(hg)]
-    # the in-kernel bounded gate bounds every row's log decay: the diagonal score blocks factor
-    prepped = cm.chunk_prep_heads(qs, ks, Gs, betas, seg_col, seg_row, blocked=True, dots=dots,
-                                  inverse_dots=dots, lower_bound=lower_bound if gate else None,
-                                  vpu_block_shift=inverse_block_shift(dots))
-    for i, (tinv, aqk) in enumerate(prepped):
+
+    def prep(bound):  # the chunk's (I + beta Akk)^-1 and Aqk for every head, into the scratch
+      prepped = cm.chunk_prep_heads(qs, ks, Gs, betas, seg_col, seg_row, blocked=True, dots=dots,
+                                    inverse_dots=dots, lower_bound=bound,
+                                    vpu_block_shift=inverse_block_shift(dots))
+      for i, (tinv, aqk) in enumerate(prepped):
+        tinv_scr[h_at(i)] = tinv
+        aqk_scr[h_at(i)] = aqk
+
+    if gate and lower_bound is not None:
+      prep(lower_bound)  # the in-kernel bounded gate bounds every row's log decay: the diagonal blocks factor
+    else:
+      # An unbounded gate (softplus, or a given log decay) has no static bound, so the bound is read
+      # from the data: a chunk whose every valid row decays by at most GENTLE_LOG_DECAY per step (every
+      # chunk of a typical model) takes the factored diagonal blocks; a steeper one the elementwise
+      # blocks. Both are exact; the elementwise ones cost ~12x on v5e (docs/performance.md).
+      gentle = jnp.min(jnp.where(valid_row, g_all, 0.0)) >= cm.GENTLE_LOG_DECAY
+
+      @pl.when(gentle)
+      def _():
+        prep(cm.GENTLE_LOG_DECAY)
+
+      @pl.when(jnp.logical_not(gentle))
+      def _():
+        prep(None)
+    for i in range(hg):
       g_scr[h_at(i)] = Gs[i]
       q_scr[h_at(i)] = qs[i]
       k_scr[h_at(i)] = ks[i]
-      tinv_scr[h_at(i)] = tinv
-      aqk_scr[h_at(i)] = aqk
       beta_scr[h_at(i)] = betas[i]
-    for i, (tinv, _) in enumerate(prepped):
-      u_scr[h_at(i)] = dots.nn(tinv, betas[i] * read_v(i))
+    for i in range(hg):
+      u_scr[h_at(i)] = dots.nn(tinv_scr[h_at(i)], betas[i] * read_v(i))
     for i in range(hg):
       vacc_scr[h_at(i)] = jnp.zeros((C, vp), jnp.float32)
       oacc_scr[h_at(i)] = jnp.zeros((C, vp), jnp.float32)

@@ -39,6 +39,7 @@ class Case:
   gate: str | None = None  # None (pre-activated g), "softplus" or "bounded"
   l2norm: bool = False
   steep: bool = False
+  steep_rows: tuple = ()  # (start, stop) row ranges with ~ -20 nats a token, the other rows gentle
   dtype: str = "float32"
   seq_len: int | None = None
 
@@ -71,6 +72,13 @@ CASES = [
          num_segments=3, gate="softplus", l2norm=True, with_h0=False),
     Case("b3_packed_bounded_bf16", PACKED, batch=3, num_segments=10, gate="bounded", l2norm=True,
          dtype="bfloat16"),
+    # the model's own options: Kimi's softplus gate (no bound), L2 norm, bf16
+    Case("b3_packed_softplus_bf16", PACKED, batch=3, num_segments=10, gate="softplus", l2norm=True,
+         dtype="bfloat16"),
+    # gentle and steep chunks in one call (the TPU kernel picks each chunk's diagonal-block path from
+    # its rows at run time): chunk 1 steep throughout, chunk 3 gentle but for one row
+    Case("steep_and_gentle_chunks", _runs(256, [(1, 0, 100), (2, 100, 256)]), num_segments=2,
+         steep_rows=((64, 128), (200, 201))),
 ]
 
 
@@ -89,6 +97,8 @@ def make_inputs(case: Case, seed: int = 0):
     g = -rng.uniform(0.0, 0.6, (b, t, h, kd))
     if case.steep:
       g = -rng.uniform(18.0, 22.0, (b, t, h, kd))
+    for start, stop in case.steep_rows:
+      g[:, start:stop] = -rng.uniform(18.0, 22.0, (b, stop - start, h, kd))
   else:
     g = rng.standard_normal((b, t, h, kd)) * 2.0
   beta = rng.uniform(0.0, 1.0, (b, t, h))
