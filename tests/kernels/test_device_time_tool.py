@@ -74,3 +74,39 @@ def test_the_softplus_gate_case_runs_the_unbounded_gate(tmp_path):
   assert rc == 0
   gates = [c["gate"] for c in json.loads(out.read_text())["cases"]]
   assert gates == ["softplus (no lower bound)", f"bounded ({kdt.LOWER_BOUND})"]
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--json", "/nonexistent-dir/x.json"], "--json='/nonexistent-dir/x.json': directory '/nonexistent-dir' does not exist"),
+    (["--loop-ms", "0"], "--loop-ms must be > 0"),
+    (["--budget-s", "-1"], "--budget-s must be >= 0"),
+    (["--cases"], "expected at least one argument"),
+])
+def test_bad_arguments_fail_before_any_work(argv, msg, capsys):
+  """A bad --json path used to crash with a traceback after every case had compiled."""
+  with pytest.raises(SystemExit) as e:
+    kdt.main(["--smoke", *argv])
+  assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_kda_layer_split_times_every_piece_and_says_which_gate(tmp_path):
+  """tools/bench/kda_layer_split.py on the CPU at a small row: every piece timed, the JSON names the gate
+  and the implementation it measured (the chip's figures depend on both)."""
+  from tools.bench import kda_layer_split  # noqa: PLC0415
+  out = tmp_path / "split.json"
+  assert kda_layer_split.main(["--seq-len", "64", "--repeats", "1", "--config", "tiny", "--json", str(out)]) == 0
+  r = json.loads(out.read_text())
+  assert len(r["pieces"]) == 7 and all(p["min_ms"] <= p["median_ms"] <= p["max_ms"] for p in r["pieces"].values())
+  assert r["gate"].startswith(("softplus", "bounded")) and r["backend"] == "cpu" and r["commit"]
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--json", "/nonexistent-dir/x.json"], "directory '/nonexistent-dir' does not exist"),
+    (["--config", "nope"], "--config: unknown model config 'nope'"),
+    (["--seq-len", "10"], "--seq-len must be >= 64, got 10"),
+])
+def test_kda_layer_split_refuses_bad_arguments_in_one_line(argv, msg, capsys):
+  from tools.bench import kda_layer_split  # noqa: PLC0415
+  with pytest.raises(SystemExit) as e:
+    kda_layer_split.main(argv)
+  assert e.value.code == 2 and msg in capsys.readouterr().err

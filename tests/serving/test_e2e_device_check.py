@@ -103,8 +103,14 @@ def test_switches_other_than_0_or_1_are_refused_by_name(tmp_path, env, message):
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"E2E_BUDGET_model": "400s"}, "error: E2E_BUDGET_model='400s': expected whole seconds >= 1"),
-    ({"E2E_BUDGET_model": "0"}, "error: E2E_BUDGET_model='0': expected whole seconds >= 1"),
+    ({"E2E_BUDGET_model": "400s"}, "error: E2E_BUDGET_model='400s': expected whole seconds from 1 to 1500 (the whole "
+                                   "check's time)"),
+    ({"E2E_BUDGET_model": "0"}, "error: E2E_BUDGET_model='0': expected whole seconds from 1 to 1500 (the whole check's time)"),
+    ({"E2E_BUDGET_model": ""}, "error: E2E_BUDGET_model='': expected whole seconds from 1 to 1500 (the whole check's time)"),
+    # the model phase stops its decode batches 45 s before its budget: 30 s left it a negative time
+    ({"E2E_BUDGET_model": "30"}, "error: E2E_BUDGET_model=30: the model phase needs at least 60 s (its decode batches "
+                                 "stop 45 s before its budget)"),
+    ({"PY": "/bin/false"}, "error: PY='/bin/false': not a Python with jax (); set PY to the machine's Python with JAX"),
     ({"E2E_BUDGET_modle": "400"}, "error: E2E_BUDGET_modle: unknown phase 'modle' (expected E2E_BUDGET_<phase> with "
                                   "a phase of: install model ckpt serving identity server real)"),
 ])

@@ -126,7 +126,11 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
 
 @pytest.mark.parametrize("env, message", [
     ({"TRAIN_PHASES": "step lossx"}, "error: TRAIN_PHASES: unknown phase 'lossx' (expected some of: step loss split)"),
-    ({"TRAIN_BUDGET_step": "abc"}, "error: TRAIN_BUDGET_step='abc': expected whole seconds >= 1"),
+    ({"TRAIN_BUDGET_step": "abc"}, "error: TRAIN_BUDGET_step='abc': expected whole seconds from 1 to 1200"),
+    # empty was taken for the default, and a budget above the whole check's time reached `[` as text
+    ({"TRAIN_BUDGET_loss": ""}, "error: TRAIN_BUDGET_loss='': expected whole seconds from 1 to 1200"),
+    ({"TRAIN_BUDGET_loss": "99999999999999999999"}, "error: TRAIN_BUDGET_loss='99999999999999999999': expected "
+                                                    "whole seconds from 1 to 1200"),
     ({"TRAIN_BATCHES": "8 x"}, "error: TRAIN_BATCHES='8 x': expected batch sizes >= 1 separated by spaces"),
     ({"TRAIN_PHASES": " "}, "error: TRAIN_PHASES=' ': expected some of: step loss split"),
     # a misspelt budget name was silently ignored (the phase then ran under its default budget)

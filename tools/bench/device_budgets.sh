@@ -2,8 +2,9 @@
 # variables override the BUDGET associative array (phase -> seconds) of the sourcing script.
 #
 # apply_budget_overrides PREFIX PHASE...: e.g. `apply_budget_overrides E2E_ install model serving` reads
-# E2E_BUDGET_model=400. A value that is not whole seconds >= 1, or a PREFIXBUDGET_<name> whose name is
-# not one of PHASES (a misspelt phase must not be silently ignored), exits 2 with one `error:` line.
+# E2E_BUDGET_model=400. A value that is not whole seconds from 1 to the check's TOTAL_BUDGET (an empty
+# one included), or a PREFIXBUDGET_<name> whose name is not one of PHASES (a misspelt phase must not be
+# silently ignored), exits 2 with one `error:` line.
 apply_budget_overrides() {
   local prefix=$1 kv name k v
   shift
@@ -17,8 +18,9 @@ apply_budget_overrides() {
   done < <(env -0)
   for k in "$@"; do
     v="${prefix}BUDGET_$k"
-    if [ -n "${!v:-}" ]; then
-      [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "error: $v='${!v}': expected whole seconds >= 1" >&2; exit 2; }
+    if [ -n "${!v+set}" ]; then
+      [[ "${!v}" =~ ^[1-9][0-9]{0,5}$ ]] && [ "${!v}" -le "$TOTAL_BUDGET" ] \
+        || { echo "error: $v='${!v}': expected whole seconds from 1 to $TOTAL_BUDGET (the whole check's time)" >&2; exit 2; }
       BUDGET[$k]=${!v}
     fi
   done

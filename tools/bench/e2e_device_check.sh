@@ -27,8 +27,9 @@
 #   "model ckpt serving identity server real"), CACHE_DIR (default /tmp/kda_e2e_jax_cache),
 #   E2E_MODEL_SET (model config overrides for every phase's model, e.g. "moe_impl=ragged attention=kda_chunked"),
 #   KDA_COMPILE_THREADS (threads that compile an engine's executables; default half the cores),
-#   E2E_BUDGET_<phase>=SECONDS (a phase's time limit, e.g. E2E_BUDGET_model=400 with E2E_PHASES=model;
-#   the whole check still stops at 570 s: one device command is at most 600 s).
+#   E2E_BUDGET_<phase>=SECONDS (a phase's time limit, phases as in E2E_PHASES plus install; e.g.
+#   E2E_BUDGET_model=400 with E2E_PHASES=model; defaults in BUDGET below; model and real need >= 60;
+#   the whole check still stops at 570 s, 1500 s with E2E_SMOKE=1: one device command is at most 600 s).
 # E2E_SMOKE and SKIP_INSTALL other than 0, 1 or empty, an unknown phase, and a budget that is not whole
 # seconds or names no phase, exit 2 with one `error:` line naming the variable, before anything is
 # created or cleared.
@@ -67,12 +68,18 @@ if [ "$SMOKE" = 1 ]; then   # a slow shared CPU: the figures do not matter, ever
 fi
 . "$ROOT/tools/bench/device_budgets.sh"   # E2E_BUDGET_<phase>=SECONDS overrides a phase's budget
 apply_budget_overrides E2E_ install model ckpt serving identity server real
+for p in model real; do   # these stop their decode batches 45 s before their budget: less leaves them nothing
+  v="E2E_BUDGET_$p"
+  [ -z "${!v+set}" ] || [ "${BUDGET[$p]}" -ge 60 ] || { echo "error: E2E_BUDGET_$p=${BUDGET[$p]}: the $p phase needs at least 60 s (its decode batches stop 45 s before its budget)" >&2; exit 2; }
+done
 SMOKE_FLAG=(); [ "$SMOKE" = 1 ] && SMOKE_FLAG=(--smoke)
 [ -n "${PHASES//[[:space:]]/}" ] || { echo "error: E2E_PHASES='$PHASES': expected some of: model ckpt serving identity server real" >&2; exit 2; }
 for p in $PHASES; do   # a typo must not silently drop a phase
   case " model ckpt serving identity server real " in *" $p "*) ;;
     *) echo "error: E2E_PHASES: unknown phase '$p' (expected some of: model ckpt serving identity server real)" >&2; exit 2;; esac
 done
+PY_INFO=$(cd / && "$PY" -c "import jax, sys; print(sys.version.split()[0], 'jax', jax.__version__)" 2>&1) \
+  || { echo "error: PY='$PY': not a Python with jax (${PY_INFO##*$'\n'}); set PY to the machine's Python with JAX" >&2; exit 2; }
 LOGS="$OUT/e2e_logs.txt"
 mkdir -p "$OUT" "$WORK"   # after the checks: a refused run leaves nothing behind
 . "$ROOT/tools/bench/device_phases.sh"   # record, left, run_phase; clears $LOGS and the last run's figures
@@ -87,8 +94,7 @@ wants() { [[ " $PHASES " == *" $1 "* ]]; }
 # --- install ------------------------------------------------------------------------------------------
 echo "== environment: PY=$PY"
 # (jax.devices() would open the chip: ~15 s; the model phase reports the device)
-"$PY" -c "import jax, sys; print(sys.version.split()[0], 'jax', jax.__version__)" 2>&1 | tail -1 \
-  || { echo "no Python with jax at PY=$PY"; exit 2; }
+echo "${PY_INFO##*$'\n'}"
 
 install_project() {
   local pip=("$VENV/bin/python" -m pip install --isolated --quiet --no-cache-dir --index-url "$INDEX")
@@ -165,7 +171,8 @@ if wants ckpt && need ckpt "${CORE[@]}" orbax_v1; then
   ckpt_pid=$!
 fi
 if wants model && need model "${CORE[@]}"; then
-  run_phase model "${E2E[@]}" model "${SMOKE_FLAG[@]}" "${MODEL_SET[@]}" --json "$WORK/model.json" --stop-after-s $((BUDGET[model] - 45))
+  mb=$(left); [ "${BUDGET[model]}" -lt "$mb" ] && mb=${BUDGET[model]}   # the limit run_phase applies
+  run_phase model "${E2E[@]}" model "${SMOKE_FLAG[@]}" "${MODEL_SET[@]}" --json "$WORK/model.json" --stop-after-s $((mb > 50 ? mb - 45 : 5))
 fi
 [ -n "$ckpt_pid" ] && wait "$ckpt_pid"
 

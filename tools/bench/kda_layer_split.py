@@ -1,13 +1,17 @@
-r"""Where a KDA layer's prefill time goes on a device: the mixer of the 0.9B test model
-(configs/kimi_linear_48b_pattern_0p9b.py, random weights, bf16) at one `[1, T, hidden]` row, timed whole
-and in pieces, each piece its own jitted program (wall clock, blocked, median of --repeats after a
-warm-up call; every program compiled before any is timed).
+r"""Where a KDA layer's prefill time goes on a device: one KDA mixer of a model config, timed whole and in pieces.
+
+The mixer of `--config` (default the 0.9B test model, configs/kimi_linear_48b_pattern_0p9b.py;
+random weights, bf16, the config's own gate: Kimi's softplus gate unless kda_gate_lower_bound is set)
+runs on one `[1, T, hidden]` row. Each piece is its own jitted program (wall clock, blocked, median
+of --repeats after a warm-up call; every program compiled before any is timed).
 
 Pieces: the mixer as prefill runs it (16 document slots, caches returned), the mixer without caches
-(1 slot), the three projections + short convs, the gate and beta projections, the kernel alone on
-precomputed inputs (16 slots with final states; 1 slot without), and the output norm + o_proj.
+(1 slot), the q/k/v projections, the projections + short convs + gate and beta projections, the
+kernel alone on precomputed inputs (16 slots with final states; 1 slot without), and the output
+norm + gate + o_proj.
 
-Usage: python -m tools.bench.kda_layer_split [--seq-len 8192] [--repeats 20] [--json OUT.json]
+Usage: python -m tools.bench.kda_layer_split [--seq-len 8192] [--repeats 20] [--config NAME] [--json OUT.json]
+Exit status: 0; 2 bad arguments (one `error:` line naming the argument).
 """
 
 from __future__ import annotations
@@ -20,14 +24,25 @@ import time
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--seq-len", type=int, default=8192)
-  ap.add_argument("--repeats", type=int, default=20)
-  ap.add_argument("--config", default="kimi_linear_48b_pattern_0p9b")
-  ap.add_argument("--json", default=None)
+  ap = argparse.ArgumentParser(prog="python -m tools.bench.kda_layer_split", description=__doc__.split("\n\n")[0],
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  ap.add_argument("--seq-len", type=int, default=8192, help="tokens in the row, one document (>= 64)")
+  ap.add_argument("--repeats", type=int, default=20, help="timed calls per piece (>= 1)")
+  ap.add_argument("--config", default="kimi_linear_48b_pattern_0p9b",
+                  help="model config: a name under configs/ or a .py/.json path")
+  ap.add_argument("--json", default=None, help="also write the figures here (checked before any work)")
   args = ap.parse_args(argv)
-  if args.seq_len < 64 or args.repeats < 1:
-    ap.error("--seq-len must be >= 64 and --repeats >= 1")
+  if args.seq_len < 64:
+    ap.error(f"--seq-len must be >= 64, got {args.seq_len}")
+  if args.repeats < 1:
+    ap.error(f"--repeats must be >= 1, got {args.repeats}")
+  from model.errors import UserError  # noqa: PLC0415
+  from tools.cli import check_output_path  # noqa: PLC0415
+  if args.json:
+    try:
+      check_output_path(args.json, "--json", overwrite=True)
+    except UserError as e:
+      ap.error(str(e))
   import jax  # noqa: PLC0415  (after argument parsing: --help needs no jax)
   import jax.numpy as jnp  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
@@ -37,7 +52,10 @@ def main(argv=None) -> int:
   from model.config import ModelArgs, load_config  # noqa: PLC0415
   from model.nn.kda import KimiDeltaAttention  # noqa: PLC0415
 
-  cfg = load_config([args.config, "dtype=bfloat16"])
+  try:
+    cfg = load_config([args.config, "dtype=bfloat16"])
+  except UserError as e:
+    ap.error(f"--config: {e}")
   margs = ModelArgs.from_config(cfg, validate=False)
   with nnx.use_eager_sharding(False):
     mixer = KimiDeltaAttention(margs, registry.get_backend(margs.attention), rngs=nnx.Rngs(0))
@@ -99,7 +117,12 @@ def main(argv=None) -> int:
                   "max_ms": round(max(runs) * 1e3, 4)}
     print(f"{name:42s} {rows[name]['median_ms']:8.3f} ms [{rows[name]['min_ms']:.3f}, {rows[name]['max_ms']:.3f}]",
           flush=True)
-  report = {"what": "tools/bench/kda_layer_split.py", "config": args.config, "seq_len": t, "repeats": args.repeats,
+  from tools.bench.kernel_device_time import _commit  # noqa: PLC0415
+  lb = margs.kda_gate_lower_bound
+  report = {"what": "tools/bench/kda_layer_split.py", "commit": _commit(), "config": args.config, "seq_len": t,
+            "repeats": args.repeats, "dtype": "bfloat16", "attention": margs.attention,
+            "kda_implementation": margs.kda_implementation, "backend": jax.default_backend(),
+            "gate": "softplus (no lower bound)" if lb is None else f"bounded ({lb})",
             "device": jax.devices()[0].device_kind, "jax": jax.__version__, "pieces": rows}
   if args.json:
     with open(args.json, "w") as f:

@@ -267,10 +267,11 @@ def _error(e: BaseException) -> str:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--cases", nargs="*", default=None,
-                  help=f"case names (default: all but the `_xla` comparison rows): {', '.join([*PREFILL, *DECODE])}")
-  ap.add_argument("--repeats", type=int, default=7, help="timed loops per case (median and spread)")
-  ap.add_argument("--loop-ms", type=float, default=60.0, help="about how long one timed loop runs")
+  ap.add_argument("--cases", nargs="+", default=None,
+                  help=f"case names (default: all but the `_xla` comparison rows): {', '.join([*PREFILL, *DECODE])}; "
+                       "the prefill cases use the bounded gate except seed_bf16_softplus_gate (Kimi's softplus gate)")
+  ap.add_argument("--repeats", type=int, default=7, help="timed loops per case (median and spread; default 7)")
+  ap.add_argument("--loop-ms", type=float, default=60.0, help="about how long one timed loop runs (ms, default 60)")
   ap.add_argument("--json", default=None, help="write the results here (rewritten after every case)")
   ap.add_argument("--implementation", default="pallas_tpu",
                   help="kda_inference's implementation for the prefill cases (default pallas_tpu)")
@@ -290,6 +291,17 @@ def main(argv=None) -> int:
     ap.error(f"--cases: unknown {unknown}; expected names from {[*PREFILL, *DECODE]}")
   if args.repeats < 1:
     ap.error("--repeats must be at least 1")
+  if args.loop_ms <= 0:
+    ap.error(f"--loop-ms must be > 0, got {args.loop_ms}")
+  if args.budget_s is not None and args.budget_s < 0:
+    ap.error(f"--budget-s must be >= 0, got {args.budget_s}")
+  if args.json:  # a bad path fails now, not after every case has compiled
+    from model.errors import UsageError  # noqa: PLC0415
+    from tools.cli import check_output_path  # noqa: PLC0415
+    try:
+      check_output_path(args.json, "--json", overwrite=True)
+    except UsageError as e:
+      ap.error(str(e))
   if args.compile_workers < 1:
     ap.error("--compile-workers must be at least 1")
   if args.implementation not in ("pallas_tpu", "pallas_gpu", "xla"):
