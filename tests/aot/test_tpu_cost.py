@@ -155,7 +155,9 @@ def test_v5e_calibration_reproduces_its_fit():
 
 def test_v5e_shapes_are_the_benchmarked_cases():
   bench = pytest.importorskip("tools.bench.kernel_device_time")
-  assert set(tpu_cost._V5E_CASES) == set(bench.PREFILL)
+  # the cost model's v5e cases are the bounded-gate ones it was calibrated on; the softplus-gate case
+  # (the same shape, the kernel's other diagonal-block path) is timed on the chip only
+  assert set(tpu_cost._V5E_CASES) == set(bench.PREFILL) - bench.SOFTPLUS_GATE
   for name, (b, t, h, dtype, lane_dense, lengths) in tpu_cost._V5E_CASES.items():
     pb, pt, ph, pdtype, layout, plengths, _ = bench.PREFILL[name]
     assert (b, t, h, dtype, lane_dense, lengths) == (pb, pt, ph, pdtype, layout == "lane_dense",
