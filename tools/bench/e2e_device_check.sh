@@ -18,7 +18,8 @@
 # phase: status, rc, seconds, budget, figures) and $OUT/e2e_logs.txt (all logs): 2 files.
 #
 # Usage (from anywhere): tools/bench/e2e_device_check.sh
-#   env: OUT (default /tmp/kda_e2e_out), PY (the machine's Python with JAX; default
+#   env: OUT (default /tmp/kda_e2e_out), WORK (default /tmp/kda_e2e: the phases' checkpoint, logs and
+#   figures; the check deletes the *.json files in it at start, so give it a directory of its own), PY (the machine's Python with JAX; default
 #   /root/.pyenv/versions/3.11.7/bin/python3 when it exists, else python3 as resolved outside the checkout),
 #   INDEX (default file:///opt/pypi/simple), WHEELS (a directory of wheels the index lacks, default
 #   .whl-tpu in the checkout; tools/bench/device_wheels.sh fills it), VENV (default /tmp/kda-e2e-venv),

@@ -19,7 +19,9 @@
 # budget, figures; a headline) and $OUT/train_device_logs.txt (all logs): 2 files.
 #
 # Usage (from anywhere): tools/bench/train_device_check.sh
-#   env: OUT (default /tmp/kda_train_out), PY (the machine's Python with JAX; default
+#   env: OUT (default /tmp/kda_train_out), WORK (default /tmp/kda_train: the phases' runs, logs and
+#   figures; the check deletes the *.json files and runs/ in it at start, so give it a directory of its
+#   own), PY (the machine's Python with JAX; default
 #   /root/.pyenv/versions/3.11.7/bin/python3 when it exists, else python3 as resolved outside the checkout),
 #   INDEX (default file:///opt/pypi/simple), WHEELS (wheels the index lacks, default .whl-tpu in the checkout;
 #   tools/bench/device_wheels.sh fills it), VENV (default /tmp/kda-train-venv), SKIP_INSTALL=1 (use PY as it
@@ -33,7 +35,8 @@
 #   then does not donate the train state, as train_step_fn's own jit runs it now; default 1: donated, as
 #   model/aot.py compiles it),
 #   CACHE_DIR (default /tmp/kda_train_jax_cache), TRAIN_BUDGET_<phase>=SECONDS (e.g. TRAIN_BUDGET_loss=400 with
-#   TRAIN_PHASES=loss when its cold compile needs longer; the total stays 570 s).
+#   TRAIN_PHASES=loss when its cold compile needs longer; phases: install step loss split; whole seconds
+#   up to the total, which stays 570 s, 1200 s with TRAIN_SMOKE=1).
 # Bad settings exit 2 with one `error:` line naming the variable, before anything is created or cleared:
 # TRAIN_SMOKE, TRAIN_DONATE and SKIP_INSTALL other than 0, 1 or empty; a TRAIN_BUDGET_<name> whose name is
 # not a phase (install step loss split); an unknown phase, a bad batch list; a TRAIN_MODEL_SET key (or
