@@ -91,6 +91,12 @@ def test_bad_phases_are_refused_before_anything_is_touched(tmp_path, phases, mes
 def test_switches_other_than_0_or_1_are_refused_by_name(tmp_path, env, message):
   """E2E_SMOKE=yes used to run the full (TPU) check and SKIP_INSTALL=true an install: only 0, 1 or empty
   pass; anything else exits 2 with one line naming the variable, before anything is created or cleared."""
+  _assert_refused(tmp_path, env, message)
+
+
+def _assert_refused(tmp_path, env, message):
+  """The smoke check run with `env` over its defaults exits 2 with the one line `message` on stderr,
+  leaving the last run's log in place and creating no work directory."""
   (tmp_path / "out").mkdir()
   (tmp_path / "out" / "e2e_logs.txt").write_text("the last run's log\n")
   full = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), E2E_SMOKE="1", SKIP_INSTALL="1",
@@ -118,12 +124,4 @@ def test_bad_phase_budgets_are_refused_by_name(tmp_path, env, message):
   """E2E_BUDGET_<phase> (shared with the train check, tools/bench/device_budgets.sh): a budget that is not
   whole seconds, or one whose phase is misspelt (it would be silently ignored), exits 2 with one line
   before anything is created or cleared."""
-  (tmp_path / "out").mkdir()
-  (tmp_path / "out" / "e2e_logs.txt").write_text("the last run's log\n")
-  full = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), E2E_SMOKE="1", SKIP_INSTALL="1",
-              PY=sys.executable, E2E_PHASES="model")
-  proc = subprocess.run(["bash", str(SCRIPT)], env={**full, **env}, capture_output=True, text=True, timeout=60)
-  assert proc.returncode == 2, proc.stdout + proc.stderr
-  assert proc.stderr.strip().splitlines() == [message]
-  assert (tmp_path / "out" / "e2e_logs.txt").read_text() == "the last run's log\n"
-  assert not (tmp_path / "work").exists()
+  _assert_refused(tmp_path, env, message)

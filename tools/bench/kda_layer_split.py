@@ -17,8 +17,6 @@ Exit status: 0; 2 bad arguments (one `error:` line naming the argument).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 
@@ -37,7 +35,7 @@ def main(argv=None) -> int:
   if args.repeats < 1:
     ap.error(f"--repeats must be >= 1, got {args.repeats}")
   from model.errors import UserError  # noqa: PLC0415
-  from tools.cli import check_output_path  # noqa: PLC0415
+  from tools.cli import check_output_path, write_json_atomic  # noqa: PLC0415
   if args.json:
     try:
       check_output_path(args.json, "--json", overwrite=True)
@@ -104,16 +102,13 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   compiled = {name: jax.jit(fn).lower(*a).compile() for name, (fn, a) in programs.items()}
   print(f"compiled {len(compiled)} programs in {time.perf_counter() - t0:.1f} s", flush=True)
+  from tools.bench.e2e_device import timed  # noqa: PLC0415
   rows = {}
   for name, exe in compiled.items():
     a = programs[name][1]
-    jax.block_until_ready(exe(*a))
-    runs = []
-    for _ in range(args.repeats):
-      t1 = time.perf_counter()
-      jax.block_until_ready(exe(*a))
-      runs.append(time.perf_counter() - t1)
-    rows[name] = {"median_ms": round(statistics.median(runs) * 1e3, 4), "min_ms": round(min(runs) * 1e3, 4),
+    jax.block_until_ready(exe(*a))   # warm-up
+    med, runs = timed(lambda: exe(*a), args.repeats)
+    rows[name] = {"median_ms": round(med * 1e3, 4), "min_ms": round(min(runs) * 1e3, 4),
                   "max_ms": round(max(runs) * 1e3, 4)}
     print(f"{name:42s} {rows[name]['median_ms']:8.3f} ms [{rows[name]['min_ms']:.3f}, {rows[name]['max_ms']:.3f}]",
           flush=True)
@@ -125,8 +120,7 @@ def main(argv=None) -> int:
             "gate": "softplus (no lower bound)" if lb is None else f"bounded ({lb})",
             "device": jax.devices()[0].device_kind, "jax": jax.__version__, "pieces": rows}
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(report, f, indent=1)
+    write_json_atomic(args.json, report, "--json", overwrite=True)
   return 0
 
 
