@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kda_plugin.ops._chunk_common import (  # noqa: F401  (activate_gate, factored_diagonal: cm.* names)
+from kda_plugin.ops._chunk_common import (  # noqa: F401  (re-exported as cm.* names)
     GENTLE_LOG_DECAY, L2NORM_EPS, NEG_INF, SUB, activate_gate, factored_diagonal, factored_shift)
 from kda_plugin.ops._chunk_common import SUB_SHIFT as _SUB_SHIFT
 _HI = lax.Precision.HIGHEST

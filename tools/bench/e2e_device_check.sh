@@ -19,8 +19,9 @@
 #
 # Usage (from anywhere): tools/bench/e2e_device_check.sh
 #   env: OUT (default /tmp/kda_e2e_out), WORK (default /tmp/kda_e2e: the phases' checkpoint, logs and
-#   figures; the check deletes the *.json files in it at start, so give it a directory of its own), PY (the machine's Python with JAX; default
-#   /root/.pyenv/versions/3.11.7/bin/python3 when it exists, else python3 as resolved outside the checkout),
+#   figures; the check deletes the *.json files in it at start, so give it a directory of its own),
+#   PY (the machine's Python with JAX; default /root/.pyenv/versions/3.11.7/bin/python3 when it exists,
+#   else python3 as resolved outside the checkout),
 #   INDEX (default file:///opt/pypi/simple), WHEELS (a directory of wheels the index lacks, default
 #   .whl-tpu in the checkout; tools/bench/device_wheels.sh fills it), VENV (default /tmp/kda-e2e-venv),
 #   SKIP_INSTALL=1 (use PY as it is, the checkout on PYTHONPATH), KDA_COMMIT (the commit measured),
@@ -71,7 +72,9 @@ fi
 apply_budget_overrides E2E_ install model ckpt serving identity server real
 for p in model real; do   # these stop their decode batches 45 s before their budget: less leaves them nothing
   v="E2E_BUDGET_$p"
-  [ -z "${!v+set}" ] || [ "${BUDGET[$p]}" -ge 60 ] || { echo "error: E2E_BUDGET_$p=${BUDGET[$p]}: the $p phase needs at least 60 s (its decode batches stop 45 s before its budget)" >&2; exit 2; }
+  [ -z "${!v+set}" ] || [ "${BUDGET[$p]}" -ge 60 ] || {
+    echo "error: E2E_BUDGET_$p=${BUDGET[$p]}: the $p phase needs at least 60 s (its decode batches stop 45 s before its budget)" >&2
+    exit 2; }
 done
 SMOKE_FLAG=(); [ "$SMOKE" = 1 ] && SMOKE_FLAG=(--smoke)
 [ -n "${PHASES//[[:space:]]/}" ] || { echo "error: E2E_PHASES='$PHASES': expected some of: model ckpt serving identity server real" >&2; exit 2; }
@@ -91,6 +94,11 @@ skip() {  # skip NAME REASON
 }
 
 wants() { [[ " $PHASES " == *" $1 "* ]]; }
+stop_after() {  # stop_after PHASE MARGIN: seconds before the phase's decode batches stop, MARGIN s before
+  local b; b=$(left)   # the limit run_phase will apply (its budget, or the time left when less)
+  [ "${BUDGET[$1]}" -lt "$b" ] && b=${BUDGET[$1]}
+  echo $((b > $2 + 5 ? b - $2 : 5))
+}
 
 # --- install ------------------------------------------------------------------------------------------
 echo "== environment: PY=$PY"
@@ -172,8 +180,8 @@ if wants ckpt && need ckpt "${CORE[@]}" orbax_v1; then
   ckpt_pid=$!
 fi
 if wants model && need model "${CORE[@]}"; then
-  mb=$(left); [ "${BUDGET[model]}" -lt "$mb" ] && mb=${BUDGET[model]}   # the limit run_phase applies
-  run_phase model "${E2E[@]}" model "${SMOKE_FLAG[@]}" "${MODEL_SET[@]}" --json "$WORK/model.json" --stop-after-s $((mb > 50 ? mb - 45 : 5))
+  run_phase model "${E2E[@]}" model "${SMOKE_FLAG[@]}" "${MODEL_SET[@]}" --json "$WORK/model.json" \
+    --stop-after-s "$(stop_after model 45)"
 fi
 [ -n "$ckpt_pid" ] && wait "$ckpt_pid"
 
@@ -211,7 +219,7 @@ fi
 # --- the real-width shard, when asked and time is left ----------------------------------------------------
 if wants real && [ "${E2E_REAL:-0}" = 1 ] && [ "$SMOKE" != 1 ] && need real "${CORE[@]}"; then
   run_phase real "${E2E[@]}" model --config kimi_linear_48b_a3b --set num_experts=16 --set num_experts_per_tok=8 \
-    --repeats 3 --json "$WORK/real.json" --stop-after-s $((BUDGET[real] - 40))
+    --repeats 3 --json "$WORK/real.json" --stop-after-s "$(stop_after real 40)"
 elif wants real; then
   record real "skipped: E2E_REAL is not 1" -1 0 "${BUDGET[real]}"
 fi
