@@ -10,6 +10,7 @@ with a dense SwiGLU (`mlp`) for the first `first_k_dense_replace` layers and MoE
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import jax
@@ -76,15 +77,65 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, *, segment_ids, mode, num_slots, cache=None, lengths=None, return_cache=False,
                cache_length=None):
-    """x `[B, T, d]` -> `(x, layer cache in decode layout | None)`."""
+    """x `[B, T, d]` -> `(x, layer cache in decode layout | None)`. Outside training, runs as the
+    layer-kind program `_shared_forward` (see `_shares_trace`)."""
+    kw = dict(mode=mode, num_slots=num_slots, return_cache=return_cache, cache_length=cache_length)
+    if not _shares_trace(self, mode):
+      return self.forward(x, segment_ids=segment_ids, cache=cache, lengths=lengths, **kw)
+    graphdef, state = nnx.split(self)
+    return _shared_forward(graphdef, state, x, segment_ids, cache, lengths, rules=partitioning.current_rules(), **kw)
+
+  def forward(self, x, *, segment_ids, mode, num_slots, cache=None, lengths=None, return_cache=False,
+              cache_length=None):
+    """`__call__`'s computation, traced in place."""
     y, new = self.self_attn(self.input_layernorm(x), segment_ids=segment_ids, mode=mode, num_slots=num_slots,
                             cache=cache, lengths=lengths, return_cache=return_cache, cache_length=cache_length)
     return self._ffn(x + y), new
 
   def decode(self, x, cache, lengths):
-    """x `[S, d]` one token per sequence -> `(x, new layer cache)`."""
+    """x `[S, d]` one token per sequence -> `(x, new layer cache)`, as the layer-kind program
+    `_shared_decode`."""
+    graphdef, state = nnx.split(self)
+    return _shared_decode(graphdef, state, x, cache, lengths, rules=partitioning.current_rules())
+
+  def decode_step(self, x, cache, lengths):
+    """`decode`'s computation, traced in place."""
     y, new = self.self_attn.decode(self.input_layernorm(x), cache, lengths)
     return self._ffn(x + y), new
+
+
+# Layer-kind programs. An unrolled 27-layer model traced each layer anew in every program (and, on a
+# TPU, lowered its Pallas kernels anew): an engine's cold start traced and lowered 11 step programs
+# of 27 layers each. As an inner `jax.jit` keyed by the layer's nnx graphdef (equal for layers of one
+# structure: mixer kind and FFN kind) and its state's shapes, the layers of one kind share one trace
+# and one lowered function per program, called once per layer (tests/model/test_layer_programs.py).
+# XLA inlines the calls, so the compiled program, its numerics and its memory are unchanged. The
+# logical-axis rules are read at trace time, so they are a static argument (part of the cache key).
+_FORWARD_STATIC = ("mode", "num_slots", "return_cache", "cache_length", "rules")
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=_FORWARD_STATIC)
+def _shared_forward(graphdef, state, x, segment_ids, cache, lengths, *, mode, num_slots, return_cache,
+                    cache_length, rules):
+  with nnx.logical_axis_rules(rules):
+    return nnx.merge(graphdef, state).forward(x, segment_ids=segment_ids, mode=mode, num_slots=num_slots,
+                                              cache=cache, lengths=lengths, return_cache=return_cache,
+                                              cache_length=cache_length)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("rules",))
+def _shared_decode(graphdef, state, x, cache, lengths, *, rules):
+  with nnx.logical_axis_rules(rules):
+    return nnx.merge(graphdef, state).decode_step(x, cache, lengths)
+
+
+def _shares_trace(layer: DecoderLayer, mode: str) -> bool:
+  """Whether `layer`'s forward runs as its kind's shared program: not in training, where remat and
+  gradients trace the module itself, and not while a MoE block records its routing (`sow` on the
+  module, which a merged copy would drop)."""
+  if mode == "train":
+    return False
+  return not (layer.is_moe and layer.block_sparse_moe.record_routing)
 
 
 class KimiLinearModel(nnx.Module):
