@@ -53,6 +53,11 @@ def test_every_phase_runs_in_smoke_mode(tmp_path):
   assert phases["real"]["status"] == "skipped: E2E_REAL is not 1"
   model = phases["model"]["result"]
   assert model["decode"]["B=2"]["step_ms"] > 0 and model["decode"]["B=2"]["hbm_floor_ms"] > 0
+  split = model["decode"]["split"]
+  pieces = {k: v for k, v in split.items() if isinstance(v, dict)}
+  assert set(pieces) == {"kda", "mla", "moe", "dense_ffn", "lm_head"}, split
+  assert split["sum_ms"] == pytest.approx(sum(v["ms"] * v["layers"] for v in pieces.values()), abs=5e-3)
+  assert [pieces[k]["layers"] for k in ("kda", "mla", "moe", "dense_ffn", "lm_head")] == [2, 2, 3, 1, 1]
   one = model["prefill"]["one_prompt"]
   assert one["tokens_per_s"] > 0 and one["flops_per_token"] > 0
   assert abs(one["mfu"] - one["flops_per_token"] * one["tokens_per_s"] / 197e12) < 1e-4   # ~0 on a tiny model

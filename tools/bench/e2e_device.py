@@ -8,7 +8,8 @@ PHASE:
   model       prefill of one long prompt and of the same row as 16 packed documents (TTFT, tokens/s, MFU),
               its time split (one KDA mixer, MLA mixer, MoE block, dense FFN and last-token LM head, each
               jitted alone, times their count), then decode steps at B = 1, 8, 32, 64 beside the HBM
-              floor (random weights, bf16).
+              floor and the step's split at B = 64 (each piece a loop of decode steps alone, times its
+              count) (random weights, bf16).
   checkpoint  --dir DIR: writes a random-weights checkpoint of the model (run it with JAX_PLATFORMS=cpu:
               it needs no device, and can run beside another phase).
   identity    f32: 32 requests of mixed lengths served together at B=32 against each served alone on the
@@ -193,6 +194,10 @@ def phase_model(args) -> dict:
   split_pieces = prefill_pieces(model, t_row, n_docs)
   for kind, (fn, state, x, seg, _) in split_pieces.items():
     lowered[f"split {kind}"] = jax.jit(fn).lower(state, x, seg)
+  b_split = batches[-1]
+  step_pieces = decode_pieces(model, decode_inputs[b_split][1], steps)
+  for kind, (fn, state, carry, _) in step_pieces.items():
+    lowered[f"decode split {kind}"] = jax.jit(fn).lower(state, carry)
 
   def compile_one(item):
     name, low = item
@@ -269,6 +274,79 @@ def phase_model(args) -> dict:
     print(f"decode B={b}: {step_ms:.2f} ms/step, HBM floor {floor_ms:.2f} ms ({step_ms / floor_ms:.2f}x)", flush=True)
     args.save_partial(out)
     del loop_c
+
+  # The decode step's split at the largest batch: one piece of each kind as its own loop of `steps`
+  # steps (output fed back), times the number of such pieces in the model.
+  step_split = {"method": f"one piece of each kind jitted alone as a loop of {steps} steps at B={b_split} "
+                     f"(context {context}), median of --repeats, per step x the pieces of that kind",
+                "batch": b_split}
+  for kind, (_, state, carry, count) in step_pieces.items():
+    if time.perf_counter() - t0 > args.stop_after_s:
+      step_split[kind] = {"skipped": f"phase time limit {args.stop_after_s:.0f} s reached"}
+      continue
+    exe = compiled.pop(f"decode split {kind}")[0]
+    jax.block_until_ready(exe(state, carry))
+    med, runs = timed(lambda: exe(state, carry), args.repeats)
+    step_split[kind] = {"ms": round(med / steps * 1e3, 4), "loop_runs_ms": [round(r * 1e3, 3) for r in runs],
+                        "layers": count, "total_ms": round(med / steps * 1e3 * count, 3)}
+  done = [v for v in step_split.values() if isinstance(v, dict) and "ms" in v]
+  step_split["sum_ms"] = round(sum(v["total_ms"] for v in done), 3)
+  step_split["whole_step_ms"] = out["decode"].get(f"B={b_split}", {}).get("step_ms")
+  out["decode"]["split"] = step_split
+  print(f"decode split B={b_split}: " + ", ".join(f"{k} {v['layers']} x {v['ms']:.3f} = {v['total_ms']:.2f} ms"
+                                                 for k, v in step_split.items() if isinstance(v, dict) and "ms" in v)
+        + f"; sum {step_split['sum_ms']:.2f} ms of {step_split['whole_step_ms']}", flush=True)
+  args.save_partial(out)
+  return out
+
+
+def decode_pieces(model, cache, steps: int) -> dict:
+  """`{kind: (fn(state, carry), state, carry, count)}` for the decode step's time split: the KDA and
+  MLA mixers' decode (each reading and writing its layer's cache), the MoE block, the dense FFN and
+  the LM head, each on a random `[S, hidden]` input in the model's dtype, S = `cache`'s sequences;
+  `fn` runs `steps` steps in a `lax.fori_loop`, each step's output fed back as the next one's input
+  (and the mixers' new cache as their next cache), so the figure is device time, not dispatch.
+  `count` is how many times a decode step runs that piece."""
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  layers, types = model.model.layers, model.args.layer_types
+  s = cache.num_sequences
+  x = jax.random.normal(jax.random.key(2), (s, model.args.hidden_size)).astype(model.args.dtype)
+  lengths = cache.lengths
+
+  def mixer_step(m, carry):
+    h, c = carry
+    y, c = m.decode(h, c, lengths)
+    return y.astype(h.dtype), c
+
+  ffn_step = lambda m, carry: (m(carry[0]).astype(carry[0].dtype), None)
+
+  def head_step(m, carry):   # logits feed back through their first `hidden` columns (nothing is dropped)
+    h = carry[0]
+    logits = m.lm_head(m.model.norm(h))
+    return (h + logits[:, :h.shape[-1]].astype(h.dtype)), None
+
+  kda_i, mla_i = types.index("kda"), types.index("mla")
+  chosen = {"kda": (layers[kda_i].self_attn, mixer_step, (x, cache.layers[kda_i]), types.count("kda")),
+            "mla": (layers[mla_i].self_attn, mixer_step, (x, cache.layers[mla_i]), types.count("mla"))}
+  moe = [layer for layer in layers if layer.is_moe]
+  dense = [layer for layer in layers if not layer.is_moe]
+  if moe:
+    chosen["moe"] = (moe[0].block_sparse_moe, ffn_step, (x, None), len(moe))
+  if dense:
+    chosen["dense_ffn"] = (dense[0].mlp, ffn_step, (x, None), len(dense))
+  chosen["lm_head"] = (model, head_step, (x, None), 1)
+  out = {}
+  for kind, (module, step, carry, count) in chosen.items():
+    gd, state = nnx.split(module)
+
+    def fn(st, carry, gd=gd, step=step):
+      m = nnx.merge(gd, st)
+      return jax.lax.fori_loop(0, steps, lambda _, c: step(m, c), carry)
+
+    out[kind] = (fn, state, carry, count)
   return out
 
 
