@@ -122,6 +122,8 @@ def _assert_refused(tmp_path, env, message):
     ({"E2E_BUDGET_model": "30"}, "error: E2E_BUDGET_model=30: the model phase needs at least 60 s (its decode batches "
                                  "stop 45 s before its budget)"),
     ({"PY": "/bin/false"}, "error: PY='/bin/false': not a Python with jax (); set PY to the machine's Python with JAX"),
+    ({"E2E_SERVER_KEYS": "max_num_seqs=4 max_model_len"},
+     "error: E2E_SERVER_KEYS: 'max_model_len' is not key=value (e.g. max_num_seqs=4)"),
     ({"E2E_BUDGET_modle": "400"}, "error: E2E_BUDGET_modle: unknown phase 'modle' (expected E2E_BUDGET_<phase> with "
                                   "a phase of: install model ckpt serving identity server real)"),
 ])

@@ -28,6 +28,9 @@
 #   E2E_SMOKE=1 (tiny model and shapes, CPU: the test), E2E_REAL=1, E2E_PHASES (default all:
 #   "model ckpt serving identity server real"), CACHE_DIR (default /tmp/kda_e2e_jax_cache),
 #   E2E_MODEL_SET (model config overrides for every phase's model, e.g. "moe_impl=ragged attention=kda_chunked"),
+#   E2E_SERVER_KEYS (the server phase's engine keys instead of the serving phase's sizes, e.g.
+#   "max_num_seqs=4 max_model_len=256 max_num_batched_tokens=64": fewer, smaller executables, so a
+#   server phase run without the serving phase's persistent cache compiles in less time),
 #   KDA_COMPILE_THREADS (threads that compile an engine's executables; default half the cores),
 #   E2E_BUDGET_<phase>=SECONDS (a phase's time limit, phases as in E2E_PHASES plus install; e.g.
 #   E2E_BUDGET_model=400 with E2E_PHASES=model; defaults in BUDGET below; model and real need >= 60;
@@ -81,6 +84,9 @@ SMOKE_FLAG=(); [ "$SMOKE" = 1 ] && SMOKE_FLAG=(--smoke)
 for p in $PHASES; do   # a typo must not silently drop a phase
   case " model ckpt serving identity server real " in *" $p "*) ;;
     *) echo "error: E2E_PHASES: unknown phase '$p' (expected some of: model ckpt serving identity server real)" >&2; exit 2;; esac
+done
+for kv in ${E2E_SERVER_KEYS:-}; do   # key=value words, as tools.serve takes them
+  [[ "$kv" =~ ^[a-z_]+=[^=]+$ ]] || { echo "error: E2E_SERVER_KEYS: '$kv' is not key=value (e.g. max_num_seqs=4)" >&2; exit 2; }
 done
 PY_INFO=$(cd / && "$PY" -c "import jax, sys; print(sys.version.split()[0], 'jax', jax.__version__)" 2>&1) \
   || { echo "error: PY='$PY': not a Python with jax (${PY_INFO##*$'\n'}); set PY to the machine's Python with JAX" >&2; exit 2; }
@@ -198,6 +204,8 @@ else
                --max-num-batched-tokens 1024 --max-model-len 768)
   SERVER_KEYS=(max_num_seqs=32 max_model_len=768 max_num_batched_tokens=1024)
 fi
+# shellcheck disable=SC2206  # E2E_SERVER_KEYS is a list of key=value words
+[ -n "${E2E_SERVER_KEYS:-}" ] && SERVER_KEYS=(${E2E_SERVER_KEYS})
 have_ckpt() { [ -f "$CKPT/config.json" ] || { skip "$1" "no checkpoint (the ckpt phase did not finish)"; return 1; }; }
 if wants serving && need serving "${CORE[@]}" orbax_v1 && have_ckpt serving; then
   run_phase serving "$VPY" "$ROOT/tools/bench/benchmark_serving.py" --online --in-process --checkpoint "$CKPT" \
