@@ -285,3 +285,27 @@ def test_given_server_flags_are_refused_with_url_but_defaults_pass(capsys):
   with pytest.raises(SystemExit) as e:
     serving_load.check_args(parser, args)
   assert e.value.code == 2 and "--url" in capsys.readouterr().err   # got as far as the --url probe
+
+
+def test_each_configuration_is_written_as_it_ends(tmp_path, monkeypatch):
+  """--in-process: the JSON is rewritten after every configuration ("partial": true), so a run stopped by
+  an outer time limit (the device check's) keeps what it measured; the last write says partial false."""
+  (tmp_path / "ckpt").mkdir()
+  (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"vocab_size": 64}))
+  out = tmp_path / "out.json"
+  seen = []
+
+  def fake_replay(args, label, keys, requests, warmup, max_len, prefix_len=None):
+    if seen:   # the second configuration finds the first one's row on disk
+      data = json.loads(out.read_text())
+      assert data["partial"] is True and [r["config"] for r in data["rows"]] == [seen[0]]
+    seen.append(label)
+    return {**_run(0.1 * len(seen)), "config": label}
+
+  monkeypatch.setattr(serving_load, "replay", fake_replay)
+  argv = ["--in-process", "--checkpoint", str(tmp_path / "ckpt"), "--engines", "continuous,static",
+          "--workloads", "mixed", "--num-requests", "4", "--concurrency", "2", "--prompt-max", "16",
+          "--output-min", "2", "--output-max", "4", "--rounds", "1", "--json", str(out)]
+  assert serving_load.main(argv) == 0
+  data = json.loads(out.read_text())
+  assert data["partial"] is False and [r["config"] for r in data["rows"]] == seen == ["engine=continuous", "engine=static"]

@@ -750,7 +750,7 @@ def main(argv) -> int:
   kinds, engines = check_args(parser, args)
   try:
     return _main(args, kinds, engines)
-  except RequestFailed as e:   # one line, status 1; nothing written (the JSON is written at the end only)
+  except RequestFailed as e:   # one line, status 1 (the JSON holds the configurations measured before it)
     print(f"error: {e}", file=sys.stderr)
     return 1
 
@@ -805,19 +805,31 @@ def _main(args, kinds: list[str], engines: list[str]) -> int:
           finally:
             server.stop()
         runs.setdefault((kind, label), []).append(row)
-    rows = [{"workload": kind, **median_row(rs)} for (kind, _), rs in runs.items()]
+        # rewritten after every configuration ("partial": true until the end): an outer time limit
+        # (the device check's) keeps what was measured
+        _write_result(args, kinds, engines, max_len, _median_rows(runs), note, partial=True)
+    rows = _median_rows(runs)
   md = table(rows)
   print(md)
   ratio = prefix_cache_ratio(rows)
   if ratio:
     print(ratio)
-  result = {"what": "tools/bench/benchmark_serving.py --online: tools.serve under concurrent streaming clients, CPU",
+  _write_result(args, kinds, engines, max_len, rows, note, partial=False)
+  print(f"wrote {args.json}")
+  return 0
+
+
+def _median_rows(runs: dict) -> list[dict]:
+  return [{"workload": kind, **median_row(rs)} for (kind, _), rs in runs.items()]
+
+
+def _write_result(args, kinds, engines, max_len, rows, note, *, partial: bool) -> None:
+  """Writes the run's JSON atomically (a temporary file, then a rename)."""
+  result = {"what": "tools/bench/benchmark_serving.py --online: tools.serve under concurrent streaming clients",
             "cpu_count": os.cpu_count(), "args": recorded_args(args, kinds, engines, max_len), "rows": rows,
-            "table": md, "prefix_cache_ratio": ratio}
+            "table": table(rows), "prefix_cache_ratio": prefix_cache_ratio(rows), "partial": partial}
   if args.url:   # a running server: was its prefix cache warm before this run's first request?
     result["server_warm_before_run"] = note or None
   tmp = args.json.with_suffix(".tmp")
   tmp.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")   # no NaN (not JSON): figures without values are null
   os.replace(tmp, args.json)
-  print(f"wrote {args.json}")
-  return 0
