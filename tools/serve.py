@@ -163,7 +163,8 @@ def _run(argv: list[str]) -> int:
         f"engine={cfg.engine}, max_num_seqs={cfg.max_num_seqs}, max_model_len={cfg.max_model_len}, "
         f"max_num_batched_tokens={cfg.max_num_batched_tokens}, {cache}", file=sys.stderr)
   compile_s = engine.compile_report.seconds
-  print(f"start-up {time.perf_counter() - started_at:.1f} s (compile {compile_s:.1f} s, a first 1-token request "
+  first = "a first 1-token request" + (", compiling on first use" if cfg.engine == "static" else "")
+  print(f"start-up {time.perf_counter() - started_at:.1f} s (compile {compile_s:.1f} s, {first} "
         f"{seconds - compile_s:.1f} s)", file=sys.stderr, flush=True)
   loop = EngineLoop(engine)
   loop.start()

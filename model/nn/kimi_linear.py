@@ -78,12 +78,15 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x, *, segment_ids, mode, num_slots, cache=None, lengths=None, return_cache=False,
                cache_length=None):
     """x `[B, T, d]` -> `(x, layer cache in decode layout | None)`. Outside training, runs as the
-    layer-kind program `_shared_forward` (see `_shares_trace`)."""
-    kw = dict(mode=mode, num_slots=num_slots, return_cache=return_cache, cache_length=cache_length)
+    layer-kind program `_shared_forward` (see `_shares_trace`): traced even when called eagerly, so
+    checks inside the layer that need concrete values (the KDA op's input contract) do not run, and
+    a debugger stops only while it is traced; `forward` runs the same computation in place."""
+    kw = dict(mode=mode, num_slots=int(num_slots), return_cache=bool(return_cache),
+              cache_length=None if cache_length is None else int(cache_length))
     if not _shares_trace(self, mode):
       return self.forward(x, segment_ids=segment_ids, cache=cache, lengths=lengths, **kw)
     graphdef, state = nnx.split(self)
-    return _shared_forward(graphdef, state, x, segment_ids, cache, lengths, rules=partitioning.current_rules(), **kw)
+    return _shared_forward(graphdef, state, x, segment_ids, cache, lengths, rules=_static_rules(), **kw)
 
   def forward(self, x, *, segment_ids, mode, num_slots, cache=None, lengths=None, return_cache=False,
               cache_length=None):
@@ -94,9 +97,11 @@ class DecoderLayer(nnx.Module):
 
   def decode(self, x, cache, lengths):
     """x `[S, d]` one token per sequence -> `(x, new layer cache)`, as the layer-kind program
-    `_shared_decode`."""
+    `_shared_decode` (see `_shares_trace`)."""
+    if not _shares_trace(self, "decode"):
+      return self.decode_step(x, cache, lengths)
     graphdef, state = nnx.split(self)
-    return _shared_decode(graphdef, state, x, cache, lengths, rules=partitioning.current_rules())
+    return _shared_decode(graphdef, state, x, cache, lengths, rules=_static_rules())
 
   def decode_step(self, x, cache, lengths):
     """`decode`'s computation, traced in place."""
@@ -127,6 +132,11 @@ def _shared_forward(graphdef, state, x, segment_ids, cache, lengths, *, mode, nu
 def _shared_decode(graphdef, state, x, cache, lengths, *, rules):
   with nnx.logical_axis_rules(rules):
     return nnx.merge(graphdef, state).decode_step(x, cache, lengths)
+
+
+def _static_rules():
+  """The enclosing logical-axis rules as nested tuples (hashable: a static argument)."""
+  return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in partitioning.current_rules())
 
 
 def _shares_trace(layer: DecoderLayer, mode: str) -> bool:

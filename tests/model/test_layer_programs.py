@@ -63,6 +63,14 @@ def test_layers_of_one_kind_share_one_program():
   assert len(calls) == 4 and len({id(j) for j in calls}) == 3 and calls[1] is calls[3]
 
 
+def test_a_block_recording_its_routing_is_not_shared():
+  """`sow` on the module would be lost in a merged copy: such a layer traces in place, in every mode."""
+  layer = _model().model.layers[1]
+  assert all(kimi_linear._shares_trace(layer, m) for m in ("eval", "prefill", "decode"))
+  layer.block_sparse_moe.record_routing = True
+  assert not any(kimi_linear._shares_trace(layer, m) for m in ("eval", "prefill", "decode", "train"))
+
+
 def test_training_traces_the_layers_in_place():
   model = _model()
   ids, seg = _inputs()

@@ -124,6 +124,9 @@ def _assert_refused(tmp_path, env, message):
     ({"PY": "/bin/false"}, "error: PY='/bin/false': not a Python with jax (); set PY to the machine's Python with JAX"),
     ({"E2E_SERVER_KEYS": "max_num_seqs=4 max_model_len"},
      "error: E2E_SERVER_KEYS: 'max_model_len' is not key=value (e.g. max_num_seqs=4)"),
+    ({"E2E_SERVER_KEYS": "max_num_seqs=*"}, "error: E2E_SERVER_KEYS: 'max_num_seqs=*' is not key=value (e.g. max_num_seqs=4)"),
+    ({"E2E_SERVER_KEYS": " "}, "error: E2E_SERVER_KEYS=' ': expected key=value words (e.g. max_num_seqs=4); unset it for "
+                               "the serving phase's sizes"),
     ({"E2E_BUDGET_modle": "400"}, "error: E2E_BUDGET_modle: unknown phase 'modle' (expected E2E_BUDGET_<phase> with "
                                   "a phase of: install model ckpt serving identity server real)"),
 ])

@@ -42,7 +42,9 @@ Every flag is checked before anything starts (one `error:` line naming the flag,
 and with `--url` no flag that only configures the servers this tool would start (`--engines`, the
 sizes, `--serve-arg`, `--start-timeout`, `--rounds`); a failure while running (a server that does not
 start, a refused request such as a 503 when the server's queue is full) is one `error:` line with
-status 1, and nothing is written.
+status 1. With servers this tool starts (or `--in-process`) the JSON is rewritten after each
+configuration, `"partial": true` until the last, so it keeps what was measured before a failure or an
+outer time limit; with `--url` it is written at the end only, and a failure writes nothing.
 
 Start-up is recorded: each server's `startup` (seconds to listen, the compile seconds and how many
 executables were compiled or loaded from jax's persistent compilation cache, from the server's log),

@@ -278,7 +278,8 @@ def phase_model(args) -> dict:
   # The decode step's split at the largest batch: one piece of each kind as its own loop of `steps`
   # steps (output fed back), times the number of such pieces in the model.
   step_split = {"method": f"one piece of each kind jitted alone as a loop of {steps} steps at B={b_split} "
-                     f"(context {context}), median of --repeats, per step x the pieces of that kind",
+                     f"(context {context}), median of --repeats, per step x the pieces of that kind; "
+                     "the embedding, the layer norms, the residual adds and sampling are not in any piece",
                 "batch": b_split}
   for kind, (_, state, carry, count) in step_pieces.items():
     if time.perf_counter() - t0 > args.stop_after_s:
@@ -323,14 +324,16 @@ def decode_pieces(model, cache, steps: int) -> dict:
 
   ffn_step = lambda m, carry: (m(carry[0]).astype(carry[0].dtype), None)
 
-  def head_step(m, carry):   # logits feed back through their first `hidden` columns (nothing is dropped)
+  def head_step(m, carry):   # the logits feed back through their row maximum: every column is needed
     h = carry[0]
     logits = m.lm_head(m.model.norm(h))
-    return (h + logits[:, :h.shape[-1]].astype(h.dtype)), None
+    return (h + jnp.max(logits, axis=-1, keepdims=True).astype(h.dtype)), None
 
-  kda_i, mla_i = types.index("kda"), types.index("mla")
-  chosen = {"kda": (layers[kda_i].self_attn, mixer_step, (x, cache.layers[kda_i]), types.count("kda")),
-            "mla": (layers[mla_i].self_attn, mixer_step, (x, cache.layers[mla_i]), types.count("mla"))}
+  chosen = {}
+  for kind in ("kda", "mla"):
+    if kind in types:
+      i = types.index(kind)
+      chosen[kind] = (layers[i].self_attn, mixer_step, (x, cache.layers[i]), types.count(kind))
   moe = [layer for layer in layers if layer.is_moe]
   dense = [layer for layer in layers if not layer.is_moe]
   if moe:
@@ -366,8 +369,8 @@ def prefill_pieces(model, t_row: int, n_docs: int) -> dict:
   def mixer(m, h, s):
     return m(h, segment_ids=s, mode="prefill", num_slots=n_docs, return_cache=True, cache_length=t_row)
 
-  chosen = {"kda": (layers[types.index("kda")].self_attn, mixer, types.count("kda")),
-            "mla": (layers[types.index("mla")].self_attn, mixer, types.count("mla"))}
+  chosen = {kind: (layers[types.index(kind)].self_attn, mixer, types.count(kind))
+            for kind in ("kda", "mla") if kind in types}
   moe = [layer for layer in layers if layer.is_moe]
   dense = [layer for layer in layers if not layer.is_moe]
   if moe:

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The model, the engine and the server on a lent TPU, in one command (issue 35): install, then
 #   model     bf16 prefill of one 8192-token prompt and of 16 x 512 packed (TTFT, tok/s, MFU) and decode
-#             steps at B = 1, 8, 32, 64 beside the HBM floor, 0.9B test model with random weights
+#             steps at B = 1, 8, 32, 64 beside the HBM floor, the time split of both (each kind of piece
+#             alone, times its count; decode at B = 64), 0.9B test model with random weights
 #             (configs/kimi_linear_48b_pattern_0p9b.py; tools/bench/e2e_device.py has the formulas);
 #   ckpt      a random-weights checkpoint of that model (on the CPU, beside the model phase);
 #   serving   tools/bench/benchmark_serving.py --online --in-process: continuous vs static engine on a
 #             mixed workload (>= 32 requests), prefix cache on/off on shared prefixes (TTFT ratio);
 #             its continuous engine compiles cold (the persistent cache starts empty on a fresh machine);
 #   identity  f32, B=32: batched greedy tokens equal each request served alone;
-#   server    kda-serve --uds with the serving phase's continuous sizes (its executables now load from the
-#             persistent cache: the warm start), the openai client streaming through the socket;
+#   server    kda-serve --uds with the serving phase's continuous sizes (its executables load from the
+#             persistent cache: the warm start; E2E_SERVER_KEYS sets other sizes, then it starts cold),
+#             the openai client streaming through the socket;
 #   real      (only with E2E_REAL=1, when time is left) the model phase for the real-width shard
 #             kimi_linear_48b_a3b num_experts=16.
 # Each phase is one process under its own time limit (budgets below, 9.5 minutes in all); a phase whose
@@ -35,8 +37,8 @@
 #   E2E_BUDGET_<phase>=SECONDS (a phase's time limit, phases as in E2E_PHASES plus install; e.g.
 #   E2E_BUDGET_model=400 with E2E_PHASES=model; defaults in BUDGET below; model and real need >= 60;
 #   the whole check still stops at 570 s, 1500 s with E2E_SMOKE=1: one device command is at most 600 s).
-# E2E_SMOKE and SKIP_INSTALL other than 0, 1 or empty, an unknown phase, and a budget that is not whole
-# seconds or names no phase, exit 2 with one `error:` line naming the variable, before anything is
+# E2E_SMOKE and SKIP_INSTALL other than 0, 1 or empty, an unknown phase, a budget that is not whole
+# seconds or names no phase, and E2E_SERVER_KEYS words that are not key=value, exit 2 with one `error:` line naming the variable, before anything is
 # created or cleared.
 set -uo pipefail
 case "${1:-}" in   # settings are environment variables; an argument would be ignored, so refuse it
@@ -85,8 +87,13 @@ for p in $PHASES; do   # a typo must not silently drop a phase
   case " model ckpt serving identity server real " in *" $p "*) ;;
     *) echo "error: E2E_PHASES: unknown phase '$p' (expected some of: model ckpt serving identity server real)" >&2; exit 2;; esac
 done
-for kv in ${E2E_SERVER_KEYS:-}; do   # key=value words, as tools.serve takes them
-  [[ "$kv" =~ ^[a-z_]+=[^=]+$ ]] || { echo "error: E2E_SERVER_KEYS: '$kv' is not key=value (e.g. max_num_seqs=4)" >&2; exit 2; }
+read -ra SERVER_KEYS_GIVEN <<< "${E2E_SERVER_KEYS:-}"   # words, never glob-expanded
+if [ -n "${E2E_SERVER_KEYS+set}" ] && [ "${#SERVER_KEYS_GIVEN[@]}" = 0 ]; then
+  echo "error: E2E_SERVER_KEYS='${E2E_SERVER_KEYS}': expected key=value words (e.g. max_num_seqs=4); unset it for the serving phase's sizes" >&2
+  exit 2
+fi
+for kv in "${SERVER_KEYS_GIVEN[@]}"; do   # key=value words, as tools.serve takes them
+  [[ "$kv" =~ ^[a-z_]+=[A-Za-z0-9_.+-]+$ ]] || { echo "error: E2E_SERVER_KEYS: '$kv' is not key=value (e.g. max_num_seqs=4)" >&2; exit 2; }
 done
 PY_INFO=$(cd / && "$PY" -c "import jax, sys; print(sys.version.split()[0], 'jax', jax.__version__)" 2>&1) \
   || { echo "error: PY='$PY': not a Python with jax (${PY_INFO##*$'\n'}); set PY to the machine's Python with JAX" >&2; exit 2; }
@@ -204,8 +211,7 @@ else
                --max-num-batched-tokens 1024 --max-model-len 768)
   SERVER_KEYS=(max_num_seqs=32 max_model_len=768 max_num_batched_tokens=1024)
 fi
-# shellcheck disable=SC2206  # E2E_SERVER_KEYS is a list of key=value words
-[ -n "${E2E_SERVER_KEYS:-}" ] && SERVER_KEYS=(${E2E_SERVER_KEYS})
+[ "${#SERVER_KEYS_GIVEN[@]}" -gt 0 ] && SERVER_KEYS=("${SERVER_KEYS_GIVEN[@]}")
 have_ckpt() { [ -f "$CKPT/config.json" ] || { skip "$1" "no checkpoint (the ckpt phase did not finish)"; return 1; }; }
 if wants serving && need serving "${CORE[@]}" orbax_v1 && have_ckpt serving; then
   run_phase serving "$VPY" "$ROOT/tools/bench/benchmark_serving.py" --online --in-process --checkpoint "$CKPT" \
@@ -217,7 +223,7 @@ if wants identity && need identity "${CORE[@]}"; then
   run_phase identity "${E2E[@]}" identity "${SMOKE_FLAG[@]}" "${MODEL_SET[@]}" --json "$WORK/identity.json"
 fi
 
-# --- server over a unix socket (warm start) ------------------------------------------------------------
+# --- server over a unix socket (warm start after the serving phase) ------------------------------------------------------------
 if wants server && need server "${CORE[@]}" orbax_v1 fastapi uvicorn prometheus_client openai tiktoken jinja2 \
    && have_ckpt server; then
   SK=(); for k in "${SERVER_KEYS[@]}"; do SK+=(--serve-key "$k"); done
@@ -252,6 +258,7 @@ import jax   # no jax.devices() here: it would open the chip again (~15 s); the 
 model = phases.get("model", {}).get("result", {})
 versions = {"jax": jax.__version__, "device": model.get("device"), "backend": model.get("backend")}
 serving = phases.get("serving", {}).get("result", {})
+server = phases.get("server", {}).get("result", {})
 rows = {r["config"]: r for r in serving.get("rows", [])}
 cont = next((r for c, r in rows.items() if c.startswith("engine=continuous")), None)
 stat = next((r for c, r in rows.items() if c.startswith("engine=static")), None)
@@ -264,8 +271,12 @@ headline = {
     "prefix_cache_ttft_p50_off_over_on": ratio,
     "prefix_cache_line": serving.get("prefix_cache_ratio") or None,
     "cold_start_compile_s": (cont or {}).get("compile", {}).get("seconds"),
-    "warm_start_compile_s": phases.get("server", {}).get("result", {}).get("compile_s"),
-    "warm_start_server_startup_s": phases.get("server", {}).get("result", {}).get("server_startup_s"),
+    "serving_partial": serving.get("partial"),   # true: the serving phase stopped before its last configuration
+    # warm: every executable came from the persistent cache (after the serving phase, same sizes); cold otherwise
+    "server_start": (None if "compile_detail" not in server
+                     else "warm" if server["compile_detail"].startswith("0 compiled") else "cold"),
+    "server_compile_s": server.get("compile_s"),
+    "server_startup_s": server.get("server_startup_s"),
     "identity_f32_b32": phases.get("identity", {}).get("result", {}).get("identical"),
     "server_over_uds": phases.get("server", {}).get("result", {}).get("streamed_equals_whole"),
 }

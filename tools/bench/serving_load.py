@@ -750,7 +750,7 @@ def main(argv) -> int:
   kinds, engines = check_args(parser, args)
   try:
     return _main(args, kinds, engines)
-  except RequestFailed as e:   # one line, status 1 (the JSON holds the configurations measured before it)
+  except RequestFailed as e:   # one line, status 1 (started servers: the JSON keeps the configurations before it)
     print(f"error: {e}", file=sys.stderr)
     return 1
 
