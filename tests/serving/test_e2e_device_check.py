@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -135,3 +137,30 @@ def test_bad_phase_budgets_are_refused_by_name(tmp_path, env, message):
   whole seconds, or one whose phase is misspelt (it would be silently ignored), exits 2 with one line
   before anything is created or cleared."""
   _assert_refused(tmp_path, env, message)
+
+
+def test_a_signal_to_the_check_stops_its_running_phase(tmp_path):
+  """tools/bench/device_phases.sh: `timeout` puts a phase in a process group of its own, so a SIGTERM or
+  Ctrl-C sent to the check used to leave the phase running (on the chip, holding the device). Now the
+  check passes the signal on, waits for the phase and exits 130."""
+  pid_file = tmp_path / "phase.pid"
+  script = tmp_path / "check.sh"
+  script.write_text(f"""OUT={tmp_path}/out; WORK={tmp_path}/work; LOGS={tmp_path}/out/logs; TOTAL_BUDGET=100
+mkdir -p "$OUT" "$WORK"
+declare -A BUDGET=([slow]=60)
+. {REPO}/tools/bench/device_phases.sh
+run_phase slow bash -c 'echo $$ > {pid_file}; exec sleep 50'
+echo "not reached"
+""")
+  proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 20
+  while not pid_file.exists() or not pid_file.read_text().strip():
+    assert time.monotonic() < deadline, "the phase never started"
+    time.sleep(0.05)
+  phase = int(pid_file.read_text())
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=20)
+  assert proc.returncode == 130, (out, err)
+  assert "not reached" not in out and "interrupted: the running phase was stopped" in err
+  with pytest.raises(ProcessLookupError):
+    os.kill(phase, 0)

@@ -14,6 +14,17 @@ record() {  # record NAME STATUS RC SECONDS BUDGET
 
 left() { echo $((TOTAL_BUDGET - SECONDS)); }
 
+_PHASE_PID=
+_stop_phase() {  # the check was interrupted: stop the running phase (and its children), then exit 130
+  local job
+  for job in $(jobs -p); do   # this phase's timeout, and a phase run beside it in a background subshell
+    kill -TERM "$job" 2>/dev/null
+  done
+  wait 2>/dev/null
+  echo "== interrupted: the running phase was stopped" >&2
+  exit 130
+}
+
 run_phase() {  # run_phase NAME COMMAND...: under min(its budget, the time left); log appended to $LOGS
   local name=$1 budget=${BUDGET[$1]} start=$SECONDS rc
   shift
@@ -24,14 +35,22 @@ run_phase() {  # run_phase NAME COMMAND...: under min(its budget, the time left)
     return
   fi
   echo "== $name (budget ${budget} s; at ${SECONDS} s)" | tee -a "$LOGS"
+  # `timeout` runs the phase in a process group of its own, which a Ctrl-C or a SIGTERM sent to the
+  # check would not reach: the phase runs in the background and a signal to this shell is passed on
+  # to `timeout` (which passes it to the phase), waited for, then the check exits.
+  trap '_stop_phase' INT TERM
   if declare -F "$1" >/dev/null; then   # a function of the sourcing script
     export -f "$1"
     export PY INDEX VENV ROOT WHEELS
-    timeout -k 10 "$budget" bash -c '"$@"' _ "$@" > "$WORK/$name.log" 2>&1
+    timeout -k 10 "$budget" bash -c '"$@"' _ "$@" > "$WORK/$name.log" 2>&1 &
   else
-    timeout -k 10 "$budget" "$@" > "$WORK/$name.log" 2>&1
+    timeout -k 10 "$budget" "$@" > "$WORK/$name.log" 2>&1 &
   fi
+  _PHASE_PID=$!
+  wait "$_PHASE_PID"
   rc=$?
+  _PHASE_PID=
+  trap - INT TERM
   cat "$WORK/$name.log" >> "$LOGS"
   tail -n 25 "$WORK/$name.log"
   local status=ok
