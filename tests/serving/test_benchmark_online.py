@@ -309,3 +309,33 @@ def test_each_configuration_is_written_as_it_ends(tmp_path, monkeypatch):
   assert serving_load.main(argv) == 0
   data = json.loads(out.read_text())
   assert data["partial"] is False and [r["config"] for r in data["rows"]] == seen == ["engine=continuous", "engine=static"]
+
+
+def test_in_process_replay_times_each_token_when_it_is_emitted():
+  """The static engine emits a group's tokens chunk by chunk inside one `step`: each token is timed
+  when emitted, so TPOT is the gap between chunks (was 0: every token took the step's end time)."""
+  from model.engine.api import TokenEvent
+
+  class ChunkedEngine:   # one step runs the request to its end, emitting two chunks 50 ms apart
+    def __init__(self):
+      self.requests = []
+
+    def add_request(self, request):
+      self.requests.append(request)
+
+    def has_unfinished(self):
+      return bool(self.requests)
+
+    def step(self, emit):
+      r = self.requests.pop()
+      for chunk in range(2):
+        if chunk:
+          time.sleep(0.05)
+        emit(TokenEvent(r.request_id, 5, None, None, 0))
+        emit(TokenEvent(r.request_id, 6, None, "length" if chunk else None, 0))
+
+  rep = object.__new__(serving_load._Replay)
+  rep.engine, rep._n = ChunkedEngine(), 0
+  done, _ = rep.run([([3, 4], 4)], 1)
+  assert len(done) == 1 and done[0]["output_tokens"] == 4
+  assert done[0]["tpot_s"] >= 0.05 / 3 * 0.9   # (last - first) / (4 - 1), the 50 ms between the chunks

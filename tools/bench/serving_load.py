@@ -425,7 +425,9 @@ class _Replay:
 
   def run(self, requests, concurrency) -> tuple[list[dict], float]:
     """Closed loop: `concurrency` requests in flight, the next added when one finishes; times on the host
-    clock at the step that emitted each token (request sent = added)."""
+    clock when the engine emitted each token (request sent = added). The static engine runs a whole
+    group in one `step` and emits each decode chunk as it lands: timed at the end of the step, every
+    token of a group would share one time (TPOT 0, TTFT the group's whole run)."""
     from model.engine.api import Request   # jax-free, but with the model package: --in-process only
     pending = collections.deque(requests)
     live: dict[str, dict] = {}
@@ -444,9 +446,8 @@ class _Replay:
       add()
     while self.engine.has_unfinished():
       events = []
-      self.engine.step(events.append)
-      now = time.perf_counter()
-      for e in events:
+      self.engine.step(lambda e: events.append((e, time.perf_counter())))
+      for e, now in events:
         r = live[e.request_id]
         if e.token_id is not None:
           r["first"] = now if r["first"] is None else r["first"]
