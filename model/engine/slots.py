@@ -44,6 +44,7 @@ class SlotPool:
     self.mesh, self._rules = mesh, rules
     # Distinct buffers per leaf (init_cache shares one zero array between the conv windows; steps donate).
     cache = jax.tree.map(lambda a: jnp.array(a, copy=True), model.init_cache(1, self.num_slots, self.cache_length))
+    self.cache_rows = cache.cache_length or self.cache_length   # MLA slots: rounded up (`cache_lib.mla_rows`)
     # Committed, as every step's output is, so the transfers compile once.
     if mesh is not None:
       self.shardings = cache_lib.shardings(cache, mesh, rules)
@@ -134,7 +135,7 @@ class SlotPool:
     for layer in snapshot.layers:
       if "latent" in layer:   # padded to the slot's full row so that one executable fits every length
         lat = layer["latent"]
-        full = np.zeros((self.cache_length,) + lat.shape[1:], lat.dtype)
+        full = np.zeros((self.cache_rows,) + lat.shape[1:], lat.dtype)
         full[:lat.shape[0]] = lat
         layer = {"latent": full}
       layers.append(layer)

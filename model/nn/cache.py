@@ -52,7 +52,8 @@ class ModelCache:
 
   @property
   def cache_length(self) -> int | None:
-    """L of the MLA latent cache (None for a model without MLA layers)."""
+    """L of the MLA latent cache, its token slots (`mla_rows` of the length asked for; None for a model
+  without MLA layers)."""
     for c in self.layers:
       if isinstance(c, MLALayerCache):
         return int(c.latent.shape[1])
@@ -75,9 +76,21 @@ def empty_kda_cache(s: int, heads: int, head_dim: int, conv_width: int) -> KDALa
   return KDALayerCache(jnp.zeros((s, heads, head_dim, head_dim), jnp.float32), conv, conv, conv)
 
 
+MLA_ROW_MULTIPLE = 8
+
+
+def mla_rows(length: int) -> int:
+  """Token slots of an MLA latent cache asked to hold `length`: rounded up to a multiple of
+  `MLA_ROW_MULTIPLE`. At a row count that is not one (e.g. 1057), XLA:TPU lays `[S, L, C]` out with L
+  outermost, and a decode step copied every MLA layer's whole cache into the row-write layout and
+  back (compiled for v5e, 0.9B model, S=64, L=1057: 578 MiB of copies a step; none at 1056 or 1064).
+  The extra slots are never valid (`lengths` bounds every read)."""
+  return -(-int(length) // MLA_ROW_MULTIPLE) * MLA_ROW_MULTIPLE
+
+
 def empty_mla_cache(s: int, length: int, width: int, dtype) -> MLALayerCache:
-  """Zero MLA latent cache of `length` token slots for s sequences."""
-  return MLALayerCache(jnp.zeros((s, length, width), dtype))
+  """Zero MLA latent cache of at least `length` token slots (`mla_rows`) for s sequences."""
+  return MLALayerCache(jnp.zeros((s, mla_rows(length), width), dtype))
 
 
 def logical_axes(cache: ModelCache) -> ModelCache:

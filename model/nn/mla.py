@@ -342,7 +342,7 @@ def _write_latents(lat, segment_ids, prefix, prefix_lengths, num_slots, length):
   """Scatters each document's token latents after its slot's prefix: `[B*N, L, C]`."""
   b, t, c = lat.shape
   dtype = lat.dtype if prefix is None else prefix.dtype
-  out = jnp.zeros((b, num_slots, length, c), dtype) if prefix is None else prefix
+  out = jnp.zeros((b, num_slots, cache_lib.mla_rows(length), c), dtype) if prefix is None else prefix
   slot = segment_ids - 1
   base = 0 if prefix_lengths is None else jnp.take_along_axis(prefix_lengths, jnp.clip(slot, 0, num_slots - 1), 1)
   index = base + _positions_in_run(segment_ids)

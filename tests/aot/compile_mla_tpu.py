@@ -149,6 +149,7 @@ def _decode(args) -> int:
 
   from model import partitioning  # noqa: PLC0415
   from model.config import ModelArgs, load_config  # noqa: PLC0415
+  from model.nn import cache as cache_lib  # noqa: PLC0415
   from model.nn.mla import MultiHeadLatentAttention  # noqa: PLC0415
 
   cfg = load_config(["kimi_linear_48b_a3b", f"dtype={args.dtype}", f"weight_dtype={args.dtype}", "num_experts=16",
@@ -156,7 +157,8 @@ def _decode(args) -> int:
   margs = ModelArgs.from_config(cfg, validate=False)
   topo = topologies.get_topology_desc(topology_name=TOPOLOGIES[args.chip], platform="tpu")
   mesh = partitioning.create_mesh(cfg, topo.devices[:1])
-  s, length, dt = args.batch, args.seq_len, jnp.dtype(args.dtype)
+  # the cache's rows as the model makes them for --seq-len tokens (rounded up to a multiple of 8)
+  s, length, dt = args.batch, cache_lib.mla_rows(args.seq_len), jnp.dtype(args.dtype)
   with partitioning.mesh_context(mesh, cfg):
     with nnx.use_eager_sharding(False):
       abstract = nnx.eval_shape(lambda: MultiHeadLatentAttention(margs, rngs=nnx.Rngs(0)))

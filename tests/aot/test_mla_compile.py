@@ -40,13 +40,16 @@ def test_splash_kernel_compiles_on_jax_0_10_2(tpu_aot_jax0102, flags):
   assert r["temp_bytes"] < 8 * 8192 * 8192 * 2, r
 
 
-def test_mla_decode_keeps_its_latent_cache_in_place_on_v5e(tpu_aot):
+@pytest.mark.parametrize("tokens", [4096, 1057])
+def test_mla_decode_keeps_its_latent_cache_in_place_on_v5e(tpu_aot, tokens):
   """One decode step of a 48B MLA layer (S=32 sequences, L=4096 cached rows, bf16, cache donated): the
   latent is padded to whole 128-lane tiles (576 -> 640), so XLA keeps the cache C-minor and the step makes
   no copy of it. At 576 columns XLA laid the cache L-minor and copied all of it twice a step (into the
   row write's layout and back): 168 MB of temporaries and 1332 MB accessed, 7.9x the cache; now 663 MB
-  (docs/performance.md, "MLA decode: the latent cache's layout")."""
-  r = tpu_aot.run(MODULE, "--chip", "v5e", "--decode", "--batch", "32", "--seq-len", "4096", timeout=600)
+  (docs/performance.md, "MLA decode: the latent cache's layout"). A cache for 1057 tokens has 1064 rows
+  (`cache.mla_rows`): at 1057 rows XLA laid it L-outermost and copied it whole every step."""
+  r = tpu_aot.run(MODULE, "--chip", "v5e", "--decode", "--batch", "32", "--seq-len", str(tokens), timeout=600)
+  assert r["cache_length"] == -(-tokens // 8) * 8, r
   assert r["unpadded_width"] == 576 and r["latent_width"] == 640, r
   assert r["cache_layout"] == "2,1,0" and r["cache_copies"] == 0, r
   assert r["temp_bytes"] < r["cache_bytes"] / 4, r

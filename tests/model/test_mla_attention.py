@@ -239,3 +239,22 @@ def test_mla_layer_tiled_equals_dense(dtype, atol):
   y_d, _ = dense.attend(x, segment_ids=jnp.asarray(seg), prefix=prefix, prefix_lengths=plen)
   np.testing.assert_allclose(np.asarray(y_t, np.float32), np.asarray(y_d, np.float32), atol=atol, rtol=0)
   np.testing.assert_array_equal(np.asarray(y_t, np.float32)[seg == 0], 0.0)
+
+
+def test_mla_cache_rows_are_a_multiple_of_8():
+  """model/nn/cache.py `mla_rows`: at a row count that is not a multiple of 8, XLA:TPU copied every MLA
+  layer's whole cache at each decode step (tests/aot checks the compiled step); a new cache, made
+  empty or by a prefill, rounds its rows up, and the decode over the extra rows is unchanged."""
+  from model.config import load_config
+  from model.nn import cache as cache_lib
+  from model.nn.kimi_linear import KimiLinearForCausalLM
+  assert [cache_lib.mla_rows(n) for n in (1, 8, 9, 1056, 1057)] == [8, 8, 16, 1056, 1064]
+  model = KimiLinearForCausalLM(load_config(["tiny", "attention=kda_chunked"]))
+  assert model.init_cache(2, num_slots=1, cache_length=13).cache_length == 16
+  ids = jnp.asarray(np.random.default_rng(0).integers(3, 64, (1, 11)), jnp.int32)
+  logits13, cache13 = model.prefill(ids, cache_length=13, logits_at="last")
+  logits16, cache16 = model.prefill(ids, cache_length=16, logits_at="last")
+  assert cache13.cache_length == 16
+  np.testing.assert_array_equal(np.asarray(logits13), np.asarray(logits16))
+  nxt = jnp.argmax(logits13, axis=-1).astype(jnp.int32)
+  np.testing.assert_array_equal(np.asarray(model.decode(nxt, cache13)[0]), np.asarray(model.decode(nxt, cache16)[0]))

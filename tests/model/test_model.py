@@ -210,8 +210,9 @@ def test_clear_errors():
   cache = model.init_cache(2, num_slots=2, cache_length=4)
   with pytest.raises(ValueError, match="S=4"):
     model.decode(ids[:, 0], cache)
-  with pytest.raises(ValueError, match="needs 8 MLA cache entries but cache_length is 4"):
-    model.prefill(ids, jnp.asarray(PROMPT_SEG), cache=cache)
+  # cache_length=4 holds 8 slots (rounded up to a multiple of 8, cache.mla_rows): 12 tokens do not fit
+  with pytest.raises(ValueError, match="needs 12 MLA cache entries but cache_length is 8"):
+    model.prefill(ids, jnp.ones(ids.shape, jnp.int32), cache=cache)
   with pytest.raises(ValueError, match="positions must have"):
     model(ids, positions=jnp.zeros((2, 3), jnp.int32))
 
