@@ -77,13 +77,12 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, *, segment_ids, mode, num_slots, cache=None, lengths=None, return_cache=False,
                cache_length=None):
-    """x `[B, T, d]` -> `(x, layer cache in decode layout | None)`. Outside training, runs as the
-    layer-kind program `_shared_forward` (see `_shares_trace`): traced even when called eagerly, so
-    checks inside the layer that need concrete values (the KDA op's input contract) do not run, and
-    a debugger stops only while it is traced; `forward` runs the same computation in place."""
+    """x `[B, T, d]` -> `(x, layer cache in decode layout | None)`. Traced outside training, runs as
+    the layer-kind program `_shared_forward` (see `_shares_trace`); `forward` is the same computation
+    in place."""
     kw = dict(mode=mode, num_slots=int(num_slots), return_cache=bool(return_cache),
               cache_length=None if cache_length is None else int(cache_length))
-    if not _shares_trace(self, mode):
+    if not _shares_trace(self, mode, x):
       return self.forward(x, segment_ids=segment_ids, cache=cache, lengths=lengths, **kw)
     graphdef, state = nnx.split(self)
     return _shared_forward(graphdef, state, x, segment_ids, cache, lengths, rules=_static_rules(), **kw)
@@ -98,7 +97,7 @@ class DecoderLayer(nnx.Module):
   def decode(self, x, cache, lengths):
     """x `[S, d]` one token per sequence -> `(x, new layer cache)`, as the layer-kind program
     `_shared_decode` (see `_shares_trace`)."""
-    if not _shares_trace(self, "decode"):
+    if not _shares_trace(self, "decode", x):
       return self.decode_step(x, cache, lengths)
     graphdef, state = nnx.split(self)
     return _shared_decode(graphdef, state, x, cache, lengths, rules=_static_rules())
@@ -139,11 +138,13 @@ def _static_rules():
   return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in partitioning.current_rules())
 
 
-def _shares_trace(layer: DecoderLayer, mode: str) -> bool:
-  """Whether `layer`'s forward runs as its kind's shared program: not in training, where remat and
-  gradients trace the module itself, and not while a MoE block records its routing (`sow` on the
-  module, which a merged copy would drop)."""
-  if mode == "train":
+def _shares_trace(layer: DecoderLayer, mode: str, x) -> bool:
+  """Whether `layer`'s forward on `x` runs as its kind's shared program: only while traced (an eager
+  call runs op by op, as before, with the concrete-value checks inside the layer, and compiling a
+  program per layer kind would only slow it), not in training, where remat and gradients trace the
+  module itself, and not while a MoE block records its routing (`sow` on the module, which a merged
+  copy would drop)."""
+  if mode == "train" or not isinstance(x, jax.core.Tracer):
     return False
   return not (layer.is_moe and layer.block_sparse_moe.record_routing)
 

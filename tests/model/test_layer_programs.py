@@ -66,9 +66,24 @@ def test_layers_of_one_kind_share_one_program():
 def test_a_block_recording_its_routing_is_not_shared():
   """`sow` on the module would be lost in a merged copy: such a layer traces in place, in every mode."""
   layer = _model().model.layers[1]
-  assert all(kimi_linear._shares_trace(layer, m) for m in ("eval", "prefill", "decode"))
+  assert all(_traced_share(layer, m) for m in ("eval", "prefill", "decode"))
+  assert not _traced_share(layer, "train")
   layer.block_sparse_moe.record_routing = True
-  assert not any(kimi_linear._shares_trace(layer, m) for m in ("eval", "prefill", "decode", "train"))
+  assert not any(_traced_share(layer, m) for m in ("eval", "prefill", "decode", "train"))
+
+
+def _traced_share(layer, mode):
+  """`_shares_trace` for a traced input."""
+  out = []
+  jax.make_jaxpr(lambda x: out.append(kimi_linear._shares_trace(layer, mode, x)) or x)(jnp.zeros(2))
+  return out[0]
+
+
+def test_an_eager_call_runs_in_place():
+  """Eager (untraced) calls run op by op, as before: nothing to share, and the concrete-value checks
+  inside a layer still run."""
+  layer = _model().model.layers[1]
+  assert not any(kimi_linear._shares_trace(layer, m, jnp.zeros(2)) for m in ("eval", "prefill", "decode"))
 
 
 def test_training_traces_the_layers_in_place():
@@ -82,7 +97,7 @@ def test_training_traces_the_layers_in_place():
 def test_shared_programs_change_no_value(overrides, monkeypatch):
   model = _model(*overrides)
   shared = jax.tree.leaves(_prefill_and_decode(model))
-  monkeypatch.setattr(kimi_linear, "_shares_trace", lambda layer, mode: False)
+  monkeypatch.setattr(kimi_linear, "_shares_trace", lambda layer, mode, x: False)
   monkeypatch.setattr(kimi_linear.DecoderLayer, "decode", kimi_linear.DecoderLayer.decode_step)
   in_place = jax.tree.leaves(_prefill_and_decode(_model(*overrides)))
   assert len(shared) == len(in_place)
