@@ -343,9 +343,12 @@ def mesh_context(mesh: Mesh, rules_or_cfg=None):
 # Logical axes -> PartitionSpec
 # ---------------------------------------------------------------------------------------------
 def current_rules() -> Rules:
-  """The rules of the enclosing `mesh_context` (`nnx.logical_axis_rules`), else the base defaults."""
+  """The rules of the enclosing `mesh_context` (`nnx.logical_axis_rules`), else the base defaults, as
+  nested tuples (hashable: a jit's static argument can carry them)."""
   rules = flax_spmd.get_logical_axis_rules()
-  return tuple(rules) if rules else default_rules()
+  if not rules:
+    return default_rules()
+  return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules)
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules | None = None) -> P:

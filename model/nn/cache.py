@@ -52,8 +52,8 @@ class ModelCache:
 
   @property
   def cache_length(self) -> int | None:
-    """L of the MLA latent cache, its token slots (`mla_rows` of the length asked for; None for a model
-  without MLA layers)."""
+    """L of the MLA latent cache, its token slots (`mla_rows` of the length asked for; None for a
+    model without MLA layers)."""
     for c in self.layers:
       if isinstance(c, MLALayerCache):
         return int(c.latent.shape[1])

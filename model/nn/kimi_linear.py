@@ -85,7 +85,7 @@ class DecoderLayer(nnx.Module):
     if not _shares_trace(self, mode, x):
       return self.forward(x, segment_ids=segment_ids, cache=cache, lengths=lengths, **kw)
     graphdef, state = nnx.split(self)
-    return _shared_forward(graphdef, state, x, segment_ids, cache, lengths, rules=_static_rules(), **kw)
+    return _shared_forward(graphdef, state, x, segment_ids, cache, lengths, rules=partitioning.current_rules(), **kw)
 
   def forward(self, x, *, segment_ids, mode, num_slots, cache=None, lengths=None, return_cache=False,
               cache_length=None):
@@ -100,7 +100,7 @@ class DecoderLayer(nnx.Module):
     if not _shares_trace(self, "decode", x):
       return self.decode_step(x, cache, lengths)
     graphdef, state = nnx.split(self)
-    return _shared_decode(graphdef, state, x, cache, lengths, rules=_static_rules())
+    return _shared_decode(graphdef, state, x, cache, lengths, rules=partitioning.current_rules())
 
   def decode_step(self, x, cache, lengths):
     """`decode`'s computation, traced in place."""
@@ -131,11 +131,6 @@ def _shared_forward(graphdef, state, x, segment_ids, cache, lengths, *, mode, nu
 def _shared_decode(graphdef, state, x, cache, lengths, *, rules):
   with nnx.logical_axis_rules(rules):
     return nnx.merge(graphdef, state).decode_step(x, cache, lengths)
-
-
-def _static_rules():
-  """The enclosing logical-axis rules as nested tuples (hashable: a static argument)."""
-  return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in partitioning.current_rules())
 
 
 def _shares_trace(layer: DecoderLayer, mode: str, x) -> bool:
