@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import os
 import pathlib
@@ -170,6 +171,8 @@ def phase_model(args) -> dict:
     return jnp.argmax(logits, axis=-1), cache
 
   def decode_loop(lv, tok, cache):
+    """`steps` greedy decode steps; the cache comes back with its lengths as they came in (rows
+    context..context+steps-1 rewritten each call), so a loop can be timed again on its own output."""
     model = model_of(lv)
 
     def body(_, carry):
@@ -177,26 +180,33 @@ def phase_model(args) -> dict:
       logits, cache = model.decode(tok, cache)
       return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
-    return jax.lax.fori_loop(0, steps, body, (tok, cache))
+    tok, out = jax.lax.fori_loop(0, steps, body, (tok, cache))
+    return tok, type(out)(out.layers, cache.lengths)
 
   rng = np.random.default_rng(0)
-  decode_inputs = {}
-  for b in batches:
+
+  @functools.partial(jax.jit, static_argnums=0)   # jitted: every leaf its own buffer, as donation needs
+  def decode_cache(b):
+    """A batch's cache, made only when its loop runs: at the real-width shard every batch's cache at
+    once (105 sequences x ~49 MiB) would not fit beside its 9.2 GiB of weights."""
     cache = model.init_cache(b, 1, context + steps + 1)
-    decode_inputs[b] = (jnp.asarray(rng.integers(3, cfg.vocab_size, (b,)), jnp.int32),
-                        type(cache)(cache.layers, jnp.full((b,), context, jnp.int32)))
+    return type(cache)(cache.layers, jnp.full((b,), context, jnp.int32))
+
+  decode_tokens = {b: jnp.asarray(rng.integers(3, cfg.vocab_size, (b,)), jnp.int32) for b in batches}
   # Every program traced here, then compiled on threads (XLA's compilation releases the GIL): the
-  # phase pays for about the slowest compilation, not the sum.
+  # phase pays for about the slowest compilation, not the sum. The decode loops donate their cache,
+  # as the serving engine's step does: one cache per batch in memory, not an input and an output.
   ids_shape = jax.ShapeDtypeStruct((1, t_row), jnp.int32)
   lowered = {"prefill": jax.jit(prefill).lower(leaves, ids_shape, ids_shape)}
-  for b, (tok, cache) in decode_inputs.items():
-    lowered[f"decode B={b}"] = jax.jit(decode_loop).lower(leaves, tok, cache)
+  for b in batches:
+    lowered[f"decode B={b}"] = jax.jit(decode_loop, donate_argnums=2).lower(
+        leaves, decode_tokens[b], jax.eval_shape(decode_cache, b))
   split_pieces = prefill_pieces(model, t_row, n_docs)
   for kind, (fn, state, x, seg, _) in split_pieces.items():
     lowered[f"split {kind}"] = jax.jit(fn).lower(state, x, seg)
   b_split = batches[-1]
-  step_pieces = decode_pieces(model, decode_inputs[b_split][1], steps)
-  for kind, (fn, state, carry, _) in step_pieces.items():
+  step_pieces = decode_pieces(model, jax.eval_shape(decode_cache, b_split), context, steps)
+  for kind, (fn, state, carry, _, _) in step_pieces.items():
     lowered[f"decode split {kind}"] = jax.jit(fn).lower(state, carry)
 
   def compile_one(item):
@@ -260,11 +270,16 @@ def phase_model(args) -> dict:
     if time.perf_counter() - t0 > args.stop_after_s:
       out["decode"][f"B={b}"] = {"skipped": f"phase time limit {args.stop_after_s:.0f} s reached"}
       continue
-    tok, cache = decode_inputs[b]
-    floor = decode_floor_bytes(weights, cache, context)
+    tok, live = decode_tokens[b], {"cache": decode_cache(b)}
+    floor = decode_floor_bytes(weights, live["cache"], context)
     loop_c = compiled.pop(f"decode B={b}")[0]
-    jax.block_until_ready(loop_c(leaves, tok, cache))
-    med, runs = timed(lambda: loop_c(leaves, tok, cache), args.repeats)
+
+    def run_loop(loop_c=loop_c, tok=tok, live=live):   # the donated cache is replaced by the loop's own
+      out, live["cache"] = loop_c(leaves, tok, live["cache"])
+      return out
+
+    jax.block_until_ready(run_loop())
+    med, runs = timed(run_loop, args.repeats)
     step_ms = med / steps * 1e3
     floor_ms = floor["total"] / HBM_BYTES_PER_S * 1e3
     out["decode"][f"B={b}"] = {"step_ms": round(step_ms, 4), "hbm_floor_ms": round(floor_ms, 4),
@@ -273,7 +288,7 @@ def phase_model(args) -> dict:
                                "loop_runs_ms": [round(r * 1e3, 3) for r in runs]}
     print(f"decode B={b}: {step_ms:.2f} ms/step, HBM floor {floor_ms:.2f} ms ({step_ms / floor_ms:.2f}x)", flush=True)
     args.save_partial(out)
-    del loop_c
+    del loop_c, live
 
   # The decode step's split at the largest batch: one piece of each kind as its own loop of `steps`
   # steps (output fed back), times the number of such pieces in the model.
@@ -281,11 +296,14 @@ def phase_model(args) -> dict:
                      f"(context {context}), median of --repeats, per step x the pieces of that kind; "
                      "the embedding, the layer norms, the residual adds and sampling are not in any piece",
                 "batch": b_split}
-  for kind, (_, state, carry, count) in step_pieces.items():
+  split_cache = decode_cache(b_split)
+  for kind, (_, state, carry, count, layer) in step_pieces.items():
     if time.perf_counter() - t0 > args.stop_after_s:
       step_split[kind] = {"skipped": f"phase time limit {args.stop_after_s:.0f} s reached"}
       continue
     exe = compiled.pop(f"decode split {kind}")[0]
+    if layer is not None:   # a mixer: its layer of a real cache in place of the shapes it was lowered with
+      carry = (carry[0], split_cache.layers[layer])
     jax.block_until_ready(exe(state, carry))
     med, runs = timed(lambda: exe(state, carry), args.repeats)
     step_split[kind] = {"ms": round(med / steps * 1e3, 4), "loop_runs_ms": [round(r * 1e3, 3) for r in runs],
@@ -301,13 +319,15 @@ def phase_model(args) -> dict:
   return out
 
 
-def decode_pieces(model, cache, steps: int) -> dict:
-  """`{kind: (fn(state, carry), state, carry, count)}` for the decode step's time split: the KDA and
-  MLA mixers' decode (each reading and writing its layer's cache), the MoE block, the dense FFN and
-  the LM head, each on a random `[S, hidden]` input in the model's dtype, S = `cache`'s sequences;
-  `fn` runs `steps` steps in a `lax.fori_loop`, each step's output fed back as the next one's input
-  (and the mixers' new cache as their next cache), so the figure is device time, not dispatch.
-  `count` is how many times a decode step runs that piece."""
+def decode_pieces(model, cache, context: int, steps: int) -> dict:
+  """`{kind: (fn(state, carry), state, carry, count, layer)}` for the decode step's time split: the KDA and
+  MLA mixers' decode (each reading and writing its layer's cache, every sequence at `context`), the
+  MoE block, the dense FFN and the LM head, each on a random `[S, hidden]` input in the model's
+  dtype, S = `cache`'s sequences; `fn` runs `steps` steps in a `lax.fori_loop`, each step's output
+  fed back as the next one's input (and the mixers' new cache as their next cache), so the figure is
+  device time, not dispatch. `count` is how many times a decode step runs that piece. `cache` may be
+  abstract (`jax.eval_shape`, to lower against): a mixer's carry is then `(x, shapes)`, and `layer`,
+  its index in `cache.layers` (None for the other pieces), says which real layer cache runs it."""
   # imported in the phase that needs it: a missing package fails that phase alone, by name
   import jax
   import jax.numpy as jnp
@@ -315,7 +335,7 @@ def decode_pieces(model, cache, steps: int) -> dict:
   layers, types = model.model.layers, model.args.layer_types
   s = cache.num_sequences
   x = jax.random.normal(jax.random.key(2), (s, model.args.hidden_size)).astype(model.args.dtype)
-  lengths = cache.lengths
+  lengths = jnp.full((s,), context, jnp.int32)
 
   def mixer_step(m, carry):
     h, c = carry
@@ -333,23 +353,23 @@ def decode_pieces(model, cache, steps: int) -> dict:
   for kind in ("kda", "mla"):
     if kind in types:
       i = types.index(kind)
-      chosen[kind] = (layers[i].self_attn, mixer_step, (x, cache.layers[i]), types.count(kind))
+      chosen[kind] = (layers[i].self_attn, mixer_step, (x, cache.layers[i]), types.count(kind), i)
   moe = [layer for layer in layers if layer.is_moe]
   dense = [layer for layer in layers if not layer.is_moe]
   if moe:
-    chosen["moe"] = (moe[0].block_sparse_moe, ffn_step, (x, None), len(moe))
+    chosen["moe"] = (moe[0].block_sparse_moe, ffn_step, (x, None), len(moe), None)
   if dense:
-    chosen["dense_ffn"] = (dense[0].mlp, ffn_step, (x, None), len(dense))
-  chosen["lm_head"] = (model, head_step, (x, None), 1)
+    chosen["dense_ffn"] = (dense[0].mlp, ffn_step, (x, None), len(dense), None)
+  chosen["lm_head"] = (model, head_step, (x, None), 1, None)
   out = {}
-  for kind, (module, step, carry, count) in chosen.items():
+  for kind, (module, step, carry, count, layer) in chosen.items():
     gd, state = nnx.split(module)
 
     def fn(st, carry, gd=gd, step=step):
       m = nnx.merge(gd, st)
       return jax.lax.fori_loop(0, steps, lambda _, c: step(m, c), carry)
 
-    out[kind] = (fn, state, carry, count)
+    out[kind] = (fn, state, carry, count, layer)
   return out
 
 
