@@ -288,7 +288,8 @@ def phase_model(args) -> dict:
                                "loop_runs_ms": [round(r * 1e3, 3) for r in runs]}
     print(f"decode B={b}: {step_ms:.2f} ms/step, HBM floor {floor_ms:.2f} ms ({step_ms / floor_ms:.2f}x)", flush=True)
     args.save_partial(out)
-    del loop_c, live
+    del loop_c, live, run_loop   # run_loop's defaults hold the cache too: at the real-width shard B=64's
+                                 # 3.2 GiB left the decode split no room
 
   # The decode step's split at the largest batch: one piece of each kind as its own loop of `steps`
   # steps (output fed back), times the number of such pieces in the model.
