@@ -22,6 +22,8 @@ compute it; a block records its choices (`record_routing`, an `nnx.Intermediate`
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -29,26 +31,40 @@ from flax import nnx
 from model.nn.layers import SwiGLU, as_dtype, param
 
 GMM_ROWS = 128  # megablox's smallest row tile: the sorted (token, expert) rows are padded to a multiple of it
-# Largest megablox tiles: each grid step of the kernel costs a fixed overhead on the TPU, so a tile
-# should cover as much of an expert's weight as VMEM allows (double-buffered lhs [tm, tk] and rhs
-# [tk, tn] in bf16, out [tm, tn] and the f32 accumulator: about 11 MiB at these caps, under v5e's
-# 16 MiB default scoped VMEM). docs/performance.md, "the 0.9B test model on the chip".
-GMM_MAX_TK, GMM_MAX_TN = 1024, 1024
 GMM_LONG_ROWS, GMM_LONG_TM = 8192, 256   # at least this many rows (prefill): 256-row tiles
+# Megablox double-buffers its lhs [tm, tk], rhs [tk, tn] and out [tm, tn] blocks and keeps a float32
+# [tm, tn] accumulator in VMEM; it asks for no more than the default scoped VMEM (16 MiB on v5e), so
+# a tiling must stay under it. 14 MiB leaves Mosaic its own scratch.
+GMM_VMEM_BUDGET = 14 * 2**20
 
 
-def gmm_tiling(rows: int, k: int, n: int) -> tuple[int, int, int]:
-  """Megablox `(tm, tk, tn)` for `rows` (a multiple of `GMM_ROWS`; of `GMM_LONG_TM` when there are at
-  least `GMM_LONG_ROWS`) times one expert's `[k, n]` weight.
+def gmm_vmem_bytes(tm: int, tk: int, tn: int, itemsize: int = 2) -> int:
+  """VMEM of one megablox tiling: the three blocks double-buffered in the compute dtype, the f32 accumulator."""
+  return 2 * (tm * tk + tk * tn + tm * tn) * itemsize + tm * tn * 4
 
-  tk = tn = the largest multiple of 128 up to the cap that divides both k and n (the backward pass
-  runs the same tiling with k and n swapped, so each tile must suit both dimensions), else 128 as
-  megablox's default (it masks the ragged last tile). A decode step then runs a few grid steps per
-  expert instead of (k/128) x (n/128)."""
-  tm = GMM_LONG_TM if rows >= GMM_LONG_ROWS else GMM_ROWS
-  cap = min(GMM_MAX_TK, GMM_MAX_TN)
-  t = next((c for c in range(cap, 127, -128) if k % c == 0 and n % c == 0), 128)
-  return tm, t, t
+
+def _dividing_tiles(x: int) -> list[int]:
+  """Multiples of 128 that divide `x`, largest first; [128] when there is none (megablox masks the
+  ragged last tile, e.g. the demo's 64-wide experts)."""
+  return [t for t in range(x - x % 128, 127, -128) if x % t == 0] or [128]
+
+
+@functools.lru_cache(maxsize=None)
+def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+  """Megablox `(tm, tk, tn)` for `[m, k]` rows times one expert's `[k, n]` weight (megablox's tiling
+  lookup: it is called with each problem's own (m, k, n), the backward's swapped ones included).
+
+  tm: `GMM_LONG_TM` from `GMM_LONG_ROWS` rows (prefill), else `GMM_ROWS`; `m` is padded to it.
+  tk, tn: the largest tile of the weight that fits `GMM_VMEM_BUDGET` (the whole expert matrix when it
+  fits), each a multiple of 128 dividing its dimension; a larger tk wins a tie. Each grid step of the
+  kernel costs a fixed overhead on the TPU, so fewer, larger steps are faster: on the v5e, whole-matrix
+  tiles halved the real-width shard's grouped matmuls against 256 x 256 tiles, in prefill and in decode
+  (docs/performance.md, "The MoE's grouped matmuls on the chip")."""
+  tm = GMM_LONG_TM if m >= GMM_LONG_ROWS and m % GMM_LONG_TM == 0 else GMM_ROWS
+  fits = [(tk * tn, tk, tn) for tk in _dividing_tiles(k) for tn in _dividing_tiles(n)
+          if gmm_vmem_bytes(tm, tk, tn) <= GMM_VMEM_BUDGET]
+  _, tk, tn = max(fits) if fits else (0, 128, 128)
+  return tm, tk, tn
 
 
 def target_platform() -> str:
@@ -236,8 +252,7 @@ class Experts(nnx.Module):
     xs = jnp.pad(x.astype(self.dtype)[order // k], ((0, rows - m), (0, 0)))
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32).at[e - 1].add(rows - m)
     w1, w3, w2 = (p[...].astype(self.dtype) for p in (self.w1, self.w3, self.w2))
-    mm = lambda a, w: gmm(a, w, sizes, self.dtype, gmm_tiling(rows, *w.shape[1:]), None, None, False,
-                          self.gmm_interpret)
+    mm = lambda a, w: gmm(a, w, sizes, self.dtype, gmm_tiling, None, None, False, self.gmm_interpret)
     h = jax.nn.silu(mm(xs, w1)) * mm(xs, w3)
     y = mm(h, w2)[inverse].reshape(n, k, -1)
     return combine_choices(weights, y)
@@ -256,12 +271,14 @@ class Experts(nnx.Module):
     needs `gmm_interpret`).
 
     When fewer (token, expert) pairs than experts are routed (N*k < E, e.g. decoding a few
-    sequences), only those experts' weights are gathered and run, whatever `moe_impl` says: the same
-    sum, reading N*k experts instead of all E (decode is bound by reading weights)."""
+    sequences), dense and ragged gather only those experts' weights and run them: the same sum,
+    reading N*k experts instead of all E (decode is bound by reading weights). Megablox needs no
+    gather: it skips the experts no row is routed to (on the v5e, gathering made a real-width decode
+    step at B=1 slower than at B=8)."""
     n, k = idx.shape
-    if n * k < self.w1.shape[0]:
-      return self._gathered(x, weights, idx)
     impl = resolve_moe_impl(self.impl)
+    if n * k < self.w1.shape[0] and impl != "megablox":
+      return self._gathered(x, weights, idx)
     return {"dense": self._dense, "ragged": self._ragged, "megablox": self._megablox}[impl](x, weights, idx)
 
 

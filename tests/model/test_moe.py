@@ -1,5 +1,6 @@
 """MoE routing against an independent NumPy rule, and both expert implementations against NumPy."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -66,11 +67,50 @@ def test_auto_moe_impl_rule():
   assert resolve_moe_impl("ragged") == "ragged" and resolve_moe_impl("megablox") == "megablox"
 
 
-def test_gmm_tiling_suits_both_orientations():
-  """One tile for k and n (the backward pass swaps them), the largest multiple of 128 dividing both."""
-  from model.nn.moe import GMM_LONG_TM, GMM_ROWS, gmm_tiling
-  assert gmm_tiling(128, 1024, 512) == (GMM_ROWS, 512, 512)             # 0.9B decode: 2 tiles per expert
-  assert gmm_tiling(16384, 512, 1024) == (GMM_LONG_TM, 512, 512)        # 0.9B prefill, w2
-  assert gmm_tiling(128, 2304, 1024) == (GMM_ROWS, 256, 256)            # 48B: gcd 256
-  assert gmm_tiling(128, 7168, 2048) == (GMM_ROWS, 1024, 1024)
-  assert gmm_tiling(128, 256, 64) == (GMM_ROWS, 128, 128)               # the demo's 64: megablox's default
+def test_gmm_tiling_takes_the_largest_weight_tile_that_fits_vmem():
+  """Whole expert matrices where they fit megablox's VMEM (the v5e sweep's fastest), else the largest
+  dividing tile; each problem (the backward's swapped ones too) gets its own."""
+  from model.nn.moe import GMM_LONG_TM, GMM_ROWS, GMM_VMEM_BUDGET, gmm_tiling, gmm_vmem_bytes
+  assert gmm_tiling(128, 2304, 1024) == (GMM_ROWS, 2304, 1024)          # 48B decode, w1/w3: whole matrix
+  assert gmm_tiling(128, 1024, 2304) == (GMM_ROWS, 1024, 2304)          # 48B decode, w2
+  assert gmm_tiling(65536, 2304, 1024) == (GMM_LONG_TM, 2304, 1024)     # 48B prefill, w1/w3 (13.25 MiB)
+  # 48B prefill, w2: the whole [1024, 2304] at 256 rows is 15.25 MiB; halves tie, the larger tk wins
+  assert gmm_tiling(65536, 1024, 2304) == (GMM_LONG_TM, 1024, 1152)
+  assert gmm_vmem_bytes(GMM_LONG_TM, 1024, 2304) > GMM_VMEM_BUDGET
+  assert gmm_tiling(16384, 512, 1024) == (GMM_LONG_TM, 512, 1024)       # 0.9B prefill, w2
+  assert gmm_tiling(128, 7168, 2048) == (GMM_ROWS, 1024, 2048)          # too large whole: dividing tiles
+  assert gmm_tiling(8000, 256, 64) == (GMM_ROWS, 256, 128)              # 128 rows below 8192; the demo's 64
+  for m, k, n in [(128, 7168, 2048), (65536, 1024, 2304), (256, 4096, 4096)]:
+    assert gmm_vmem_bytes(*gmm_tiling(m, k, n)) <= GMM_VMEM_BUDGET
+
+
+
+
+@pytest.mark.parametrize("long_rows", [False, True])
+def test_megablox_gradients_match_dense(long_rows, monkeypatch):
+  """Megablox's backward (its gmm with the weight transposed, and tgmm) runs the tiling lookup on its
+  own problem shapes: the gradients of x and of every expert weight equal the dense path's."""
+  from model.nn import moe
+  if long_rows:   # the prefill row tile (256), reached here with 30 rows
+    monkeypatch.setattr(moe, "GMM_LONG_ROWS", 16)
+  grads = {}
+  rng = np.random.default_rng(7)
+  x = jnp.asarray(rng.normal(0, 1, (10, 32)), jnp.float32)
+  idx = jnp.asarray(np.stack([rng.choice(6, 3, replace=False) for _ in range(10)]), jnp.int32)
+  w = jnp.asarray(rng.uniform(0, 1, (10, 3)), jnp.float32)
+  for impl in ("dense", "megablox"):
+    args = ModelArgs.from_config(load_config(["tiny", f"moe_impl={impl}", "num_experts=6", "num_experts_per_tok=3"]))
+    with nnx.use_eager_sharding(False):
+      experts = Experts(args, nnx.Rngs(3))
+    experts.gmm_interpret = True
+    gd, state = nnx.split(experts)
+
+    def loss(state, x):
+      y = nnx.merge(gd, state)(x, w, idx)
+      return jnp.sum(y * jnp.cos(y))
+
+    grads[impl] = jax.grad(loss, argnums=(0, 1))(state, x)
+  flat = {impl: jax.tree.leaves(g) for impl, g in grads.items()}
+  assert len(flat["dense"]) == 4   # w1, w2, w3 and x
+  for a, b in zip(flat["dense"], flat["megablox"]):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5, rtol=1e-5)
