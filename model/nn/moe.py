@@ -50,9 +50,10 @@ def _dividing_tiles(x: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=None)
-def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
-  """Megablox `(tm, tk, tn)` for `[m, k]` rows times one expert's `[k, n]` weight (megablox's tiling
-  lookup: it is called with each problem's own (m, k, n), the backward's swapped ones included).
+def gmm_tiling(m: int, k: int, n: int, itemsize: int = 2) -> tuple[int, int, int]:
+  """Megablox `(tm, tk, tn)` for `[m, k]` rows times one expert's `[k, n]` weight, both of `itemsize`
+  bytes an element (`gmm_tiling_lookup` hands it to megablox, which calls it with each problem's own
+  (m, k, n), the backward's swapped ones included).
 
   tm: `GMM_LONG_TM` from `GMM_LONG_ROWS` rows (prefill), else `GMM_ROWS`; `m` is padded to it.
   tk, tn: the largest tile of the weight that fits `GMM_VMEM_BUDGET` (the whole expert matrix when it
@@ -62,9 +63,16 @@ def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
   (docs/performance.md, "The MoE's grouped matmuls on the chip")."""
   tm = GMM_LONG_TM if m >= GMM_LONG_ROWS and m % GMM_LONG_TM == 0 else GMM_ROWS
   fits = [(tk * tn, tk, tn) for tk in _dividing_tiles(k) for tn in _dividing_tiles(n)
-          if gmm_vmem_bytes(tm, tk, tn) <= GMM_VMEM_BUDGET]
+          if gmm_vmem_bytes(tm, tk, tn, itemsize) <= GMM_VMEM_BUDGET]
   _, tk, tn = max(fits) if fits else (0, 128, 128)
   return tm, tk, tn
+
+
+@functools.lru_cache(maxsize=None)
+def gmm_tiling_lookup(itemsize: int):
+  """Megablox's tiling argument for operands of `itemsize` bytes: `(m, k, n) -> gmm_tiling(...)`, one
+  function object per itemsize (megablox's jit takes it as a static argument: equal calls hit its cache)."""
+  return lambda m, k, n: gmm_tiling(m, k, n, itemsize)
 
 
 def target_platform() -> str:
@@ -252,7 +260,8 @@ class Experts(nnx.Module):
     xs = jnp.pad(x.astype(self.dtype)[order // k], ((0, rows - m), (0, 0)))
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32).at[e - 1].add(rows - m)
     w1, w3, w2 = (p[...].astype(self.dtype) for p in (self.w1, self.w3, self.w2))
-    mm = lambda a, w: gmm(a, w, sizes, self.dtype, gmm_tiling, None, None, False, self.gmm_interpret)
+    tiling = gmm_tiling_lookup(jnp.dtype(self.dtype).itemsize)
+    mm = lambda a, w: gmm(a, w, sizes, self.dtype, tiling, None, None, False, self.gmm_interpret)
     h = jax.nn.silu(mm(xs, w1)) * mm(xs, w3)
     y = mm(h, w2)[inverse].reshape(n, k, -1)
     return combine_choices(weights, y)

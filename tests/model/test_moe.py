@@ -82,6 +82,10 @@ def test_gmm_tiling_takes_the_largest_weight_tile_that_fits_vmem():
   assert gmm_tiling(8000, 256, 64) == (GMM_ROWS, 256, 128)              # 128 rows below 8192; the demo's 64
   for m, k, n in [(128, 7168, 2048), (65536, 1024, 2304), (256, 4096, 4096)]:
     assert gmm_vmem_bytes(*gmm_tiling(m, k, n)) <= GMM_VMEM_BUDGET
+  # float32 operands: twice the bytes, smaller tiles (the bf16 whole-matrix tile would ask 26.5 MiB)
+  assert gmm_tiling(65536, 2304, 1024, 4) == (GMM_LONG_TM, 768, 1024)
+  assert gmm_vmem_bytes(GMM_LONG_TM, 2304, 1024, 4) > GMM_VMEM_BUDGET
+  assert gmm_vmem_bytes(*gmm_tiling(65536, 2304, 1024, 4), 4) <= GMM_VMEM_BUDGET
 
 
 
