@@ -49,7 +49,6 @@ def _dividing_tiles(x: int) -> list[int]:
   return [t for t in range(x - x % 128, 127, -128) if x % t == 0] or [128]
 
 
-@functools.lru_cache(maxsize=None)
 def gmm_tiling(m: int, k: int, n: int, itemsize: int = 2) -> tuple[int, int, int]:
   """Megablox `(tm, tk, tn)` for `[m, k]` rows times one expert's `[k, n]` weight, both of `itemsize`
   bytes an element (`gmm_tiling_lookup` hands it to megablox, which calls it with each problem's own

@@ -90,13 +90,12 @@ def test_gmm_tiling_takes_the_largest_weight_tile_that_fits_vmem():
 
 
 
-@pytest.mark.parametrize("long_rows", [False, True])
-def test_megablox_gradients_match_dense(long_rows, monkeypatch):
+def test_megablox_gradients_match_dense(monkeypatch):
   """Megablox's backward (its gmm with the weight transposed, and tgmm) runs the tiling lookup on its
-  own problem shapes: the gradients of x and of every expert weight equal the dense path's."""
+  own problem shapes: the gradients of x and of every expert weight equal the dense path's (with the
+  prefill's 256-row tile, reached here with 30 rows)."""
   from model.nn import moe
-  if long_rows:   # the prefill row tile (256), reached here with 30 rows
-    monkeypatch.setattr(moe, "GMM_LONG_ROWS", 16)
+  monkeypatch.setattr(moe, "GMM_LONG_ROWS", 16)
   grads = {}
   rng = np.random.default_rng(7)
   x = jnp.asarray(rng.normal(0, 1, (10, 32)), jnp.float32)
@@ -118,3 +117,18 @@ def test_megablox_gradients_match_dense(long_rows, monkeypatch):
   assert len(flat["dense"]) == 4   # w1, w2, w3 and x
   for a, b in zip(flat["dense"], flat["megablox"]):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5, rtol=1e-5)
+
+
+def test_moe_tiling_sweep_candidates_and_routing():
+  """tools/bench/moe_tiling_sweep.py: the tilings it times fit VMEM and tile the weight exactly; its
+  routing sends each token to top_k distinct experts, the padding to the last group."""
+  from tools.bench import moe_tiling_sweep as sweep
+  cands = sweep.candidates(65536, 2304, 1024)
+  assert (256, 2304, 1024) in cands and (128, 128, 128) not in cands
+  assert all(2304 % tk == 0 and 1024 % tn == 0 and sweep.vmem_bytes(*t) <= sweep.VMEM_BUDGET
+             for t in cands for _, tk, tn in [t])
+  assert {t[0] for t in sweep.candidates(64, 1024, 2304)} == {128}   # a decode's rows fit one tile
+  sizes = sweep.group_sizes(100, 8, 16, 896)
+  assert sizes.sum() == 896 and sizes[:-1].max() <= 100 and sizes[-1] >= 896 - 800
+  with pytest.raises(SystemExit):
+    sweep.main(["--tokens", "0", "--json", "/dev/null"])
