@@ -435,11 +435,23 @@ def phase_identity(args) -> dict:
   prompts = [rng.integers(3, cfg.vocab_size, int(rng.integers(8, longest + 1))).tolist() for _ in range(n)]
 
   def serve(batch):
+    """{request id: {"tokens", "logprobs", "top2" (the two largest logits at each token),
+    "cached_tokens"}} of the requests in `batch`, served together."""
     got = {}
+
+    def on_event(e):
+      if e.token_id is None:
+        return
+      r = got.setdefault(e.request_id, {"tokens": [], "logprobs": [], "top2": [], "cached_tokens": 0})
+      r["tokens"].append(e.token_id)
+      r["logprobs"].append(e.logprob)
+      r["top2"].append(engine.last_top2.get(e.request_id))
+      r["cached_tokens"] = e.cached_tokens
+
     for i in batch:
       engine.add_request(Request(f"q{i}", tuple(prompts[i]), new))
     while engine.has_unfinished():
-      engine.step(lambda e: got.setdefault(e.request_id, []).append(e.token_id) if e.token_id is not None else None)
+      engine.step(on_event)
     return got
 
   t0 = time.perf_counter()
@@ -448,15 +460,32 @@ def phase_identity(args) -> dict:
   alone = {}
   for i in range(n):
     alone.update(serve([i]))
-  differ = [i for i in range(n) if together[f"q{i}"] != alone[f"q{i}"]]
+  differ = [i for i in range(n) if together[f"q{i}"]["tokens"] != alone[f"q{i}"]["tokens"]]
+  # How far apart the two runs' numbers are where their tokens still agree (the first token's log-prob
+  # always): a difference at the noise of float32 with a top-2 gap as small says precision chose the
+  # other token; a large one says the two paths compute something else.
+  lp_diff, gaps = [], []
+  for i in range(n):
+    a, b = together[f"q{i}"], alone[f"q{i}"]
+    agree = next((k for k in range(len(a["tokens"])) if a["tokens"][k] != b["tokens"][k]), len(a["tokens"]))
+    lp_diff.append(max(abs(a["logprobs"][k] - b["logprobs"][k]) for k in range(max(1, agree))))
+    if b["top2"][0] is not None:
+      gaps.append(b["top2"][0][0] - b["top2"][0][1])
   first = None
   if differ:
     a, b = together[f"q{differ[0]}"], alone[f"q{differ[0]}"]
-    first = {"request": differ[0], "position": next(k for k in range(len(a)) if a[k] != b[k]),
-             "batched": a, "alone": b}
+    k = next(k for k in range(len(a["tokens"])) if a["tokens"][k] != b["tokens"][k])
+    first = {"request": differ[0], "position": k, "batched": a["tokens"], "alone": b["tokens"],
+             "batched_logprob": a["logprobs"][k], "alone_logprob": b["logprobs"][k],
+             "batched_top2": a["top2"][k], "alone_top2": b["top2"][k]}
   return {"dtype": cfg.dtype, "requests": n, "new_tokens": new, "max_num_seqs": n,
           "prompt_lengths": [len(p) for p in prompts], "identical": not differ, "differing_requests": differ,
-          "first_difference": first, "batched_s": round(t_batch, 2), "compile": report.as_dict()}
+          "first_difference": first,
+          "first_token_logprob_diff_max": max(lp_diff),
+          "first_token_logprob_diff_median": float(np.median(lp_diff)),
+          "first_token_top2_gap_median": float(np.median(gaps)) if gaps else None,
+          "alone_cached_tokens": [alone[f"q{i}"]["cached_tokens"] for i in range(n)],
+          "batched_s": round(t_batch, 2), "compile": report.as_dict()}
 
 
 def phase_server(args) -> dict:
