@@ -23,6 +23,7 @@ compute it; a block records its choices (`record_routing`, an `nnx.Intermediate`
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -32,15 +33,22 @@ from model.nn.layers import SwiGLU, as_dtype, param
 
 GMM_ROWS = 128  # megablox's smallest row tile: the sorted (token, expert) rows are padded to a multiple of it
 GMM_LONG_ROWS, GMM_LONG_TM = 8192, 256   # at least this many rows (prefill): 256-row tiles
-# Megablox double-buffers its lhs [tm, tk], rhs [tk, tn] and out [tm, tn] blocks and keeps a float32
-# [tm, tn] accumulator in VMEM; it asks for no more than the default scoped VMEM (16 MiB on v5e), so
-# a tiling must stay under it. 14 MiB leaves Mosaic its own scratch.
+# Megablox double-buffers its three blocks and keeps a float32 accumulator in VMEM; it asks for no
+# more than the default scoped VMEM (16 MiB on v5e), so a tiling must stay under it. 14 MiB leaves
+# Mosaic its own scratch.
 GMM_VMEM_BUDGET = 14 * 2**20
 
 
 def gmm_vmem_bytes(tm: int, tk: int, tn: int, itemsize: int = 2) -> int:
-  """VMEM of one megablox tiling: the three blocks double-buffered in the compute dtype, the f32 accumulator."""
+  """VMEM of megablox's `gmm` at one tiling: lhs [tm, tk], rhs [tk, tn] and out [tm, tn] double-buffered
+  in the operands' dtype, the float32 accumulator [tm, tn]."""
   return 2 * (tm * tk + tk * tn + tm * tn) * itemsize + tm * tn * 4
+
+
+def tgmm_vmem_bytes(tm: int, tk: int, tn: int, itemsize: int = 2) -> int:
+  """VMEM of megablox's `tgmm` (the weight gradient, `[k, m] x [m, n]` per group) at one tiling: lhs
+  [tk, tm], rhs [tm, tn] and out [tk, tn] double-buffered, the float32 accumulator [tk, tn]."""
+  return 2 * (tk * tm + tm * tn + tk * tn) * itemsize + tk * tn * 4
 
 
 def _dividing_tiles(x: int) -> list[int]:
@@ -49,10 +57,17 @@ def _dividing_tiles(x: int) -> list[int]:
   return [t for t in range(x - x % 128, 127, -128) if x % t == 0] or [128]
 
 
+def _largest_tiles(m: int, k: int, n: int, itemsize: int, vmem) -> tuple[int, int, int]:
+  tm = GMM_LONG_TM if m >= GMM_LONG_ROWS and m % GMM_LONG_TM == 0 else GMM_ROWS
+  fits = [(tk * tn, tk, tn) for tk in _dividing_tiles(k) for tn in _dividing_tiles(n)
+          if vmem(tm, tk, tn, itemsize) <= GMM_VMEM_BUDGET]
+  _, tk, tn = max(fits) if fits else (0, 128, 128)
+  return tm, tk, tn
+
+
 def gmm_tiling(m: int, k: int, n: int, itemsize: int = 2) -> tuple[int, int, int]:
-  """Megablox `(tm, tk, tn)` for `[m, k]` rows times one expert's `[k, n]` weight, both of `itemsize`
-  bytes an element (`gmm_tiling_lookup` hands it to megablox, which calls it with each problem's own
-  (m, k, n), the backward's swapped ones included).
+  """Megablox `gmm`'s `(tm, tk, tn)` for `[m, k]` rows times one expert's `[k, n]` weight, both of
+  `itemsize` bytes an element.
 
   tm: `GMM_LONG_TM` from `GMM_LONG_ROWS` rows (prefill), else `GMM_ROWS`; `m` is padded to it.
   tk, tn: the largest tile of the weight that fits `GMM_VMEM_BUDGET` (the whole expert matrix when it
@@ -60,18 +75,56 @@ def gmm_tiling(m: int, k: int, n: int, itemsize: int = 2) -> tuple[int, int, int
   kernel costs a fixed overhead on the TPU, so fewer, larger steps are faster: on the v5e, whole-matrix
   tiles halved the real-width shard's grouped matmuls against 256 x 256 tiles, in prefill and in decode
   (docs/performance.md, "The MoE's grouped matmuls on the chip")."""
-  tm = GMM_LONG_TM if m >= GMM_LONG_ROWS and m % GMM_LONG_TM == 0 else GMM_ROWS
-  fits = [(tk * tn, tk, tn) for tk in _dividing_tiles(k) for tn in _dividing_tiles(n)
-          if gmm_vmem_bytes(tm, tk, tn, itemsize) <= GMM_VMEM_BUDGET]
-  _, tk, tn = max(fits) if fits else (0, 128, 128)
-  return tm, tk, tn
+  return _largest_tiles(m, k, n, itemsize, gmm_vmem_bytes)
 
 
-@functools.lru_cache(maxsize=None)
-def gmm_tiling_lookup(itemsize: int):
-  """Megablox's tiling argument for operands of `itemsize` bytes: `(m, k, n) -> gmm_tiling(...)`, one
-  function object per itemsize (megablox's jit takes it as a static argument: equal calls hit its cache)."""
-  return lambda m, k, n: gmm_tiling(m, k, n, itemsize)
+def tgmm_tiling(m: int, k: int, n: int, itemsize: int = 2) -> tuple[int, int, int]:
+  """Megablox `tgmm`'s `(tm, tk, tn)` for the weight gradient `[k, m] x [m, n]` of each group: as
+  `gmm_tiling`, within `tgmm_vmem_bytes` (its accumulator is [tk, tn], so whole-matrix tiles that fit
+  a forward `gmm` need not fit it)."""
+  return _largest_tiles(m, k, n, itemsize, tgmm_vmem_bytes)
+
+
+def _megablox_kernels():
+  """jax's megablox kernel module (its `gmm` and `tgmm` Pallas calls, without megablox's VJP). The
+  package exports the differentiable `gmm` under the module's name, so the module comes from
+  sys.modules; imported only when megablox runs (a TPU kernel)."""
+  return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def grouped_matmul(lhs, rhs, group_sizes, out_dtype, interpret: bool = False):
+  """Megablox's grouped matmul with tiles chosen for each of its three kernels.
+
+  lhs `[m, k]` (rows sorted by group, m a multiple of the row tile), rhs `[E, k, n]`, group_sizes int32
+  `[E]` summing to m -> `[m, n]` in `out_dtype`. Megablox's own VJP runs its backward kernels with the
+  forward's tiling, which need not fit their VMEM (`tgmm_vmem_bytes`); this one gives each its own.
+  `interpret`: Pallas interpret mode (tests on a CPU)."""
+  backend = _megablox_kernels()
+  (m, k), n = lhs.shape, rhs.shape[2]
+  tiling = gmm_tiling(m, k, n, jnp.dtype(lhs.dtype).itemsize)
+  return backend.gmm(lhs, rhs, group_sizes, out_dtype, tiling, None, None, False, interpret)
+
+
+def _grouped_matmul_fwd(lhs, rhs, group_sizes, out_dtype, interpret):
+  return grouped_matmul(lhs, rhs, group_sizes, out_dtype, interpret), (lhs, rhs, group_sizes)
+
+
+def _grouped_matmul_bwd(out_dtype, interpret, residual, grad):
+  backend = _megablox_kernels()
+  lhs, rhs, group_sizes = residual
+  (m, k), n = lhs.shape, rhs.shape[2]
+  size = jnp.dtype(lhs.dtype).itemsize
+  grad = grad.astype(lhs.dtype)
+  # d lhs [m, k] = grad [m, n] x rhs[g]^T: a gmm of problem (m, n, k) reading rhs transposed
+  grad_lhs = backend.gmm(grad, rhs, group_sizes, lhs.dtype, gmm_tiling(m, n, k, size), None, None, True, interpret)
+  # d rhs [E, k, n] = lhs^T [k, m] x grad [m, n], per group
+  grad_rhs = backend.tgmm(lhs.swapaxes(0, 1), grad, group_sizes, rhs.dtype, tgmm_tiling(m, k, n, size), None,
+                          rhs.shape[0], None, interpret)
+  return grad_lhs, grad_rhs, None
+
+
+grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 def target_platform() -> str:
@@ -247,7 +300,6 @@ class Experts(nnx.Module):
     # As _ragged, with the grouped matmuls in jax's Pallas TPU kernel (megablox gmm): each row tile
     # multiplies only its own experts' weights (N*k rows x one expert each, no [E, N*k, I] expansion).
     # The rows are padded to a multiple of the row tile; the padding joins the last group and is dropped.
-    from jax.experimental.pallas.ops.tpu.megablox import gmm  # noqa: PLC0415  (TPU kernel: only when chosen)
     n, k = idx.shape
     e = self.w1.shape[0]
     m = n * k
@@ -259,8 +311,7 @@ class Experts(nnx.Module):
     xs = jnp.pad(x.astype(self.dtype)[order // k], ((0, rows - m), (0, 0)))
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32).at[e - 1].add(rows - m)
     w1, w3, w2 = (p[...].astype(self.dtype) for p in (self.w1, self.w3, self.w2))
-    tiling = gmm_tiling_lookup(jnp.dtype(self.dtype).itemsize)
-    mm = lambda a, w: gmm(a, w, sizes, self.dtype, tiling, None, None, False, self.gmm_interpret)
+    mm = lambda a, w: grouped_matmul(a, w, sizes, self.dtype, self.gmm_interpret)
     h = jax.nn.silu(mm(xs, w1)) * mm(xs, w3)
     y = mm(h, w2)[inverse].reshape(n, k, -1)
     return combine_choices(weights, y)

@@ -82,6 +82,13 @@ def test_gmm_tiling_takes_the_largest_weight_tile_that_fits_vmem():
   assert gmm_tiling(8000, 256, 64) == (GMM_ROWS, 256, 128)              # 128 rows below 8192; the demo's 64
   for m, k, n in [(128, 7168, 2048), (65536, 1024, 2304), (256, 4096, 4096)]:
     assert gmm_vmem_bytes(*gmm_tiling(m, k, n)) <= GMM_VMEM_BUDGET
+  # The weight gradient's tgmm accumulates [tk, tn] in float32: the forward's whole-matrix tile of the
+  # 48B prefill would ask 22 MiB there, so it gets its own, smaller one.
+  from model.nn.moe import tgmm_tiling, tgmm_vmem_bytes
+  assert tgmm_vmem_bytes(GMM_LONG_TM, 2304, 1024) > GMM_VMEM_BUDGET
+  assert tgmm_tiling(65536, 2304, 1024) == (GMM_LONG_TM, 2304, 512)
+  assert tgmm_vmem_bytes(*tgmm_tiling(65536, 2304, 1024)) <= GMM_VMEM_BUDGET
+  assert tgmm_tiling(16384, 1024, 512) == (GMM_LONG_TM, 1024, 512)   # the 0.9B expert: whole
   # float32 operands: twice the bytes, smaller tiles (the bf16 whole-matrix tile would ask 26.5 MiB)
   assert gmm_tiling(65536, 2304, 1024, 4) == (GMM_LONG_TM, 768, 1024)
   assert gmm_vmem_bytes(GMM_LONG_TM, 2304, 1024, 4) > GMM_VMEM_BUDGET
