@@ -34,7 +34,7 @@ SERVING_KEYS = (
     "compare_attention", "compare_tolerance", "dump_logprobs", "output_json", "overwrite",
 ) + (  # tools.serve (the HTTP server; model/server/, model/engine/config.py EngineConfig)
     "engine", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_num_partial_prefills", "max_waiting",
-    "prefix_cache_bytes", "host", "port", "uds",
+    "prefix_cache_bytes", "min_bucket_tokens", "host", "port", "uds",
 )
 # tools.train.
 TRAIN_KEYS = (
@@ -185,6 +185,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.max_num_partial_prefills = 0  # continuous: prompts prefilled in one step, in [1, max_num_seqs] (0 = min(4, max_num_seqs))
   c.max_waiting = 128  # requests waiting for a slot at which new ones get HTTP 503
   c.prefix_cache_bytes = 1 << 30  # byte budget of the prefix cache of KDA/MLA state snapshots (0 = off)
+  c.min_bucket_tokens = 0  # continuous: smallest compiled row bucket (0 = auto: 128 on a TPU, 16 elsewhere)
   c.host = "127.0.0.1"  # address the server listens on
   c.port = 8000  # TCP port the server listens on (0 = any free port, printed at start-up)
   c.uds = ""  # listen on this unix-domain socket path instead of host/port ("" = TCP)

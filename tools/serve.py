@@ -3,7 +3,7 @@ r"""Serve a checkpoint over HTTP with an OpenAI-compatible API (FastAPI + uvicor
 Usage:
   python -m tools.serve load_parameters_path=DIR [engine=continuous|static] [max_num_seqs=8]
       [max_model_len=2048] [max_num_batched_tokens=2048] [max_num_partial_prefills=0] [max_waiting=128]
-      [prefix_cache_bytes=N]
+      [prefix_cache_bytes=N] [min_bucket_tokens=0]
       [host=127.0.0.1] [port=8000 | uds=PATH] [compilation_cache_dir=DIR|none] [attention=kda_native]
       [ici_*_parallelism=...]
 
@@ -26,6 +26,9 @@ Keys (vLLM's names; none is written into a checkpoint):
   max_num_partial_prefills  continuous: prompts (whole or a chunk) prefilled in one step, in [1, max_num_seqs];
                           0 (the default) = min(4, max_num_seqs). The step prefills on a sub-pool of that many
                           slots, so its cost grows with it (docs/serving.md section 'Keys').
+  min_bucket_tokens       continuous: the smallest row bucket a step is compiled for; 0 (the default) = 128
+                          on a TPU (a smaller row costs as much there), 16 elsewhere. Fewer buckets: fewer
+                          executables to compile at start-up (docs/serving.md 'Shape buckets').
   max_waiting             waiting requests at which new ones get HTTP 503.
   prefix_cache_bytes      byte budget of the continuous engine's prefix cache (0 = off); engine=static has
                           none (giving it there is an error).

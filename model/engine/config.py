@@ -27,6 +27,9 @@ class EngineConfig:
       0 = min(4, max_num_seqs). static: 0 only.
     prefix_cache_bytes: the continuous engine's prefix-cache budget; 0 = off (static: 0 only).
     decode_path: "decode" (split steps) or "mixed" (one packed row); continuous only.
+    min_bucket_tokens: the smallest row bucket the continuous engine compiles a step for (>= 0); 0 =
+      auto: 128 on a TPU (a smaller row costs as much there: the step reads the weights either
+      way), 16 elsewhere (`scheduler.min_bucket`).
 
   Raises:
     UsageError: a value out of range or a key the engine would ignore; the message names the key.
@@ -39,12 +42,13 @@ class EngineConfig:
   max_num_partial_prefills: int = 0
   prefix_cache_bytes: int = 0
   decode_path: str = "decode"
+  min_bucket_tokens: int = 0
 
   def __post_init__(self):
     if self.engine not in ENGINES:
       raise UsageError(f"engine must be one of {ENGINES}, got {self.engine!r}")
     for key, low in (("max_num_seqs", 1), ("max_model_len", 2), ("max_num_batched_tokens", 1),
-                     ("prefix_cache_bytes", 0), ("max_num_partial_prefills", None)):
+                     ("prefix_cache_bytes", 0), ("max_num_partial_prefills", None), ("min_bucket_tokens", 0)):
       v = getattr(self, key)
       if isinstance(v, bool) or not isinstance(v, int):
         raise UsageError(f"{key} must be an integer, got {v!r}")
@@ -59,6 +63,9 @@ class EngineConfig:
       if self.max_num_partial_prefills != 0:
         raise UsageError("engine=static prefills whole groups: drop max_num_partial_prefills (or pass 0), "
                          "or use engine=continuous")
+      if self.min_bucket_tokens != 0:
+        raise UsageError("engine=static compiles one prefill row of max_num_batched_tokens: drop min_bucket_tokens "
+                         "(or pass 0), or use engine=continuous")
       return
     if self.max_num_batched_tokens < self.max_num_seqs:
       raise UsageError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
@@ -83,4 +90,5 @@ class EngineConfig:
     static = cfg.engine == "static"
     return cls(engine=cfg.engine, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_partial_prefills=cfg.max_num_partial_prefills,
+               min_bucket_tokens=cfg.min_bucket_tokens,
                prefix_cache_bytes=0 if static and "prefix_cache_bytes" not in set(given) else cfg.prefix_cache_bytes)

@@ -97,7 +97,7 @@ class ModelRunner:
     self.num_partial_prefills = config.num_partial_prefills
     self.vocab_size = int(model.args.vocab_size)
     self.vocab_limit = check_vocab_limit(vocab_limit, self.vocab_size)
-    self.buckets = scheduler.buckets(scheduler.row_limit(config))
+    self.buckets = scheduler.buckets(scheduler.row_limit(config), scheduler.min_bucket(config))
     self.single_prompt_buckets = (tuple(b for b in self.buckets if b <= SINGLE_PROMPT_MAX_BUCKET)
                                   if self.split and self.num_partial_prefills > 1 else ())
     self.mesh, self._rules = mesh, rules

@@ -6,8 +6,9 @@ budget left (chunked prefill). A chunk also ends at the request's next prefix-ca
 slot's state there can be copied. With `tails` (the split step's second stage), a chunk that ended
 at a boundary goes on past it in the same step, so every token is computed once; only in steps
 whose rows fit `TAIL_MAX_BUCKET`. Rows are padded to the smallest shape bucket (`buckets`): one
-compiled step per bucket. The buckets are powers of two from 16 up to `row_limit(config)` (the
-largest row the engine's sizes allow), then that limit: ceil(log2(limit / 16)) + 1 of them.
+compiled step per bucket. The buckets are powers of two from the smallest bucket (`min_bucket`: 16,
+or 128 on a TPU) up to `row_limit(config)` (the largest row the engine's sizes allow), then that
+limit: ceil(log2(limit / smallest)) + 1 of them.
 """
 
 from __future__ import annotations
@@ -17,16 +18,32 @@ import dataclasses
 from model.engine.api import Request
 
 MIN_BUCKET = 16
+# The smallest bucket on a TPU: a step's row of fewer tokens costs what one of 128 costs there, the
+# step being bound by reading the weights (a v5e reads 1 byte in the time of 240 FLOPs, and a bf16
+# weight serves 2 FLOPs a token), so smaller buckets only add executables to compile at start-up.
+TPU_MIN_BUCKET = 128
 # Largest row of a step that may carry tails: the second stage must cost less than a step of its own
 # (docs/performance.md).
 TAIL_MAX_BUCKET = 256
 
 
-def buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
-  """Row lengths of the compiled steps: powers of two from 16 below `max_num_batched_tokens`, then
-  `max_num_batched_tokens` itself (e.g. 128 -> (16, 32, 64, 128); 100 -> (16, 32, 64, 100))."""
+def min_bucket(config, platform: str | None = None) -> int:
+  """The smallest row bucket of an `EngineConfig`: its `min_bucket_tokens`, or for 0 (auto)
+  `TPU_MIN_BUCKET` on a TPU (`platform`, default jax's default backend) and `MIN_BUCKET` elsewhere."""
+  if config.min_bucket_tokens:
+    return int(config.min_bucket_tokens)
+  if platform is None:
+    import jax  # noqa: PLC0415  (the scheduler is host side; only this rule asks which device runs it)
+    platform = jax.default_backend()
+  return TPU_MIN_BUCKET if platform == "tpu" else MIN_BUCKET
+
+
+def buckets(max_num_batched_tokens: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
+  """Row lengths of the compiled steps: powers of two times `smallest` below `max_num_batched_tokens`,
+  then `max_num_batched_tokens` itself (e.g. 128 -> (16, 32, 64, 128); 100 -> (16, 32, 64, 100);
+  1024 with smallest 128 -> (128, 256, 512, 1024); 100 with smallest 128 -> (100,))."""
   top = int(max_num_batched_tokens)
-  out, b = [], MIN_BUCKET
+  out, b = [], int(smallest)
   while b < top:
     out.append(b)
     b *= 2

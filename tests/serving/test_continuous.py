@@ -390,6 +390,15 @@ def test_compilations_over_200_requests(model):
   assert stats.generated_tokens > 200 and stats.num_free_slots == SLOTS
 
 
+def test_min_bucket_tokens_drops_the_small_buckets_and_their_one_prompt_steps(model):
+  """min_bucket_tokens=128 (the TPU's auto value): buckets from 128, so no one-prompt (P = 1) steps
+  (they exist up to 64 tokens); nothing is compiled to count them."""
+  runner = ContinuousEngine(model, _config(min_bucket_tokens=128)).runner
+  assert runner.buckets == tuple(b for b in (128, 256, 512, 1024, 2048) if b < BUDGET) + (BUDGET,)
+  assert runner.single_prompt_buckets == ()
+  assert runner.step_shapes() == [(b, runner.num_partial_prefills) for b in runner.buckets] + [(None, None)]
+
+
 def test_compile_all_compiles_every_executable_and_changes_no_slot(model):
   """`compile_all` (the server runs it before it listens) leaves nothing to compile later: every
   bucket, the decode-only step and the prefix-cache transfers, with the pool bit-unchanged. The

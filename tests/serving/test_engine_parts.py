@@ -21,6 +21,22 @@ def test_buckets():
   assert bucket_for(17, buckets(128)) == 32 and bucket_for(16, buckets(128)) == 16
   with pytest.raises(ValueError, match="exceed the largest bucket"):
     bucket_for(129, buckets(128))
+  assert buckets(1024, 128) == (128, 256, 512, 1024) and buckets(100, 128) == (100,)
+
+
+def test_smallest_bucket_is_128_on_a_tpu_unless_given():
+  """min_bucket_tokens=0 (auto): 128 on a TPU, whose steps below it cost as much (weight-bound), 16
+  elsewhere; a value given wins on every platform."""
+  from model.engine.scheduler import min_bucket
+  auto = EngineConfig(max_num_seqs=32, max_model_len=768, max_num_batched_tokens=1024)
+  assert min_bucket(auto, "tpu") == 128 and min_bucket(auto, "cpu") == 16 and min_bucket(auto, "gpu") == 16
+  assert min_bucket(auto) == 16   # this host: the CPU
+  given = EngineConfig(max_num_seqs=32, max_model_len=768, max_num_batched_tokens=1024, min_bucket_tokens=32)
+  assert min_bucket(given, "tpu") == 32 and min_bucket(given, "cpu") == 32
+  with pytest.raises(UsageError, match="min_bucket_tokens must be >= 0, got -1"):
+    EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, min_bucket_tokens=-1)
+  with pytest.raises(UsageError, match="engine=static compiles one prefill row"):
+    EngineConfig(engine="static", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, min_bucket_tokens=64)
 
 
 def _seq(n, slot, done=0, out=(), splits=()):
