@@ -63,6 +63,7 @@ def test_every_phase_runs_in_smoke_mode(tmp_path):
   one = model["prefill"]["one_prompt"]
   assert one["tokens_per_s"] > 0 and one["flops_per_token"] > 0
   assert abs(one["mfu"] - one["flops_per_token"] * one["tokens_per_s"] / 197e12) < 1e-4   # ~0 on a tiny model
+  assert model["prefill"]["long_prompt"]["tokens"] == 256 and model["prefill"]["long_prompt"]["ttft_ms"] > 0
   head = report["headline"]
   assert head["identity_f32_b32"] is True
   assert head["server_over_uds"] is True
@@ -94,6 +95,7 @@ def test_bad_phases_are_refused_before_anything_is_touched(tmp_path, phases, mes
     ({"E2E_SMOKE": "yes"}, "error: E2E_SMOKE='yes': expected 0 or 1 (empty: the default)"),
     ({"SKIP_INSTALL": "true"}, "error: SKIP_INSTALL='true': expected 0 or 1 (empty: the default)"),
     ({"SKIP_INSTALL": "01"}, "error: SKIP_INSTALL='01': expected 0 or 1 (empty: the default)"),
+    ({"E2E_LONG_PROMPT": "32k"}, "error: E2E_LONG_PROMPT='32k': expected a whole number of tokens (0 = none)"),
 ])
 def test_switches_other_than_0_or_1_are_refused_by_name(tmp_path, env, message):
   """E2E_SMOKE=yes used to run the full (TPU) check and SKIP_INSTALL=true an install: only 0, 1 or empty

@@ -6,6 +6,7 @@ weights checkpoint, the serving engines, batched-vs-alone identity, and the HTTP
 
 PHASE:
   model       prefill of one long prompt and of the same row as 16 packed documents (TTFT, tokens/s, MFU),
+              with --long-prompt N also of one N-token prompt (the 32k check: one slot, linear memory),
               its time split (one KDA mixer, MLA mixer, MoE block, dense FFN and last-token LM head, each
               jitted alone, times their count), then decode steps at B = 1, 8, 32, 64 beside the HBM
               floor and the step's split at B = 64 (each piece a loop of decode steps alone, times its
@@ -198,6 +199,14 @@ def phase_model(args) -> dict:
   # as the serving engine's step does: one cache per batch in memory, not an input and an output.
   ids_shape = jax.ShapeDtypeStruct((1, t_row), jnp.int32)
   lowered = {"prefill": jax.jit(prefill).lower(leaves, ids_shape, ids_shape)}
+  long_t = args.long_prompt
+
+  def prefill_long(lv, ids):   # one prompt of long_t tokens, one slot
+    logits, cache = model_of(lv).prefill(ids, jnp.ones_like(ids), num_slots=1, cache_length=long_t, logits_at="last")
+    return jnp.argmax(logits, axis=-1), cache
+
+  if long_t:
+    lowered["long prompt"] = jax.jit(prefill_long).lower(leaves, jax.ShapeDtypeStruct((1, long_t), jnp.int32))
   for b in batches:
     lowered[f"decode B={b}"] = jax.jit(decode_loop, donate_argnums=2).lower(
         leaves, decode_tokens[b], jax.eval_shape(decode_cache, b))
@@ -241,6 +250,19 @@ def phase_model(args) -> dict:
                             "tokens_per_s": round(tps, 1), "flops_per_token": flops,
                             "mfu": round(flops * tps / PEAK_FLOPS, 4)}
     print(f"prefill {name}: TTFT {med * 1e3:.1f} ms, {tps:,.0f} tok/s, MFU {flops * tps / PEAK_FLOPS:.1%}", flush=True)
+    args.save_partial(out)
+  if long_t:   # the long prompt: linear attention memory end to end (MLA splash, the KDA kernel)
+    long_c = compiled.pop("long prompt")[0]
+    long_ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, long_t)), jnp.int32)
+    jax.block_until_ready(long_c(leaves, long_ids))
+    med, runs = timed(lambda: long_c(leaves, long_ids), args.repeats)
+    flops = flops_per_token(cfg, params, long_t / 2)
+    out["prefill"]["long_prompt"] = {"tokens": long_t, "ttft_ms": round(med * 1e3, 3),
+                                     "runs_ms": [round(r * 1e3, 3) for r in runs], "tokens_per_s": round(long_t / med, 1),
+                                     "flops_per_token": flops, "mfu": round(flops * long_t / med / PEAK_FLOPS, 4)}
+    print(f"prefill one {long_t}-token prompt: TTFT {med * 1e3:.1f} ms, {long_t / med:,.0f} tok/s, "
+          f"MFU {flops * long_t / med / PEAK_FLOPS:.1%}", flush=True)
+    del long_c
     args.save_partial(out)
   one, packed = out["prefill"]["one_prompt"], out["prefill"][f"{n_docs}x{t_row // n_docs}_packed"]
   out["prefill"]["packed_cost_per_token_vs_one_prompt"] = round(packed["ttft_ms"] / one["ttft_ms"], 3)
@@ -557,6 +579,8 @@ def main(argv=None) -> int:
   p.add_argument("--set", action="append", default=[], help="key=value config override (repeatable)")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--decode-steps", type=int, default=0)
+  p.add_argument("--long-prompt", type=int, default=0,
+                 help="model: also prefill one prompt of this many tokens (TTFT, MFU; 0 = not)")
   p.add_argument("--stop-after-s", type=float, default=float("inf"),
                  help="model: skip the decode batches still to run after this many seconds")
   p.add_argument("--dir", default="", help="checkpoint: where to write it")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The model, the engine and the server on a lent TPU, in one command (issue 35): install, then
-#   model     bf16 prefill of one 8192-token prompt and of 16 x 512 packed (TTFT, tok/s, MFU) and decode
+#   model     bf16 prefill of one 8192-token prompt and of 16 x 512 packed (TTFT, tok/s, MFU), of one
+#             E2E_LONG_PROMPT-token prompt (default 32768; 0 = none; --smoke: 256), and decode
 #             steps at B = 1, 8, 32, 64 beside the HBM floor, the time split of both (each kind of piece
 #             alone, times its count; decode at B = 64), 0.9B test model with random weights
 #             (configs/kimi_linear_48b_pattern_0p9b.py; tools/bench/e2e_device.py has the formulas);
@@ -13,7 +14,8 @@
 #             persistent cache: the warm start; E2E_SERVER_KEYS sets other sizes, then it starts cold),
 #             the openai client streaming through the socket;
 #   real      (only with E2E_REAL=1, when time is left) the model phase for the real-width shard
-#             kimi_linear_48b_a3b num_experts=16.
+#             kimi_linear_48b_a3b num_experts=16 (about 220 s on the chip: E2E_PHASES="model real"
+#             E2E_REAL=1 E2E_BUDGET_model=215 E2E_BUDGET_real=315 fits one device command).
 # Each phase is one process under its own time limit (budgets below, 9.5 minutes in all); a phase whose
 # packages are missing says "skipped: <package> missing" in the JSON instead of running. jax's persistent
 # compilation cache lives in $CACHE_DIR for the whole run. Writes $OUT/e2e_device_check.json (every
@@ -52,6 +54,8 @@ ROOT=$(pwd)
 for v in E2E_SMOKE SKIP_INSTALL; do   # 0 or 1 (empty: the default); "yes" must not pass for either
   case "${!v:-}" in ""|0|1) ;; *) echo "error: $v='${!v}': expected 0 or 1 (empty: the default)" >&2; exit 2;; esac
 done
+[[ -z "${E2E_LONG_PROMPT:-}" || "$E2E_LONG_PROMPT" =~ ^[0-9]+$ ]] || {
+  echo "error: E2E_LONG_PROMPT='${E2E_LONG_PROMPT}': expected a whole number of tokens (0 = none)" >&2; exit 2; }
 OUT=${OUT:-/tmp/kda_e2e_out}
 WORK=${WORK:-/tmp/kda_e2e}
 if [ -z "${PY:-}" ]; then
@@ -62,13 +66,15 @@ INDEX=${INDEX:-file:///opt/pypi/simple}
 WHEELS=${WHEELS:-$ROOT/.whl-tpu}
 VENV=${VENV:-/tmp/kda-e2e-venv}
 SMOKE=${E2E_SMOKE:-0}
+LONG_PROMPT=${E2E_LONG_PROMPT:-32768}
+[ "$SMOKE" = 1 ] && LONG_PROMPT=${E2E_LONG_PROMPT:-256}
 PHASES=${E2E_PHASES:-model ckpt serving identity server real}
 CACHE_DIR=${CACHE_DIR:-/tmp/kda_e2e_jax_cache}
 export PYTHONUNBUFFERED=1 KDA_COMPILATION_CACHE_DIR=$CACHE_DIR
 [ "$SMOKE" = 1 ] || export JAX_PLATFORMS=${JAX_PLATFORMS:-tpu,cpu}
 SECONDS=0
 TOTAL_BUDGET=570
-declare -A BUDGET=([install]=70 [model]=170 [ckpt]=150 [serving]=200 [identity]=70 [server]=60 [real]=120)
+declare -A BUDGET=([install]=70 [model]=170 [ckpt]=150 [serving]=200 [identity]=70 [server]=60 [real]=300)
 if [ "$SMOKE" = 1 ]; then   # a slow shared CPU: the figures do not matter, every phase must run
   TOTAL_BUDGET=1500
   BUDGET=([install]=60 [model]=300 [ckpt]=300 [serving]=400 [identity]=300 [server]=300 [real]=1)
@@ -194,7 +200,7 @@ if wants ckpt && need ckpt "${CORE[@]}" orbax_v1; then
 fi
 if wants model && need model "${CORE[@]}"; then
   run_phase model "${E2E[@]}" model "${SMOKE_FLAG[@]}" "${MODEL_SET[@]}" --json "$WORK/model.json" \
-    --stop-after-s "$(stop_after model 45)"
+    --long-prompt "$LONG_PROMPT" --stop-after-s "$(stop_after model 45)"
 fi
 [ -n "$ckpt_pid" ] && wait "$ckpt_pid"
 
