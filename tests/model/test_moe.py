@@ -137,5 +137,9 @@ def test_moe_tiling_sweep_candidates_and_routing():
   assert {t[0] for t in sweep.candidates(64, 1024, 2304)} == {128}   # a decode's rows fit one tile
   sizes = sweep.group_sizes(100, 8, 16, 896)
   assert sizes.sum() == 896 and sizes[:-1].max() <= 100 and sizes[-1] >= 896 - 800
-  with pytest.raises(SystemExit):
+  with pytest.raises(SystemExit) as exit_:
     sweep.main(["--tokens", "0", "--json", "/dev/null"])
+  assert exit_.value.code == 2
+  with pytest.raises(SystemExit) as exit_:   # megablox needs a TPU: refused on the CPU without --interpret
+    sweep.main(["--config", "tiny", "--json", "/dev/null"])
+  assert exit_.value.code == 2

@@ -166,3 +166,17 @@ echo "not reached"
   assert "not reached" not in out and "interrupted: the running phase was stopped" in err
   with pytest.raises(ProcessLookupError):
     os.kill(phase, 0)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--long-prompt", "-5"], "--long-prompt must be >= 0, got -5"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--decode-steps", "-1"], "--decode-steps must be >= 0, got -1"),
+])
+def test_phase_flags_out_of_range_are_refused_by_name(tmp_path, capsys, flags, message):
+  from tools.bench import e2e_device
+  out = tmp_path / "m.json"
+  with pytest.raises(SystemExit) as exit_:
+    e2e_device.main(["model", "--smoke", *flags, "--json", str(out)])
+  assert exit_.value.code == 2 and message in capsys.readouterr().err
+  assert not out.exists()

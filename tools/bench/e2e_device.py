@@ -589,10 +589,11 @@ def main(argv=None) -> int:
   p.add_argument("--smoke", action="store_true", help="a tiny model and shapes (the CPU test)")
   p.add_argument("--config", default="", help=f"model config (default {FULL_CONFIG}; --smoke: {SMOKE_CONFIG})")
   p.add_argument("--set", action="append", default=[], help="key=value config override (repeatable)")
-  p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--decode-steps", type=int, default=0)
+  p.add_argument("--repeats", type=int, default=5, help="timed runs of each figure, >= 1 (default: %(default)s)")
+  p.add_argument("--decode-steps", type=int, default=0,
+                 help="model: decode steps in each timed loop (default 0: 32, --smoke: 4)")
   p.add_argument("--long-prompt", type=int, default=0,
-                 help="model: also prefill one prompt of this many tokens (TTFT, MFU; 0 = not)")
+                 help="model: also prefill one prompt of this many tokens (TTFT, MFU) (default 0: none)")
   p.add_argument("--stop-after-s", type=float, default=float("inf"),
                  help="model: skip the decode batches still to run after this many seconds")
   p.add_argument("--dir", default="", help="checkpoint: where to write it")
@@ -600,6 +601,11 @@ def main(argv=None) -> int:
   p.add_argument("--serve-key", action="append", default=[], help="server: a tools.serve key=value (repeatable)")
   p.add_argument("--compilation-cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
   args = p.parse_args(argv)
+  if args.repeats < 1:
+    p.error(f"--repeats must be >= 1, got {args.repeats}")
+  for name in ("decode_steps", "long_prompt"):
+    if getattr(args, name) < 0:
+      p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
   if args.phase == "checkpoint" and not args.dir:
     p.error("checkpoint needs --dir")
   if args.phase == "server" and not args.checkpoint:

@@ -39,7 +39,7 @@
 #   E2E_BUDGET_<phase>=SECONDS (a phase's time limit, phases as in E2E_PHASES plus install; e.g.
 #   E2E_BUDGET_model=400 with E2E_PHASES=model; defaults in BUDGET below; model and real need >= 60;
 #   the whole check still stops at 570 s, 1500 s with E2E_SMOKE=1: one device command is at most 600 s).
-# E2E_SMOKE and SKIP_INSTALL other than 0, 1 or empty, an unknown phase, a budget that is not whole
+# E2E_SMOKE and SKIP_INSTALL other than 0, 1 or empty, an E2E_LONG_PROMPT that is not whole tokens, an unknown phase, a budget that is not whole
 # seconds or names no phase, and E2E_SERVER_KEYS words that are not key=value, exit 2 with one `error:` line naming the variable, before anything is
 # created or cleared.
 set -uo pipefail

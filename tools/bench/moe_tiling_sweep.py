@@ -95,6 +95,11 @@ def main(argv=None) -> int:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   if any(t < 1 for t in args.tokens):
     p.error(f"--tokens must be >= 1 each, got {args.tokens}")
+  if args.stop_after_s <= 0:
+    p.error(f"--stop-after-s must be > 0, got {args.stop_after_s}")
+  out_dir = os.path.dirname(os.path.abspath(args.json))
+  if not os.path.isdir(out_dir):
+    p.error(f"--json {args.json}: directory {out_dir} does not exist")
 
   import jax  # noqa: PLC0415  (after argument errors: a bad flag should not wait for jax)
   import jax.numpy as jnp  # noqa: PLC0415
@@ -103,8 +108,15 @@ def main(argv=None) -> int:
   from model.config import load_config  # noqa: PLC0415
   from model.nn import moe  # noqa: PLC0415
 
+  from model.errors import ConfigError  # noqa: PLC0415
+
+  if jax.default_backend() != "tpu" and not args.interpret:
+    p.error(f"megablox runs on a TPU; this backend is {jax.default_backend()!r} (--interpret: a CPU smoke run)")
   overrides = ["num_experts=16"] if args.set is None else args.set
-  cfg = load_config([args.config, "dtype=bfloat16", "weight_dtype=bfloat16", *overrides])
+  try:
+    cfg = load_config([args.config, "dtype=bfloat16", "weight_dtype=bfloat16", *overrides])
+  except ConfigError as err:
+    p.error(f"--config/--set: {err}")
   e, d, i, top_k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
   t_start = time.perf_counter()
   result = {"config": args.config, "overrides": overrides, "experts": e, "hidden": d, "moe_intermediate": i,
@@ -201,6 +213,10 @@ def main(argv=None) -> int:
   result["seconds"] = round(time.perf_counter() - t_start, 1)
   write()
   print(f"wrote {args.json}", flush=True)
+  if not any("ms" in t for prob in result["problems"] for t in prob["tilings"]):
+    print("error: no tiling was timed (every one failed or was skipped: the JSON has each reason)",
+          file=sys.stderr, flush=True)
+    return 1
   return 0
 
 
