@@ -40,15 +40,6 @@ LATENT_LANES = 128
 PREFIX_REGION = 256
 
 
-def _masked_softmax(scores, mask):
-  """float32 softmax over the last axis where `mask`; rows with no valid entry give zeros."""
-  s = jnp.where(mask, scores, _NEG)
-  m = jnp.max(s, axis=-1, keepdims=True)
-  p = jnp.where(mask, jnp.exp(s - m), 0.0)
-  den = jnp.sum(p, axis=-1, keepdims=True)
-  return p / jnp.where(den > 0, den, 1.0)
-
-
 class MultiHeadLatentAttention(nnx.Module):
   """MLA mixer (see the module docstring).
 

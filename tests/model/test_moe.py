@@ -129,10 +129,11 @@ def test_megablox_gradients_match_dense(monkeypatch):
 def test_moe_tiling_sweep_candidates_and_routing():
   """tools/bench/moe_tiling_sweep.py: the tilings it times fit VMEM and tile the weight exactly; its
   routing sends each token to top_k distinct experts, the padding to the last group."""
+  from model.nn.moe import gmm_vmem_bytes
   from tools.bench import moe_tiling_sweep as sweep
   cands = sweep.candidates(65536, 2304, 1024)
   assert (256, 2304, 1024) in cands and (128, 128, 128) not in cands
-  assert all(2304 % tk == 0 and 1024 % tn == 0 and sweep.vmem_bytes(*t) <= sweep.VMEM_BUDGET
+  assert all(2304 % tk == 0 and 1024 % tn == 0 and gmm_vmem_bytes(*t) <= sweep.VMEM_BUDGET
              for t in cands for _, tk, tn in [t])
   assert {t[0] for t in sweep.candidates(64, 1024, 2304)} == {128}   # a decode's rows fit one tile
   sizes = sweep.group_sizes(100, 8, 16, 896)

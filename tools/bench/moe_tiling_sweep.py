@@ -37,11 +37,6 @@ VMEM_BUDGET = 15 * 2**20   # v5e's default scoped VMEM is 16 MiB; megablox sets 
 ROW_TILES = (128, 256, 512, 1024)
 
 
-def vmem_bytes(tm: int, tk: int, tn: int, itemsize: int = 2) -> int:
-  """Megablox's VMEM for one tiling: lhs, rhs and out blocks double-buffered, an f32 accumulator."""
-  return 2 * (tm * tk + tk * tn + tm * tn) * itemsize + tm * tn * 4
-
-
 def dividing_tiles(x: int) -> list[int]:
   """Multiples of 128 of at least 256 that divide `x` (no masked ragged tile), else [128]."""
   return [t for t in range(256, x + 1, 128) if x % t == 0] or [128]
@@ -50,13 +45,14 @@ def dividing_tiles(x: int) -> list[int]:
 def candidates(rows: int, k: int, n: int) -> list[tuple[int, int, int]]:
   """Every `(tm, tk, tn)` that fits `VMEM_BUDGET`: tk and tn from `dividing_tiles`, tm a row tile
   not above the rows padded to 128 (a decode's rows fit one tile)."""
+  from model.nn.moe import gmm_vmem_bytes  # noqa: PLC0415  (jax: imported after the arguments are checked)
   out = []
   for tm in ROW_TILES:
     if tm > max(128, -(-rows // 128) * 128):
       continue
     for tk in dividing_tiles(k):
       for tn in dividing_tiles(n):
-        if vmem_bytes(tm, tk, tn) <= VMEM_BUDGET:
+        if gmm_vmem_bytes(tm, tk, tn) <= VMEM_BUDGET:
           out.append((tm, tk, tn))
   return out
 
@@ -179,7 +175,7 @@ def main(argv=None) -> int:
       with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:
         compiled = list(pool.map(compile_one, lowered))
       for tiling, exe, (lhs, rhs_, sizes), err in compiled:
-        row = {"tiling": list(tiling), "vmem_bytes": vmem_bytes(*tiling)}
+        row = {"tiling": list(tiling), "vmem_bytes": moe.gmm_vmem_bytes(*tiling)}
         if err is not None:
           prob["tilings"].append({**row, "error": err})
           continue
