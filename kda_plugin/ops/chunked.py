@@ -57,6 +57,8 @@ from kda_plugin.ops.gates import activate_gate, l2norm
 FACTOR_LIMIT = 88.0
 DIAG_MODES = ("auto", "factor", "exact")
 SCHEDULES = ("sequential", "parallel")
+# Chunks (of every row) prepared together per step by `kda_chunked`'s parallel schedule (its `group`)
+PARALLEL_PREP_CHUNKS = 8
 _HI = lax.Precision.HIGHEST
 
 
@@ -410,9 +412,11 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
       done at once as batched operations before the scan, `W = L^-1 (K exp(G - G_a))` and
       `U = L^-1 (beta V)` included, so the scan carries only `Vnew = U - W S_in` and the state
       update, and the output `O = (q~ exp(G - G_a)) S_in + Aqk Vnew` is formed for every chunk after
-      it; the same equations, rounded in another order). "parallel" ignores `group`; its batched
-      preparation is rematerialised in the backward pass, which keeps the entering state and `Vnew`
-      of every chunk (`[NC, B, H, K, V]` and `[NC, B, H, C, V]` float32).
+      it; the same equations, rounded in another order). With "parallel", `group` chunks (of every
+      row) are prepared together per step of a `lax.map` (all at once when `group` >= NC): a
+      larger group means fewer, larger operations and more temporaries. The preparation is
+      rematerialised in the backward pass, which keeps the entering state and `Vnew` of every
+      chunk (`[NC, B, H, K, V]` and `[NC, B, H, C, V]` float32).
 
   Returns:
     `(o [B, T, H, V] in out_dtype, final [B, N, H, K, V] float32 or None)`.
@@ -421,13 +425,13 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
     raise ValueError(f"diag_mode must be one of {DIAG_MODES}, got {diag_mode!r}")
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-  if schedule == "parallel":
-    group = 1
   if chunk % SUB or chunk < SUB:
     raise ValueError(f"chunk must be a positive multiple of {SUB}, got {chunk}")
   b, t, h, kd = q.shape
   vd = v.shape[-1]
   c = chunk
+  if schedule == "parallel":  # a short row is prepared at once, not padded to `group` chunks
+    group = max(1, min(group, -(-t // c)))
   tp = -(-t // (c * group)) * (c * group)
   nc = tp // c
   pad = tp - t
@@ -545,10 +549,10 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
     sx, cl, lic = xs[5], xs[6], xs[7]
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
-    def batched(qc, kc, vc, gc, bc, segc, corr_in):
-      cp, aqk, akk = chunk_prep(qc, kc, vc, gc, bc, segc)
+    def batched(qc, kc, vc, gc, bc, sx, cl, corr_in):   # leading [G, B]: G chunks of every row
+      cp, aqk, akk = chunk_prep(qc, kc, vc, gc, bc, sx)
       aqk, linv = _mask_and_inverse(cp, aqk, akk)
-      cont = ((sx == cl[..., None]) & (cl[..., None] > 0))[:, :, None, :, None]   # [NC, B, 1, C, 1]
+      cont = ((sx == cl[..., None]) & (cl[..., None] > 0))[:, :, None, :, None]   # [G, B, 1, C, 1]
       last = ((sx == sx[..., -1:]) & (sx[..., -1:] > 0))[:, :, None, :, None]
       r = cp.bh * cp.vh
       o0 = jnp.zeros_like(r)
@@ -561,7 +565,13 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
       dec = cp.egl[..., c - 1, :, None]                                          # [NC, B, H, K, 1]
       return u, w, qd, kd_last, dec, aqk, o0
 
-    u, w, qd, kd_last, dec, aqk, o0 = batched(*xs[:6], xs[9] if corr is not None else None)
+    args = xs[:7] + (xs[9] if corr is not None else None,)
+    if group >= nc:
+      u, w, qd, kd_last, dec, aqk, o0 = batched(*args)
+    else:  # `group` chunks at a time: the preparation's temporaries (and its backward's) for G chunks
+      split = lambda x: x.reshape((nc // group, group) + x.shape[1:])
+      outs = lax.map(lambda a: batched(*a), jax.tree.map(split, args))
+      u, w, qd, kd_last, dec, aqk, o0 = jax.tree.map(lambda x: x.reshape((nc,) + x.shape[2:]), outs)
 
     def state_step(carry, ys):
       s, buf = carry
@@ -669,14 +679,14 @@ def resolve_schedule(schedule: str) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "n_slots", "want_final", "diag_mode", "lower_bound",
-                                             "use_l2norm", "schedule"))
+                                             "use_l2norm", "schedule", "group"))
 def _chunked_jit(q, k, v, g, beta, seg, h0, gate, *, scale, n_slots, want_final, diag_mode, lower_bound=None,
-                 use_l2norm=False, schedule="sequential"):
+                 use_l2norm=False, schedule="sequential", group=1):
   # With the in-op L2 norm the op computes with the float32 normalised q (as `l2norm` of the
   # unfused route returns it), so o is formed in float32 whatever q's dtype; the caller casts it.
   return kda_chunk_core(q, k, v, g, beta, seg, h0, scale=scale, n_slots=n_slots, want_final=want_final,
                         diag_mode=diag_mode, prep=chunk_prep(gate, lower_bound, use_l2norm),
-                        out_dtype=jnp.float32 if use_l2norm else None, schedule=schedule)
+                        out_dtype=jnp.float32 if use_l2norm else None, schedule=schedule, group=group)
 
 
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -743,7 +753,8 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
   core = lambda seg, h0, sc, n: _chunked_jit(q, k, v, g, beta, seg, h0, gate, scale=sc, n_slots=n,
                                              want_final=bool(output_final_state), diag_mode="auto",
                                              lower_bound=lb, use_l2norm=bool(use_qk_l2norm),
-                                             schedule=schedule)
+                                             schedule=schedule,
+                                             group=PARALLEL_PREP_CHUNKS if schedule == "parallel" else 1)
   return run_with_slots(p, q, initial_state, scale, output_final_state, core)
 
 

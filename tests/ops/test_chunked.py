@@ -106,6 +106,16 @@ def test_parallel_schedule_matches_reference(layout):
   _check_against_reference(kda_chunked_parallel, *_inputs(1)[:5], _seg(layout), None)
 
 
+def test_parallel_schedule_prepares_chunks_in_groups(monkeypatch):
+  # two chunks prepared per step of the preparation's lax.map (T = 130: three chunks, padded to four)
+  import kda_plugin.ops.chunked as chunked
+  monkeypatch.setattr(chunked, "PARALLEL_PREP_CHUNKS", 2)
+  q, k, v, g, beta, h0 = _inputs(1)
+  steep = _inputs(1, steep=True)[3]
+  g = np.where(((np.arange(T) // 64) == 2)[None, :, None, None], steep, g).astype(np.float32)
+  _check_against_reference(kda_chunked_parallel, q, k, v, g, beta, _seg("many_docs_one_chunk"), h0)
+
+
 def test_schedule_auto_follows_the_target_platform():
   from kda_plugin.ops.chunked import resolve_schedule
   assert resolve_schedule("auto") == "sequential"  # this CPU
