@@ -54,6 +54,8 @@ MESH_KEYS = (
     "allow_non_finite", "verify_checksums", "allow_large_model",
 ) + (  # how this job compiles the model (model/nn/scan.py): same parameters and numerics, never stored
     "scan_layers", "remat_policy", "compilation_cache_dir",
+) + (  # how this job's float32 matmuls run (model/config.py matmul_precision): numerics, never stored
+    "matmul_precision",
 )
 TOOL_KEYS = SERVING_KEYS + TRAIN_KEYS + MESH_KEYS
 
@@ -120,6 +122,7 @@ def get_config() -> ml_collections.ConfigDict:
   # ---- Numerics -----------------------------------------------------------------------------------
   c.dtype = "float32"  # compute dtype of activations ("float32" or "bfloat16"); KDA state is float32
   c.weight_dtype = "float32"  # storage dtype of the parameters (A_log, dt_bias, router bias: float32)
+  c.matmul_precision = "default"  # float32 matmuls (jax.default_matmul_precision): default (one bfloat16 pass on TPU), high (3 passes), highest (float32); never stored
 
   # ---- Initialisation -----------------------------------------------------------------------------
   c.init_seed = 0  # PRNG seed of the random initialisation

@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from model import loading, partitioning
+from model.config import matmul_precision
 from model.errors import ConfigError
 # libtpu's compile-time OOM reading lives in model.memory (the trainer's pre-step check reads it too)
 from model.memory import is_compile_oom, oom_bytes
@@ -171,7 +172,8 @@ def _batch(mesh, cfg, shape, dtype):
 
 
 def lower(cfg, mode: str, mesh, *, stacked_params: bool = True):
-  """`jax.jit(program).lower(*abstract args)` for `mode` on `mesh` (see the module docstring).
+  """`jax.jit(program).lower(*abstract args)` for `mode` on `mesh` (see the module docstring), traced
+  under the config's `matmul_precision` (`model.config.matmul_precision`).
 
   With `stacked_params` and `scan_layers` on, prefill and decode take the scanned layers' parameters
   already stacked (`scan.split_stacked`: the arguments are `(rest, stacked)`, the same bytes) and run
@@ -188,7 +190,7 @@ def lower(cfg, mode: str, mesh, *, stacked_params: bool = True):
     raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
   b, t, n, length = int(cfg.batch_size), int(cfg.seq_len), int(cfg.max_num_segments), int(cfg.max_cache_length)
   info = {"batch_size": b, "seq_len": t, "num_slots": n, "cache_length": length}
-  with partitioning.mesh_context(mesh, cfg):
+  with partitioning.mesh_context(mesh, cfg), matmul_precision(cfg.matmul_precision):
     if mode == "train":
       graphdef, state = abstract_train_state(cfg, mesh)
       step = steps.train_step_fn(graphdef, steps.optimizer_hparams(cfg), n,

@@ -7,11 +7,15 @@ against the type of the key's default: ints, floats, `true/false`, strings, list
 None for the keys in `configs.base.NULLABLE`, "" (unset) for a string key whose default is ""
 (`tokenizer_path=none`, `output_json=none`), the word "none" for the other string keys (where it is a
 value: `remat_policy=none`, `split_long=none`); any other key refuses it.
+
+`with matmul_precision(cfg.matmul_precision):` is how a job applies its `matmul_precision` key (jax's
+matmul precision, read when jit traces) around the programs it traces.
 """
 
 from __future__ import annotations
 
 
+import contextlib
 import dataclasses
 import difflib
 import importlib
@@ -21,6 +25,7 @@ import pathlib
 import warnings
 from collections.abc import Sequence
 
+import jax
 import ml_collections
 
 from configs import base
@@ -36,6 +41,8 @@ REMAT_POLICY_NAMES = ("none", "full", "nothing_saveable", "minimal", "dots_savea
 
 # model/nn/moe.py's expert implementations (config key moe_impl; "auto" is the rule in its docstring).
 MOE_IMPLS = ("auto", "dense", "ragged", "megablox")
+# matmul_precision values: jax.default_matmul_precision's names (MaxText's key of that name takes the same).
+MATMUL_PRECISIONS = ("default", "high", "highest")
 
 def available_configs() -> list[str]:
   """Names accepted by `load_config` (module names of `configs/` with dashes)."""
@@ -267,7 +274,53 @@ def validate_config(cfg) -> None:
     raise ConfigError(f"q_lora_rank must be None or >= 1, got {cfg.q_lora_rank}")
   if cfg.remat_policy not in REMAT_POLICY_NAMES:
     raise ConfigError(f"remat_policy must be one of {', '.join(REMAT_POLICY_NAMES)}, got {cfg.remat_policy!r}")
+  check_matmul_precision(cfg.matmul_precision)
   partitioning.validate_mesh_config(cfg)  # mesh sizes, axis rules, heads/experts vs. their mesh axes
+
+
+def check_matmul_precision(value) -> None:
+  """Raises ConfigError naming `matmul_precision` unless `value` is one of `MATMUL_PRECISIONS`."""
+  if value not in MATMUL_PRECISIONS:
+    raise ConfigError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)} (jax.default_matmul_precision's "
+                      f"names), got {value!r}")
+
+
+def _global_matmul_precision():
+  """jax's process-wide `jax_default_matmul_precision` (`jax.config`'s attribute gives this thread's
+  value instead while a `jax.default_matmul_precision` block is open)."""
+  try:
+    from jax._src import config as jax_config   # noqa: PLC0415  (private; present in 0.10.2 and 0.12)
+    return jax_config.default_matmul_precision.get_global()
+  except (ImportError, AttributeError):
+    return jax.config.jax_default_matmul_precision
+
+
+@contextlib.contextmanager
+def matmul_precision(value: str):
+  """The job's `matmul_precision` around the tracing of its programs (train, generate, serve,
+  perplexity, the ahead-of-time compile): jax's `jax_default_matmul_precision`, which a trace records
+  in every dot that names no precision of its own (a StableHLO `precision = [HIGHEST, HIGHEST]`), so it
+  must be on while jit traces; compiling and running the traced program need nothing more.
+
+  "default" sets nothing: the programs are those of a job without the key. Another value sets jax's
+  process-wide setting for the block, and restores the previous one after it, so threads the job
+  traces on (the server's engine loop) see it too: the `jax.default_matmul_precision` context manager
+  alone is per thread.
+
+  Raises:
+    ConfigError: `value` is not one of `MATMUL_PRECISIONS` (names the key).
+  """
+  check_matmul_precision(value)
+  if value == "default":
+    yield
+    return
+  previous = _global_matmul_precision()
+  jax.config.update("jax_default_matmul_precision", value)
+  try:
+    with jax.default_matmul_precision(value):   # this thread, over an enclosing per-thread setting
+      yield
+  finally:
+    jax.config.update("jax_default_matmul_precision", previous)
 
 
 SECTIONS = ("model", "mesh", "train", "serving")

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from model import loading, partitioning
-from model.config import load_config
+from model.config import load_config, matmul_precision
 from model.errors import UsageError, out_of_memory
 from model.nn.kimi_linear import last_token_logits
 from tools import cli
@@ -126,6 +126,11 @@ def run(argv: list[str]) -> int:
   partitioning.mesh_shape(cfg, jax.device_count())  # the ici_* keys must fit the devices, even one
   if args.docs > cfg.max_num_segments:
     raise UsageError(f"--docs={args.docs} exceeds max_num_segments={cfg.max_num_segments}")
+  with matmul_precision(cfg.matmul_precision):   # on while each mode's program is traced
+    return _check(cfg, args, modes)
+
+
+def _check(cfg, args, modes: list[str]) -> int:
   model = loading.create(cfg)  # random weights of seed init_seed
   backend = model.backend
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(nnx.state(model)))

@@ -19,7 +19,9 @@ template, JSON that does not parse, a role other than system/user/assistant/tool
 text, prompts_file= or prompt_ids= with chat.
 
 The model config comes from the checkpoint (DIR/config.json); any key=value of configs/base.py given
-here overrides it (e.g. attention=kda_reference, max_cache_length=4096, dtype=bfloat16).
+here overrides it (e.g. attention=kda_reference, max_cache_length=4096, dtype=bfloat16), and the job
+keys apply to this run (e.g. matmul_precision=highest: float32 matmuls on a TPU, whose default is one
+bfloat16 pass).
 
 Keys:
   load_parameters_path  checkpoint directory (tools.convert_checkpoint or training output). Required.
@@ -67,6 +69,7 @@ import json
 import sys
 
 from model import partitioning
+from model.config import matmul_precision
 from model.data.chat_template import ChatMessageError, ChatTemplateError
 from model.data.pipeline import DataFormatError, parse_ids_documents, read_text_file
 from model.engine import compilation_cache, sampling
@@ -288,6 +291,11 @@ def run(argv: list[str]) -> int:
   """Generates as the `key=value` arguments say (see the module docstring); raises on bad input."""
   argv = ["chat=true" if a == "--chat" else a for a in argv]   # the bare flag
   overrides, cfg = common.parse_args(argv)
+  with matmul_precision(cfg.matmul_precision):   # on while the prefill and decode programs are traced
+    return _generate(argv, overrides, cfg)
+
+
+def _generate(argv: list[str], overrides: list[str], cfg) -> int:
   given = common.given_keys(argv)
   if cfg.output_json:
     common.check_output_path(cfg.output_json, overwrite=cfg.overwrite)  # before any work, not after it

@@ -6,7 +6,8 @@ Usage:
       [compare_tolerance=X] [dump_logprobs=true] [output_json=FILE [overwrite=true]]
 
 The model config comes from the checkpoint (DIR/config.json); any key=value of configs/base.py given
-here overrides it.
+here overrides it, and the job keys apply to this run (e.g. matmul_precision=highest: float32 matmuls
+on a TPU, whose default is one bfloat16 pass).
 
 Keys:
   load_parameters_path  checkpoint directory. Required.
@@ -57,6 +58,7 @@ from tqdm import tqdm
 import jax
 
 from model import partitioning, registry
+from model.config import matmul_precision
 from model.data.pipeline import FORMATS, DataFormatError, read_documents, tokenize_documents
 from model.engine.scoring import Scorer
 from model.data.tokenizer import TokenizerError
@@ -159,6 +161,11 @@ def _is_writer() -> bool:
 def run(argv: list[str]) -> int:
   """Scores as the `key=value` arguments say (see the module docstring); raises on bad input."""
   overrides, cfg = common.parse_args(argv)
+  with matmul_precision(cfg.matmul_precision):   # on while the scoring programs are traced
+    return _score(overrides, cfg)
+
+
+def _score(overrides: list[str], cfg) -> int:
   if cfg.output_json:
     common.check_output_path(cfg.output_json, overwrite=cfg.overwrite)  # before any work, not after it
   if cfg.compare_attention:

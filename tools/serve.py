@@ -42,6 +42,8 @@ Keys (vLLM's names; none is written into a checkpoint):
   compilation_cache_dir   jax's persistent compilation cache, so a restart loads the step executables
                           instead of compiling them: "" (default) = $KDA_COMPILATION_CACHE_DIR, else
                           ~/.cache/kda_plugin/jax; none = off (model/engine/compilation_cache.py).
+  matmul_precision        default | high | highest: jax's precision of the float32 matmuls of the engine's steps
+                          (on a TPU, default is one bfloat16 pass; highest is float32).
   generate_add_bos        prepend BOS to text prompts (default true, as tools.generate).
   tokenizer_path          (a model key) sentencepiece .model for text prompts; default: the checkpoint's copy,
                           if any; tokenizer_path=none (or empty): no tokenizer, prompts as token ids only.
@@ -66,6 +68,7 @@ import sys
 import time
 
 from model import partitioning
+from model.config import matmul_precision
 from model.engine.api import Request
 from model.engine import compilation_cache
 from model.engine.config import EngineConfig
@@ -146,6 +149,12 @@ def _run(argv: list[str]) -> int:
   started_at = time.perf_counter()
   argv = uds_argv(argv)
   overrides, cfg = common.parse_args(argv)
+  # Process-wide while the server lives: the engine traces its steps on the engine-loop thread too.
+  with matmul_precision(cfg.matmul_precision):
+    return _serve(argv, overrides, cfg, started_at)
+
+
+def _serve(argv: list[str], overrides: list[str], cfg, started_at: float) -> int:
   engine_config = EngineConfig.from_config(cfg, common.given_keys(argv))   # checked before anything loads
   check_server_keys(cfg)
   stored = common.checkpoint_config(cfg, overrides, extra=[f"max_cache_length={cfg.max_model_len}"])

@@ -1,7 +1,8 @@
 """The process's one cache of compiled executables: engine steps, Generator functions, scoring windows.
 
 A key starts with `model_key` (the model's graph and tree structure, the mesh and the partitioning
-rules, never its parameters: the cache keeps no weights alive), so engines over an equal model, e.g.
+rules, never its parameters: the cache keeps no weights alive; and jax's matmul precision, which a
+trace records in the program: the `matmul_precision` key), so engines over an equal model, e.g.
 the same checkpoint loaded again or a second engine with the prefix cache on, reuse the executables.
 """
 
@@ -11,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import jax
+
 from model import partitioning
 
 T = TypeVar("T")
@@ -19,8 +22,11 @@ _CACHE: dict = {}
 
 
 def model_key(graphdef, treedef, mesh=None, rules=None) -> tuple:
-  """The part of a key that names the model and its placement."""
-  return (graphdef, treedef, mesh, None if rules is None else repr(partitioning.as_rules(rules)))
+  """The part of a key that names the model, its placement and the matmul precision in effect now
+  (`jax_default_matmul_precision`, set by a job's `model.config.matmul_precision`): an executable
+  traced at another precision is another program."""
+  return (graphdef, treedef, mesh, None if rules is None else repr(partitioning.as_rules(rules)),
+          jax.config.jax_default_matmul_precision)
 
 
 def get(key: tuple, build: Callable[[], T]) -> tuple[T, float]:

@@ -30,7 +30,7 @@ from model import loading, memory, partitioning
 from model.engine import compilation_cache
 from model.training import steps as train_lib
 from model.checkpoint import format as checkpointing
-from model.config import config_to_json
+from model.config import config_to_json, matmul_precision
 from model.nn import moe
 from model.errors import out_of_memory, out_of_memory_message
 from model.data.pipeline import DataFormatError, make_eval_windows, make_train_iterator, read_text_file, \
@@ -422,6 +422,11 @@ def train(cfg, *, progress: bool = True) -> dict:
       (chained to the XLA error; checkpoints already written are not touched).
     model.data.tokenizer.TokenizerError, model.config.ConfigError, model.checkpoint.format.CheckpointError.
   """
+  with matmul_precision(cfg.matmul_precision):   # on while the step and eval programs are traced
+    return _train(cfg, progress=progress)
+
+
+def _train(cfg, *, progress: bool) -> dict:
   train_lib.check_train_config(cfg)
   partitioning.mesh_shape(cfg, jax.device_count())  # an impossible mesh fails before anything is read or written
   if not cfg.output_dir:

@@ -113,6 +113,22 @@ def test_readme_lists_every_remat_policy():
   assert sorted("".join(lists[0].split()).split("|")) == sorted(REMAT_POLICY_NAMES)
 
 
+@pytest.mark.parametrize("doc", ["README.md", "docs/serving.md"])
+def test_docs_list_every_matmul_precision(doc):
+  """README's `matmul_precision=a|b|c` and docs/serving.md's key table name the values the config
+  accepts (model.config.MATMUL_PRECISIONS), and configs/base.py's comment does too."""
+  from model.config import MATMUL_PRECISIONS
+  text = (REPO / doc).read_text()
+  if doc == "README.md":
+    lists = re.findall(r"`matmul_precision=([\w|]+)`", text)
+    assert lists == ["|".join(MATMUL_PRECISIONS)], f"README.md should list the values once: {lists}"
+  else:
+    row = [line for line in text.splitlines() if line.startswith("| `matmul_precision` |")]
+    assert len(row) == 1 and all(f"`{v}`" in row[0] for v in MATMUL_PRECISIONS), row
+  line = next(ln for ln in (REPO / "configs" / "base.py").read_text().splitlines() if "c.matmul_precision =" in ln)
+  assert all(v in line.split("#", 1)[1] for v in MATMUL_PRECISIONS), line
+
+
 def test_paths_named_in_docs_exist():
   """Every project file a page of docs/ names in backticks (`model/loading.py`, ...) exists."""
   bad = []

@@ -30,3 +30,21 @@ def test_an_equal_model_has_an_equal_key():
     keys.append(executables.model_key(graphdef, jax.tree.structure(state)))
   assert keys[0] == keys[1] and hash(keys[0]) == hash(keys[1])
   assert not any(isinstance(x, jax.Array) for x in keys[0])
+
+
+def test_a_matmul_precision_is_a_key_of_its_own():
+  """The same model traced at another matmul precision is another program: a job run with
+  matmul_precision=highest in a process that compiled the model at the default (or the other way)
+  compiles its own executables instead of reusing those."""
+  from model.config import matmul_precision
+  graphdef, state = nnx.split(KimiLinearForCausalLM(load_config(["tiny"])))
+  key = lambda: executables.model_key(graphdef, jax.tree.structure(state))
+  plain = key()
+  with matmul_precision("default"):
+    assert key() == plain
+  with matmul_precision("highest"):
+    highest = key()
+  with matmul_precision("high"):
+    high = key()
+  assert len({plain, high, highest}) == 3 and plain[:-1] == high[:-1] == highest[:-1]
+  assert key() == plain
