@@ -108,7 +108,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.topk_group = 1  # groups kept per token
   # auto (megablox on one TPU device, dense elsewhere: model.nn.moe.resolve_moe_impl), dense (every expert on every
   # token, masked: E/k times the FLOPs), ragged (sorted rows through jax.lax.ragged_dot, which XLA on TPU expands
-  # over every group) or megablox (sorted rows through jax's Pallas TPU grouped matmul)
+  # over every group) or megablox (sorted rows through jax's Pallas TPU grouped matmul; one device only: a mesh refuses it)
   c.moe_impl = "auto"
 
   # ---- Special tokens -----------------------------------------------------------------------------

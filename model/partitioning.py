@@ -153,6 +153,22 @@ def _sizes_text(sizes, axes) -> str:
   return ", ".join(f"{PARALLELISM_KEYS[a]}={sizes[a]}" for a in axes)
 
 
+def _check_moe_impl(cfg, sizes: dict[str, int]) -> None:
+  """An explicit `moe_impl=megablox` on a mesh of more than one device (sizes may hold -1: the known
+  axes decide). Its Pallas TPU grouped matmul runs on whole arrays and GSPMD cannot split a Pallas
+  kernel: the compile would fail deep inside Mosaic ("cannot be automatically partitioned"). `auto`
+  picks dense there (model/nn/moe.py `resolve_moe_impl`)."""
+  if getattr(cfg, "moe_impl", None) != "megablox":
+    return
+  split = {a: v for a, v in sizes.items() if v > 1}
+  if split:
+    mesh = " x ".join(f"{a}={v}" for a, v in split.items())
+    least = "at least " if -1 in sizes.values() else ""
+    raise ConfigError(f"moe_impl=megablox needs one device: its Pallas TPU grouped matmul cannot be split over a "
+                      f"mesh, and this job's mesh has {least}{math.prod(split.values())} devices ({mesh}); use "
+                      f"moe_impl=auto (dense on a mesh), dense or ragged, or run on one device")
+
+
 def _raw_sizes(cfg) -> dict[str, int]:
   sizes = {}
   for axis, key in PARALLELISM_KEYS.items():
@@ -190,8 +206,8 @@ def validate_mesh_config(cfg, num_devices: int | None = None) -> None:
   """Checks the mesh and sharding keys; `model.config.validate_config` calls it with no devices.
 
   Without `num_devices` only what the config alone decides is checked (sizes, rules, head and
-  expert counts against the explicitly sized axes); with it, the -1 axis is resolved and the
-  product checked against the devices too.
+  expert counts against the explicitly sized axes, `moe_impl=megablox` on explicit axes of more than
+  one device); with it, the -1 axis is resolved and the product checked against the devices too.
 
   Raises:
     ConfigError: naming the key(s) and what was expected.
@@ -206,6 +222,7 @@ def validate_mesh_config(cfg, num_devices: int | None = None) -> None:
   if num_devices is not None:
     sizes = mesh_shape(cfg, num_devices)
   _check_model_divisibility(cfg, sizes, rules)
+  _check_moe_impl(cfg, sizes)
 
 
 def mesh_shape(cfg, num_devices: int) -> dict[str, int]:
@@ -219,8 +236,9 @@ def mesh_shape(cfg, num_devices: int) -> dict[str, int]:
 
   Raises:
     ConfigError: sizes whose product does not equal (or, with a -1, does not divide)
-      `num_devices`, dcn sizes that do not divide it, or head/expert counts not divisible by
-      their mesh axes.
+      `num_devices`, dcn sizes that do not divide it, head/expert counts not divisible by
+      their mesh axes, or `moe_impl=megablox` on more than one device (a Pallas kernel GSPMD
+      cannot split).
   """
   if not isinstance(num_devices, int) or num_devices < 1:
     raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
@@ -232,6 +250,7 @@ def mesh_shape(cfg, num_devices: int) -> dict[str, int]:
   full = _resolve_ici(cfg, num_devices // slices)
   sizes = {a: full[a] * dcn[a] for a in MESH_AXES}
   _check_model_divisibility(cfg, sizes, rules_from_config(cfg))
+  _check_moe_impl(cfg, sizes)
   return sizes
 
 

@@ -46,7 +46,7 @@ MEMORY_KEYS = ("batch_size or seq_len (a step holds batch_size x seq_len tokens;
                "seq_len)")
 # The step's memory beyond its tokens: offered by `memory_advice` when the config does not use them yet.
 REMAT_ADVICE = "each layer recomputes its activations in the backward"
-MOE_ADVICE = "moe_impl=megablox on a TPU or ragged elsewhere"
+MOE_ADVICE = "moe_impl=megablox on one TPU device or ragged elsewhere"
 # Where the seconds of the last cold compile of a step are kept (in the persistent cache's directory): the
 # next run's announcement quotes them.
 COMPILE_TIMES_FILE = "kda-train-compile-seconds.json"

@@ -371,7 +371,7 @@ def test_step_memory_is_checked_before_the_first_step(corpus, tmp_path, monkeypa
   assert f"{advice}; checked before the first step, nothing was run" in err[-1], err
   # the keys to change beyond the batch: remat (none here) and the experts (dense on a CPU)
   # remat_policy=none here (the default is full), so the advice names it
-  assert "remat_policy=full (now none;" in advice and "moe_impl=megablox on a TPU or ragged elsewhere (now auto" in advice
+  assert "remat_policy=full (now none;" in advice and "moe_impl=megablox on one TPU device or ragged elsewhere (now auto" in advice
   assert ran == [] and not out.exists()
   out.mkdir()  # a directory that existed (empty) is left empty: no checkpoints/ or metrics.jsonl
   assert train_tool.main(_argv(corpus, out, "steps=4", "remat_policy=none")) == 2

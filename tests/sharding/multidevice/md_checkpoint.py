@@ -168,3 +168,27 @@ def test_perplexity_tool_scores_on_the_mesh(saved, tmp_path, capsys, mesh_name):
     c.assert_close(d["logprobs"], ref.logprobs[i], f"document {i} log-probs")
   print(f"{mesh_name}: perplexity {got['perplexity']!r} vs one device {ref.perplexity!r}")
   assert abs(got["perplexity"] - ref.perplexity) <= 1e-5 * ref.perplexity, (got["perplexity"], ref.perplexity)
+
+
+def test_megablox_is_refused_on_the_mesh_before_anything_runs(saved, tmp_path, capsys):
+  """moe_impl=megablox on the 8 devices (the default mesh: data=8), whose Pallas kernel GSPMD cannot
+  partition: a checkpoint load and the generate and train tools refuse it in one line naming
+  moe_impl and what to use instead, before a parameter is read or a run directory made. On one
+  device the same checkpoint loads with it."""
+  from model.errors import ConfigError
+  from tools import generate, train
+  path, _, _ = saved
+  with pytest.raises(ConfigError, match=r"^moe_impl=megablox needs one device: .* 8 devices \(data=8\); use moe_impl=auto"):
+    loading.load(path, ["moe_impl=megablox"])
+  assert generate.main([f"load_parameters_path={path}", "prompt_ids=5,9", "moe_impl=megablox"]) == 2
+  data, out = tmp_path / "ids.txt", tmp_path / "run"
+  data.write_text("5 9 11 3\n7 8 9\n")
+  assert train.main([*c.BASE, "moe_impl=megablox", f"train_data={data}", "train_data_format=ids",
+                     f"output_dir={out}"]) == 2
+  errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+  assert len(errors) == 2, errors
+  for line in errors:
+    assert line.startswith("error: moe_impl=megablox needs one device") and "use moe_impl=auto" in line, line
+  assert not out.exists()
+  loaded = loading.load(path, ["moe_impl=megablox", *c.ONE_DEVICE], mesh=None)
+  assert loaded.config.moe_impl == "megablox" and loaded.mesh is None
