@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kda_plugin.ops import _chunk_math as cm
 from kda_plugin.ops._chunk_common import CHUNK, SUB
 from kda_plugin.ops._platform import target_platform
 from kda_plugin.ops._contract import check_gate_args, check_kda_inputs, default_scale, is_concrete
@@ -56,9 +57,6 @@ from kda_plugin.ops.gates import activate_gate, l2norm
 # masked entries included, at most exp(FACTOR_LIMIT) < float32 max (exp(88.7)).
 FACTOR_LIMIT = 88.0
 DIAG_MODES = ("auto", "factor", "exact")
-SCHEDULES = ("sequential", "parallel")
-# Chunks (of every row) prepared together per step by `kda_chunked`'s parallel schedule (its `group`)
-PARALLEL_PREP_CHUNKS = 8
 _HI = lax.Precision.HIGHEST
 
 
@@ -271,22 +269,40 @@ def _scores(q, k, gt, diag_mode):
   return lax.cond(whole, _scores_chunk, fallback, q, k, gt)
 
 
+def inverse_form() -> str:
+  """How `_unit_lower_inverse` inverts, chosen by the platform traced for: "doubling" on a TPU or GPU
+  (no sequential loop: a TPU runs the loop's 15 small dependent steps one after another), "loop" on
+  a CPU (the cheaper one there). Both are forward substitution, regrouped; their rounding matches."""
+  return "doubling" if target_platform() in ("tpu", "gpu") else "loop"
+
+
 def _unit_lower_inverse(lmat):
-  """Inverse of unit lower-triangular `[..., C, C]` (C = 16 * 2^j): the 16-row diagonal blocks
-  `I + N` (N strictly lower, so N^16 = 0) as the product `(I - N)(I + N^2)(I + N^4)(I + N^8)` (the
-  Neumann series in three squarings and three products, all blocks at once: batched matmuls, no
-  sequential loop, which a TPU runs as many small dependent steps), then blockwise doubling
-  `X21 = -X22 L21 X11` (the order of LAPACK trtri)."""
+  """Inverse of unit lower-triangular `[..., C, C]` (C = 16 * 2^j), by `inverse_form()`:
+
+  - "loop": forward substitution inside the 16-row diagonal blocks (a 15-step loop, all blocks at
+    once), then blockwise doubling `X21 = -X22 L21 X11` (the order of LAPACK trtri);
+  - "doubling": the kernels' recursive block inversion from 2-row blocks
+    (`_chunk_math.unit_lower_inverse`: 2 (log2 C - 1) masked C x C matmuls) over the leading axes.
+
+  Not a power series: the Neumann product (I - N)(I + N^2)(I + N^4)(I + N^8) is loop-free too, but
+  loses ~3 digits for nearly parallel keys (tests/kernels/test_chunk_math.py).
+  """
   c = lmat.shape[-1]
+  if inverse_form() == "doubling":
+    strict = lmat - jnp.eye(c, dtype=lmat.dtype)
+    return jax.vmap(cm.unit_lower_inverse)(strict.reshape((-1, c, c))).reshape(lmat.shape)
   nb = c // SUB
   lead = lmat.shape[:-2]
   blocks = jnp.stack([lmat[..., i * SUB:(i + 1) * SUB, i * SUB:(i + 1) * SUB] for i in range(nb)], -3)
-  neg = -jnp.where(jnp.arange(SUB)[:, None] > jnp.arange(SUB)[None, :], blocks, 0.0)   # -N
+  strict = jnp.where(jnp.arange(SUB)[:, None] > jnp.arange(SUB)[None, :], blocks, 0.0)
   eye = jnp.eye(SUB, dtype=lmat.dtype)
-  x, power = eye + neg, neg
-  for _ in range(3):  # SUB = 16 = 2^4 terms of the series
-    power = _mm("...ij,...jk->...ik", power, power)
-    x = x + _mm("...ij,...jk->...ik", x, power)
+
+  def row_step(r, x):  # row r of the inverse from the rows above it (rows >= r are still e_j)
+    l_r = lax.dynamic_index_in_dim(strict, r, axis=-2, keepdims=False)       # [..., NB, SUB]
+    row = lax.dynamic_index_in_dim(eye, r, axis=0, keepdims=False) - _mm("...j,...jc->...c", l_r, x)
+    return lax.dynamic_update_index_in_dim(x, row, r, axis=-2)
+
+  x = lax.fori_loop(1, SUB, row_step, jnp.broadcast_to(eye, blocks.shape))
   size = SUB
   while size < c:
     m = c // (2 * size)
@@ -378,7 +394,7 @@ def _slot_spans(seg, n_slots):
 
 
 def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, diag_mode="auto",
-                   prep=None, chunk=CHUNK, group=1, out_dtype=None, schedule="sequential"):
+                   prep=None, chunk=CHUNK, group=1, out_dtype=None):
   """The segment-native chunked KDA algorithm on validated, activated inputs.
 
   Shared by `kda_chunked` (training, differentiated by JAX) and `kda_inference_xla` (forward).
@@ -407,31 +423,17 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
       general path whenever one of its chunks needs it (exact for all of them).
     out_dtype: dtype of o (default q's); float32 forms `Aqk Vnew` at HIGHEST precision, another
       dtype at DEFAULT.
-    schedule: "sequential" (CPU-minded, above: one rematerialised scan step per `group` chunks does
-      all of their work) or "parallel" (accelerator-minded: every chunk's state-independent work is
-      done at once as batched operations before the scan, `W = L^-1 (K exp(G - G_a))` and
-      `U = L^-1 (beta V)` included, so the scan carries only `Vnew = U - W S_in` and the state
-      update, and the output `O = (q~ exp(G - G_a)) S_in + Aqk Vnew` is formed for every chunk after
-      it; the same equations, rounded in another order). With "parallel", `group` chunks (of every
-      row) are prepared together per step of a `lax.map` (all at once when `group` >= NC): a
-      larger group means fewer, larger operations and more temporaries. The preparation is
-      rematerialised in the backward pass, which keeps the entering state and `Vnew` of every
-      chunk (`[NC, B, H, K, V]` and `[NC, B, H, C, V]` float32).
 
   Returns:
     `(o [B, T, H, V] in out_dtype, final [B, N, H, K, V] float32 or None)`.
   """
   if diag_mode not in DIAG_MODES:
     raise ValueError(f"diag_mode must be one of {DIAG_MODES}, got {diag_mode!r}")
-  if schedule not in SCHEDULES:
-    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
   if chunk % SUB or chunk < SUB:
     raise ValueError(f"chunk must be a positive multiple of {SUB}, got {chunk}")
   b, t, h, kd = q.shape
   vd = v.shape[-1]
   c = chunk
-  if schedule == "parallel":  # a short row is prepared at once, not padded to `group` chunks
-    group = max(1, min(group, -(-t // c)))
   tp = -(-t // (c * group)) * (c * group)
   nc = tp // c
   pad = tp - t
@@ -540,68 +542,16 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
     if h0 is not None:
       s_next = s_next + jnp.where(kept, 0.0, dec) * h0[bidx, slot(sx[:, -1])]
     if buf is not None:
-      buf = save_slots(buf, s, vnew, cl, cc, xs[-1])
+      def save(bufs):
+        sbuf, vbuf = bufs
+        sc = slot(cl)
+        sbuf = sbuf.at[bidx, sc].set(jnp.where(cc[:, None, None, None], s, sbuf[bidx, sc]))
+        vbuf = vbuf.at[bidx, xs[-1]].set(vnew)  # kept only for chunks where a document ends
+        return sbuf, vbuf
+      # Most chunks neither close a carried document nor end one: they skip the read-modify-write of
+      # a [B, H, K, V] slot (as costly as a third of the chunk's matmuls on CPU).
+      buf = lax.cond(jnp.any(cc) | jnp.any(xs[-1] < n_slots), save, lambda bufs: bufs, buf)
     return (s_next, buf), jnp.swapaxes(o, 1, 2).astype(out_dtype)               # [B, C, H, V]
-
-  def parallel_scan(xs, s0, buf0):
-    """`schedule="parallel"`: the state-independent work of every chunk at once, then a scan that
-    carries only the state. Returns `(buf, o [NC, B, C, H, V])`."""
-    sx, cl, lic = xs[5], xs[6], xs[7]
-
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def batched(qc, kc, vc, gc, bc, sx, cl, corr_in):   # leading [G, B]: G chunks of every row
-      cp, aqk, akk = chunk_prep(qc, kc, vc, gc, bc, sx)
-      aqk, linv = _mask_and_inverse(cp, aqk, akk)
-      cont = ((sx == cl[..., None]) & (cl[..., None] > 0))[:, :, None, :, None]   # [G, B, 1, C, 1]
-      last = ((sx == sx[..., -1:]) & (sx[..., -1:] > 0))[:, :, None, :, None]
-      r = cp.bh * cp.vh
-      o0 = jnp.zeros_like(r)
-      if corr_in is not None:
-        r, o0 = r - corr_in[..., :c, :], corr_in[..., c:, :]
-      u = _mm("nbhri,nbhiv->nbhrv", linv, r)
-      w = _mm("nbhri,nbhik->nbhrk", linv, jnp.where(cont, cp.bh * cp.kh * cp.egl, 0.0))
-      qd = jnp.where(cont, cp.qh * cp.egl, 0.0)
-      kd_last = jnp.where(last, cp.kh * cp.dte, 0.0)
-      dec = cp.egl[..., c - 1, :, None]                                          # [NC, B, H, K, 1]
-      return u, w, qd, kd_last, dec, aqk, o0
-
-    args = xs[:7] + (xs[9] if corr is not None else None,)
-    if group >= nc:
-      u, w, qd, kd_last, dec, aqk, o0 = batched(*args)
-    else:  # `group` chunks at a time: the preparation's temporaries (and its backward's) for G chunks
-      split = lambda x: x.reshape((nc // group, group) + x.shape[1:])
-      outs = lax.map(lambda a: batched(*a), jax.tree.map(split, args))
-      u, w, qd, kd_last, dec, aqk, o0 = jax.tree.map(lambda x: x.reshape((nc,) + x.shape[2:]), outs)
-
-    def state_step(carry, ys):
-      s, buf = carry
-      u_c, w_c, kd_c, dec_c, sx_c, cl_c, lic_c, cc_c = ys[:8]
-      vnew = u_c - _mm("bhrk,bhkv->bhrv", w_c, s)                               # per-token deltas
-      kept = lic_c[:, None, None, None]
-      s_next = jnp.where(kept, dec_c, 0.0) * s + _mm("bhik,bhiv->bhkv", kd_c, vnew)
-      if h0 is not None:
-        s_next = s_next + jnp.where(kept, 0.0, dec_c) * h0[bidx, slot(sx_c[:, -1])]
-      if buf is not None:
-        buf = save_slots(buf, s, vnew, cl_c, cc_c, ys[8])
-      return (s_next, buf), (s, vnew)
-
-    ys = (u, w, kd_last, dec, sx, cl, lic, xs[8]) + ((xs[-1],) if want_final else ())
-    (_, buf), (s_in, vnew) = lax.scan(state_step, (s0, buf0), ys)
-    o = o0 + _mm("nbhrk,nbhkv->nbhrv", qd, s_in) + _mm("nbhri,nbhiv->nbhrv", aqk, vnew, out_precision)
-    return buf, jnp.swapaxes(o, 2, 3).astype(out_dtype)                         # [NC, B, C, H, V]
-
-  def save_slots(bufs, s, vnew, cl, cc, keep_at):
-    """The slot buffers after one chunk: the carried state `s` where its document closes in the chunk,
-    the chunk's deltas at `keep_at` (kept only for chunks where a document ends). Most chunks neither
-    close a carried document nor end one: they skip the read-modify-write of a `[B, H, K, V]` slot
-    (as costly as a third of the chunk's matmuls on CPU)."""
-    def save(bufs):
-      sbuf, vbuf = bufs
-      sc = slot(cl)
-      sbuf = sbuf.at[bidx, sc].set(jnp.where(cc[:, None, None, None], s, sbuf[bidx, sc]))
-      vbuf = vbuf.at[bidx, keep_at].set(vnew)
-      return sbuf, vbuf
-    return lax.cond(jnp.any(cc) | jnp.any(keep_at < n_slots), save, lambda bufs: bufs, bufs)
 
   out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
   out_precision = _HI if out_dtype == jnp.float32 else lax.Precision.DEFAULT
@@ -619,18 +569,15 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
     xs = xs + (keep_idx.T,)
     buf0 = (jnp.zeros((b, n_slots, h, kd, vd), jnp.float32),
             jnp.zeros((b, n_slots + 1, h, c, vd), jnp.float32))
-  if schedule == "parallel":
-    buf, o = parallel_scan(xs, s0, buf0)
-  else:
-    grouped = jax.tree.map(lambda x: x.reshape((nc // group, group) + x.shape[1:]), xs)
+  grouped = jax.tree.map(lambda x: x.reshape((nc // group, group) + x.shape[1:]), xs)
   # Differentiated (training), the scan step is rematerialised: the backward pass keeps only each
   # step's inputs (the chunk's rows and the state entering it, `[B, H, K, V]`) and recomputes the
   # chunk's gates, scores, inverse and sub-block tensors from them, one chunk at a time. Without it
   # autodiff stacks every chunk's intermediates (the inverse's 15 forward-substitution steps, the
   # `[NB, NB, SUB, K]` sub-block columns of both score paths) for the whole sequence. The recomputed
   # values are the same operations on the same inputs, so the gradients are unchanged.
-    (_, buf), o = lax.scan(jax.checkpoint(step, prevent_cse=False), (s0, buf0), grouped)
-  o = jnp.moveaxis(o.reshape((nc,) + o.shape[-4:]), 0, 1).reshape(b, tp, h, vd)[:, :t]
+  (_, buf), o = lax.scan(jax.checkpoint(step, prevent_cse=False), (s0, buf0), grouped)
+  o = jnp.moveaxis(o.reshape((nc,) + o.shape[2:]), 0, 1).reshape(b, tp, h, vd)[:, :t]
   if not want_final:
     return o, None
 
@@ -666,32 +613,20 @@ def chunk_prep(gate, lower_bound, use_l2norm: bool):
   return prep
 
 
-def resolve_schedule(schedule: str) -> str:
-  """`kda_chunked`'s schedule: "auto" is "parallel" when traced for a TPU or GPU (batched chunk work
-  keeps the accelerator's matrix units busy; on a TPU the sequential scan ran the 0.4B model's
-  8 x 2048 training op at ~2 TFLOP/s, docs/performance.md), "sequential" on a CPU (its working set
-  stays in cache). Raises ValueError for a name not in ("auto",) + SCHEDULES."""
-  if schedule == "auto":
-    return "parallel" if target_platform() in ("tpu", "gpu") else "sequential"
-  if schedule not in SCHEDULES:
-    raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, got {schedule!r}")
-  return schedule
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "n_slots", "want_final", "diag_mode", "lower_bound",
-                                             "use_l2norm", "schedule", "group"))
+                                             "use_l2norm"))
 def _chunked_jit(q, k, v, g, beta, seg, h0, gate, *, scale, n_slots, want_final, diag_mode, lower_bound=None,
-                 use_l2norm=False, schedule="sequential", group=1):
+                 use_l2norm=False):
   # With the in-op L2 norm the op computes with the float32 normalised q (as `l2norm` of the
   # unfused route returns it), so o is formed in float32 whatever q's dtype; the caller casts it.
   return kda_chunk_core(q, k, v, g, beta, seg, h0, scale=scale, n_slots=n_slots, want_final=want_final,
                         diag_mode=diag_mode, prep=chunk_prep(gate, lower_bound, use_l2norm),
-                        out_dtype=jnp.float32 if use_l2norm else None, schedule=schedule, group=group)
+                        out_dtype=jnp.float32 if use_l2norm else None)
 
 
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                 segment_ids=None, max_num_segments=None, a_log=None, dt_bias=None, lower_bound=None,
-                use_qk_l2norm=False, schedule="auto"):
+                use_qk_l2norm=False):
   """KDA in the chunked WY/UT form (chunk 64), differentiable with JAX autodiff (the training path).
 
   Equal to `kda_reference` (the token recurrence, docs/kda.md section 'Token recurrence') up to float32
@@ -723,9 +658,6 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     dt_bias: `[H*K]` or `[H, K]` gate bias (with a_log only), zeros if None.
     lower_bound: static float in [-5, 0) selecting the bounded gate (with a_log only).
     use_qk_l2norm: L2-normalise q and k per head inside the op (`gates.l2norm`, float32).
-    schedule: "auto" (default: "parallel" when traced for a TPU or GPU, "sequential" on a CPU;
-      `resolve_schedule`), "sequential" or "parallel" (`kda_chunk_core`'s `schedule`): the same
-      equations, rounded in another order.
 
   The in-op gate and L2 norm are applied per chunk inside the rematerialised scan step, so training
   keeps only q, k, v and the raw gate in their own dtype (bfloat16 in a bfloat16 model) for the
@@ -738,23 +670,19 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
 
   Raises:
     ValueError, TypeError: see `kda_plugin.ops._contract.check_kda_inputs` and `check_gate_args`
-      (dt_bias or lower_bound without a_log, lower_bound outside [-5, 0), a_log / dt_bias sizes);
-      ValueError for an unknown `schedule`.
+      (dt_bias or lower_bound without a_log, lower_bound outside [-5, 0), a_log / dt_bias sizes).
   """
   g_is_raw = a_log is not None
   p = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
                        max_num_segments=max_num_segments, scale=scale, g_is_raw=g_is_raw)
   lb = check_gate_args(g_is_raw, a_log, dt_bias, lower_bound, p.num_heads, p.key_dim)
-  schedule = resolve_schedule(schedule)
   gate = None
   if g_is_raw:
     dt = jnp.zeros((p.num_heads * p.key_dim,), jnp.float32) if dt_bias is None else dt_bias
     gate = (jnp.asarray(a_log, jnp.float32), jnp.asarray(dt, jnp.float32))
   core = lambda seg, h0, sc, n: _chunked_jit(q, k, v, g, beta, seg, h0, gate, scale=sc, n_slots=n,
                                              want_final=bool(output_final_state), diag_mode="auto",
-                                             lower_bound=lb, use_l2norm=bool(use_qk_l2norm),
-                                             schedule=schedule,
-                                             group=PARALLEL_PREP_CHUNKS if schedule == "parallel" else 1)
+                                             lower_bound=lb, use_l2norm=bool(use_qk_l2norm))
   return run_with_slots(p, q, initial_state, scale, output_final_state, core)
 
 

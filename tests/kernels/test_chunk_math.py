@@ -1,6 +1,6 @@
 """The in-kernel chunk math (`_chunk_math`) against NumPy float64 written here.
 
-`unit_lower_inverse` is checked alone against `np.linalg.inv`, and the chunk matrices of
+`unit_lower_inverse` is checked alone against `np.linalg.inv` (also as the XLA training op batches it), and the chunk matrices of
 `chunk_prep` (scores of both builders, masks, inverse) against the definitions of
 docs/kda.md section 'Chunked form (WY/UT)' and docs/packing.md section 'Segment-native chunk algorithm',
 computed entry by entry in float64.
@@ -40,14 +40,34 @@ def _kda_akk(rng, *, corr, decay, beta_one):
   return beta[:, None] * akk
 
 
-@pytest.mark.parametrize("vpu_block_shift", [1, 4], ids=["mxu_doubling", "vpu_16_blocks"])
+def _chunked_op_inverse(form):
+  """The XLA chunked op's batched inverse (kda_plugin/ops/chunked.py) in `form`, of I + a, on a batch."""
+  import kda_plugin.ops.chunked as chunked
+
+  def inverse(a):
+    saved = chunked.inverse_form
+    chunked.inverse_form = lambda: form   # traced here, once per form (a fresh jit each)
+    try:
+      lmat = jnp.eye(a.shape[0], dtype=a.dtype) + a
+      return chunked._unit_lower_inverse(jnp.stack([lmat, lmat]).reshape(2, 1, *a.shape))[1, 0]
+    finally:
+      chunked.inverse_form = saved
+  return jax.jit(inverse)
+
+
+@pytest.mark.parametrize("vpu_block_shift", [1, 4, "loop", "doubling"],
+                         ids=["mxu_doubling", "vpu_16_blocks", "chunked_op_loop", "chunked_op_doubling"])
 @pytest.mark.parametrize("kind", ["uniform", "parallel_keys", "steep", "kda_random"])
 def test_unit_lower_inverse_matches_float64(kind, vpu_block_shift):
   """Strictly-lower [64, 64] with |a| <= 1. `parallel_keys` (beta = 1, almost no decay, nearly
   equal keys) is the cancellation case: a power-series form loses ~3 digits there (errors ~5e-4).
-  vpu_16_blocks: the 16-row diagonal blocks by forward substitution first (the TPU kernel's form)."""
-  inverse = _inverse if vpu_block_shift == 1 else jax.jit(
-      lambda a: cm.unit_lower_inverses([a], vpu_block_shift=vpu_block_shift)[0])
+  vpu_16_blocks: the 16-row diagonal blocks by forward substitution first (the TPU kernel's form).
+  chunked_op_*: the XLA chunked op's batched forms (`kda_chunked`; loop on a CPU, doubling on a TPU)."""
+  if isinstance(vpu_block_shift, str):
+    inverse = _chunked_op_inverse(vpu_block_shift)
+  else:
+    inverse = _inverse if vpu_block_shift == 1 else jax.jit(
+        lambda a: cm.unit_lower_inverses([a], vpu_block_shift=vpu_block_shift)[0])
   rng = np.random.default_rng({"uniform": 1, "parallel_keys": 2, "steep": 3, "kda_random": 4}[kind])
   r, c = np.indices((C, C))
   for _ in range(5):

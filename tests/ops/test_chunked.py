@@ -4,8 +4,6 @@ Most cases share one shape (B=2, T=130 = two full chunks + 2 rows, H=2, K=16 != 
 that the jitted ops compile once per configuration; the token recurrence is the oracle.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,9 +19,6 @@ from tests.oracles import kda_recurrence_f64
 
 B, T, H, K, V, N = 2, 130, 2, 16, 8, 6
 TOL = 1e-5
-# The accelerators' schedule of the same op (`schedule="auto"` on a TPU or GPU; a CPU takes
-# "sequential", the plain `kda_chunked` here): every chunk's state-independent work batched first.
-kda_chunked_parallel = functools.partial(kda_chunked, schedule="parallel")
 
 
 def _row(*runs):
@@ -95,35 +90,6 @@ def test_chunked_matches_reference(layout, with_h0):
   _check_against_reference(kda_chunked, q, k, v, g, beta, _seg(layout), h0 if with_h0 else None)
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_parallel_schedule_matches_reference(layout):
-  # every layout with initial states and final states; a steep chunk (~20 nats a token: the
-  # sub-block score path) beside mild ones, so the batched preparation takes the general path
-  q, k, v, g, beta, h0 = _inputs(1)
-  steep = _inputs(1, steep=True)[3]
-  g = np.where(((np.arange(T) // 64) == 1)[None, :, None, None], steep, g).astype(np.float32)
-  _check_against_reference(kda_chunked_parallel, q, k, v, g, beta, _seg(layout), h0)
-  _check_against_reference(kda_chunked_parallel, *_inputs(1)[:5], _seg(layout), None)
-
-
-def test_parallel_schedule_prepares_chunks_in_groups(monkeypatch):
-  # two chunks prepared per step of the preparation's lax.map (T = 130: three chunks, padded to four)
-  import kda_plugin.ops.chunked as chunked
-  monkeypatch.setattr(chunked, "PARALLEL_PREP_CHUNKS", 2)
-  q, k, v, g, beta, h0 = _inputs(1)
-  steep = _inputs(1, steep=True)[3]
-  g = np.where(((np.arange(T) // 64) == 2)[None, :, None, None], steep, g).astype(np.float32)
-  _check_against_reference(kda_chunked_parallel, q, k, v, g, beta, _seg("many_docs_one_chunk"), h0)
-
-
-def test_schedule_auto_follows_the_target_platform():
-  from kda_plugin.ops.chunked import resolve_schedule
-  assert resolve_schedule("auto") == "sequential"  # this CPU
-  assert resolve_schedule("parallel") == "parallel"
-  with pytest.raises(ValueError, match="schedule must be 'auto' or one of"):
-    kda_chunked(*_inputs(1)[:5], schedule="fast")
-
-
 @pytest.mark.parametrize("t", [1, 63, 65])  # T = 130 runs in every packed case
 def test_unpacked_lengths(t):
   q, k, v, g, beta, h0 = _inputs(2, t)
@@ -147,8 +113,6 @@ def _loss(fn, q, k, v, g, beta, h0, seg, wo, wf):
 
 
 _GRAD_CHUNKED = jax.jit(jax.grad(lambda *a: _loss(kda_chunked, *a), argnums=(0, 1, 2, 3, 4, 5)))
-_GRAD_PARALLEL = jax.jit(jax.grad(lambda *a: _loss(kda_chunked_parallel, *a), argnums=(0, 1, 2, 3, 4, 5)))
-_GRADS = pytest.mark.parametrize("grad_fn", [_GRAD_CHUNKED, _GRAD_PARALLEL], ids=["sequential", "parallel"])
 _GRAD_REFERENCE = jax.jit(jax.grad(lambda *a: _loss(kda_reference, *a), argnums=(0, 1, 2, 3, 4, 5)))
 
 
@@ -169,19 +133,17 @@ def test_steep_decay_outputs_and_gradients_finite():
     assert np.all(np.isfinite(np.asarray(gr))), f"non-finite gradient for {name}"
 
 
-@_GRADS
-def test_gradients_match_reference(grad_fn):
+def test_gradients_match_reference():
   q, k, v, g, beta, h0 = _inputs(5)
   seg = _seg("boundary_inside_chunk")
-  got = grad_fn(q, k, v, g, beta, h0, seg, *_weights(5))
+  got = _GRAD_CHUNKED(q, k, v, g, beta, h0, seg, *_weights(5))
   want = _GRAD_REFERENCE(q, k, v, g, beta, h0, seg, *_weights(5))
   for name, a, b in zip("q k v g beta initial_state".split(), got, want):
     scale = max(1.0, float(np.max(np.abs(b))))
     assert _max_diff(a, b) <= 2e-5 * scale, f"gradient of {name} differs"
 
 
-@_GRADS
-def test_gradients_match_reference_at_the_factorisation_limit(grad_fn):
+def test_gradients_match_reference_at_the_factorisation_limit():
   # Every full chunk decays by 87.5-87.8 nats per channel, just inside FACTOR_LIMIT (88): the
   # one-factorisation score path with factors near exp(+-44). Its derivative must stay finite too:
   # exp(-x) taken as 1/exp(x) and differentiated as a reciprocal squares exp(-44) into a flushed
@@ -189,7 +151,7 @@ def test_gradients_match_reference_at_the_factorisation_limit(grad_fn):
   q, k, v, g, beta, h0 = _inputs(7)
   g = -np.random.default_rng(7).uniform(1.368, 1.3715, size=g.shape).astype(np.float32)
   seg = _seg("boundary_inside_chunk")
-  got = grad_fn(q, k, v, g, beta, h0, seg, *_weights(7))
+  got = _GRAD_CHUNKED(q, k, v, g, beta, h0, seg, *_weights(7))
   want = _GRAD_REFERENCE(q, k, v, g, beta, h0, seg, *_weights(7))
   for name, a, b in zip("q k v g beta initial_state".split(), got, want):
     assert np.all(np.isfinite(np.asarray(a))), f"non-finite gradient for {name}"
@@ -202,8 +164,7 @@ def _rel_rms(a, b):
   return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
 
 
-@pytest.mark.parametrize("fn", [kda_chunked, kda_chunked_parallel, kda_inference_xla],
-                         ids=["chunked", "chunked_parallel", "inference_xla"])
+@pytest.mark.parametrize("fn", [kda_chunked, kda_inference_xla], ids=["chunked", "inference_xla"])
 def test_bfloat16(fn):
   *xs, h0 = _inputs(6)
   q, k, v, g, beta = (jnp.asarray(x, jnp.bfloat16) for x in xs)
@@ -321,8 +282,7 @@ POOL_CASES = {
 }
 
 
-@pytest.mark.parametrize("fn", [kda_chunked, kda_chunked_parallel, kda_inference_xla],
-                         ids=["chunked", "chunked_parallel", "inference_xla"])
+@pytest.mark.parametrize("fn", [kda_chunked, kda_inference_xla], ids=["chunked", "inference_xla"])
 @pytest.mark.parametrize("case", sorted(POOL_CASES))
 def test_slot_pool_rows_match_the_recurrence(case, fn):
   n, row, pad = POOL_CASES[case]

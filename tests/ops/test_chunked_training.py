@@ -1,6 +1,5 @@
-"""The training form of `kda_chunked` (gate and q/k L2 norm inside the op), in both schedules (the
-CPU's sequential scan, the accelerators' batched chunks), against the float64 oracle: outputs, final
-states and gradients.
+"""The training form of `kda_chunked` (gate and q/k L2 norm inside the op, scan step rematerialised)
+against the float64 oracle: outputs, final states and gradients.
 
 Gradients are checked as directional derivatives: for a random direction u of each input, `<grad, u>`
 of the float32 op against a central difference of the float64 oracle (tests/oracles.py: the token
@@ -57,22 +56,32 @@ def _oracle(args, weights, lower_bound):
   return o, final, float(np.sum(o * weights[0]) + np.sum(final * weights[1]))
 
 
-def _op(lower_bound, schedule):
+def _op(lower_bound):
   def run(q, k, v, g_raw, beta, a_log, dt_bias, h0):
     return kda_chunked(q, k, v, g_raw, beta, segment_ids=SEG, initial_state=h0, output_final_state=True,
                        max_num_segments=N, a_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                       use_qk_l2norm=True, schedule=schedule)
+                       use_qk_l2norm=True)
   return run
 
 
 NAMES = ("q", "k", "v", "g_raw", "beta", "a_log", "dt_bias", "initial_state")
 
 
-@pytest.mark.parametrize("schedule", ["sequential", "parallel"])  # a CPU's and an accelerator's
+@pytest.fixture(params=["loop", "doubling"])
+def inverse_form(request, monkeypatch):
+  """The chunked op's unit-lower inverse as a CPU ("loop") or a TPU / GPU ("doubling") traces it."""
+  import kda_plugin.ops.chunked as chunked
+  if request.param != chunked.inverse_form():
+    monkeypatch.setattr(chunked, "inverse_form", lambda: request.param)
+    jax.clear_caches()   # the op's jit must trace again with this form
+    request.addfinalizer(jax.clear_caches)
+  return request.param
+
+
 @pytest.mark.parametrize("lower_bound,steep", [(None, True), (-5.0, False)], ids=["softplus_steep", "bounded"])
-def test_training_form_gradients_match_float64_oracle(lower_bound, steep, schedule):
+def test_training_form_gradients_match_float64_oracle(lower_bound, steep, inverse_form):
   args, weights = _inputs(11, steep)
-  run = _op(lower_bound, schedule)
+  run = _op(lower_bound)
   f32 = [jnp.asarray(a, jnp.float32) for a in args]
   o, final = jax.jit(run)(*f32)
   ro, rf, _ = _oracle(args, weights, lower_bound)
