@@ -441,13 +441,15 @@ def phase_checkpoint(args) -> dict:
 def phase_identity(args) -> dict:
   """f32 greedy: each request's tokens served in a batch of 32 equal its tokens served alone.
 
-  At full float32 matmul precision (`jax.default_matmul_precision("highest")` around the engine's
-  tracing and serving): XLA's default on a TPU runs a float32 dot as one bfloat16 pass, and a
+  At full float32 matmul precision (the `matmul_precision=highest` job key's context,
+  `model.config.matmul_precision`, around the engine's tracing and serving: process-wide, so the
+  threads that trace see it too; `jax.default_matmul_precision` alone is per thread): XLA's
+  default on a TPU runs a float32 dot as one bfloat16 pass, and a
   random-weights model turns that rounding into different greedy tokens between any two programs
   (on the chip at 51dfd8f 30 of 32 requests differed; on the CPU, rounding the dots' inputs to
   bfloat16 moved the 0.9B model's logits by ~2 for a 1e-7 change of its weights alone)."""
-  import jax  # noqa: PLC0415
-  with jax.default_matmul_precision("highest"):
+  from model.config import matmul_precision  # noqa: PLC0415
+  with matmul_precision("highest"):
     return {**_identity(args), "matmul_precision": "highest"}
 
 
