@@ -269,6 +269,9 @@ def _scores(q, k, gt, diag_mode):
   return lax.cond(whole, _scores_chunk, fallback, q, k, gt)
 
 
+INVERSE_FORMS = ("loop", "doubling")
+
+
 def inverse_form() -> str:
   """How `_unit_lower_inverse` inverts, chosen by the platform traced for: "doubling" on a TPU or GPU
   (no sequential loop: a TPU runs the loop's 15 small dependent steps one after another), "loop" on
@@ -276,8 +279,8 @@ def inverse_form() -> str:
   return "doubling" if target_platform() in ("tpu", "gpu") else "loop"
 
 
-def _unit_lower_inverse(lmat):
-  """Inverse of unit lower-triangular `[..., C, C]` (C = 16 * 2^j), by `inverse_form()`:
+def _unit_lower_inverse(lmat, form="loop"):
+  """Inverse of unit lower-triangular `[..., C, C]` (C = 16 * 2^j), by `form` (`inverse_form()`):
 
   - "loop": forward substitution inside the 16-row diagonal blocks (a 15-step loop, all blocks at
     once), then blockwise doubling `X21 = -X22 L21 X11` (the order of LAPACK trtri);
@@ -288,7 +291,9 @@ def _unit_lower_inverse(lmat):
   loses ~3 digits for nearly parallel keys (tests/kernels/test_chunk_math.py).
   """
   c = lmat.shape[-1]
-  if inverse_form() == "doubling":
+  if form not in INVERSE_FORMS:
+    raise ValueError(f"inverse form must be one of {INVERSE_FORMS}, got {form!r}")
+  if form == "doubling":
     strict = lmat - jnp.eye(c, dtype=lmat.dtype)
     return jax.vmap(cm.unit_lower_inverse)(strict.reshape((-1, c, c))).reshape(lmat.shape)
   nb = c // SUB
@@ -366,7 +371,7 @@ def _chunk_prep(q, k, v, g, beta, seg, *, scale, prep=None, diag_mode="auto"):
   return _ChunkPrep(qh, kh, vh, bh, gh, egl, same, dte), aqk, akk
 
 
-def _mask_and_inverse(cp, aqk, akk):
+def _mask_and_inverse(cp, aqk, akk, inverse="loop"):
   """Masked `Aqk [..., H, C, C]` and `L^-1 = (I + Diag(beta) Akk)^-1` of a chunk."""
   c = cp.qh.shape[-2]
   causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
@@ -374,7 +379,7 @@ def _mask_and_inverse(cp, aqk, akk):
   same_h = cp.same[..., None, :, :]
   aqk = jnp.where(same_h & causal, aqk, 0.0)
   akk = jnp.where(same_h & strict, akk, 0.0)
-  return aqk, _unit_lower_inverse(jnp.eye(c, dtype=jnp.float32) + cp.bh * akk)
+  return aqk, _unit_lower_inverse(jnp.eye(c, dtype=jnp.float32) + cp.bh * akk, inverse)
 
 
 def _decay_to_end(tb, ce):
@@ -394,7 +399,7 @@ def _slot_spans(seg, n_slots):
 
 
 def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, diag_mode="auto",
-                   prep=None, chunk=CHUNK, group=1, out_dtype=None):
+                   prep=None, chunk=CHUNK, group=1, out_dtype=None, inverse=None):
   """The segment-native chunked KDA algorithm on validated, activated inputs.
 
   Shared by `kda_chunked` (training, differentiated by JAX) and `kda_inference_xla` (forward).
@@ -423,12 +428,15 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
       general path whenever one of its chunks needs it (exact for all of them).
     out_dtype: dtype of o (default q's); float32 forms `Aqk Vnew` at HIGHEST precision, another
       dtype at DEFAULT.
+    inverse: the unit-lower inverse's form, "loop" or "doubling" (`_unit_lower_inverse`); None:
+      `inverse_form()` of the platform traced for.
 
   Returns:
     `(o [B, T, H, V] in out_dtype, final [B, N, H, K, V] float32 or None)`.
   """
   if diag_mode not in DIAG_MODES:
     raise ValueError(f"diag_mode must be one of {DIAG_MODES}, got {diag_mode!r}")
+  inverse = inverse_form() if inverse is None else inverse
   if chunk % SUB or chunk < SUB:
     raise ValueError(f"chunk must be a positive multiple of {SUB}, got {chunk}")
   b, t, h, kd = q.shape
@@ -508,7 +516,7 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
 
   def step(carry, xs):
     cp_all, aqk_all, akk_all = chunk_prep(*xs[:6])
-    aqk_all, linv_all = _mask_and_inverse(cp_all, aqk_all, akk_all)
+    aqk_all, linv_all = _mask_and_inverse(cp_all, aqk_all, akk_all, inverse)
     outs = []
     for j in range(group):  # the state recurrence, one chunk after the other
       at = lambda x: x[j]
@@ -614,14 +622,14 @@ def chunk_prep(gate, lower_bound, use_l2norm: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "n_slots", "want_final", "diag_mode", "lower_bound",
-                                             "use_l2norm"))
+                                             "use_l2norm", "inverse"))
 def _chunked_jit(q, k, v, g, beta, seg, h0, gate, *, scale, n_slots, want_final, diag_mode, lower_bound=None,
-                 use_l2norm=False):
+                 use_l2norm=False, inverse="loop"):
   # With the in-op L2 norm the op computes with the float32 normalised q (as `l2norm` of the
   # unfused route returns it), so o is formed in float32 whatever q's dtype; the caller casts it.
   return kda_chunk_core(q, k, v, g, beta, seg, h0, scale=scale, n_slots=n_slots, want_final=want_final,
                         diag_mode=diag_mode, prep=chunk_prep(gate, lower_bound, use_l2norm),
-                        out_dtype=jnp.float32 if use_l2norm else None)
+                        out_dtype=jnp.float32 if use_l2norm else None, inverse=inverse)
 
 
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -682,7 +690,8 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     gate = (jnp.asarray(a_log, jnp.float32), jnp.asarray(dt, jnp.float32))
   core = lambda seg, h0, sc, n: _chunked_jit(q, k, v, g, beta, seg, h0, gate, scale=sc, n_slots=n,
                                              want_final=bool(output_final_state), diag_mode="auto",
-                                             lower_bound=lb, use_l2norm=bool(use_qk_l2norm))
+                                             lower_bound=lb, use_l2norm=bool(use_qk_l2norm),
+                                             inverse=inverse_form())
   return run_with_slots(p, q, initial_state, scale, output_final_state, core)
 
 

@@ -42,16 +42,11 @@ def _kda_akk(rng, *, corr, decay, beta_one):
 
 def _chunked_op_inverse(form):
   """The XLA chunked op's batched inverse (kda_plugin/ops/chunked.py) in `form`, of I + a, on a batch."""
-  import kda_plugin.ops.chunked as chunked
+  from kda_plugin.ops.chunked import _unit_lower_inverse
 
   def inverse(a):
-    saved = chunked.inverse_form
-    chunked.inverse_form = lambda: form   # traced here, once per form (a fresh jit each)
-    try:
-      lmat = jnp.eye(a.shape[0], dtype=a.dtype) + a
-      return chunked._unit_lower_inverse(jnp.stack([lmat, lmat]).reshape(2, 1, *a.shape))[1, 0]
-    finally:
-      chunked.inverse_form = saved
+    lmat = jnp.eye(a.shape[0], dtype=a.dtype) + a
+    return _unit_lower_inverse(jnp.stack([lmat, lmat]).reshape(2, 1, *a.shape), form)[1, 0]
   return jax.jit(inverse)
 
 
