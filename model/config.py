@@ -275,14 +275,19 @@ def validate_config(cfg) -> None:
   if cfg.remat_policy not in REMAT_POLICY_NAMES:
     raise ConfigError(f"remat_policy must be one of {', '.join(REMAT_POLICY_NAMES)}, got {cfg.remat_policy!r}")
   check_matmul_precision(cfg.matmul_precision)
+  if cfg.matmul_precision != "default" and cfg.dtype == "bfloat16":
+    # megablox and splash name no dot precision; Mosaic refuses HIGHEST on bf16 operands ("Bad lhs type")
+    raise ConfigError(f"matmul_precision={cfg.matmul_precision} with dtype=bfloat16: the key is for float32 "
+                      "matmuls, and jax's Pallas TPU kernels (megablox, splash) refuse it on bfloat16 operands; "
+                      "use matmul_precision=default, or dtype=float32")
   partitioning.validate_mesh_config(cfg)  # mesh sizes, axis rules, heads/experts vs. their mesh axes
 
 
 def check_matmul_precision(value) -> None:
   """Raises ConfigError naming `matmul_precision` unless `value` is one of `MATMUL_PRECISIONS`."""
   if value not in MATMUL_PRECISIONS:
-    raise ConfigError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)} (jax.default_matmul_precision's "
-                      f"names), got {value!r}")
+    raise ConfigError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)} (MaxText's values, names of "
+                      f"jax.default_matmul_precision), got {value!r}")
 
 
 def _global_matmul_precision():

@@ -81,6 +81,16 @@ def test_a_bad_value_is_a_config_error_naming_the_key():
     pass
 
 
+def test_a_bfloat16_model_is_refused_anything_but_default():
+  # jax's megablox and splash kernels name no dot precision: HIGHEST reaches their bfloat16 operands
+  # and Mosaic refuses it (seen compiling megablox for v5e ahead of time)
+  assert load_config(["tiny", "dtype=bfloat16"]).matmul_precision == "default"
+  for value in ("high", "highest"):
+    with pytest.raises(ConfigError, match=rf"^matmul_precision={value} with dtype=bfloat16: .*use matmul_precision=default, "
+                                          "or dtype=float32"):
+      load_config(["tiny", "dtype=bfloat16", f"matmul_precision={value}"])
+
+
 def test_the_key_stays_out_of_checkpoints():
   import json
 
