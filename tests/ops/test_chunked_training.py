@@ -104,3 +104,29 @@ def test_training_form_gradients_match_float64_oracle(lower_bound, steep, invers
     got = float(np.sum(gr * u))
     scale = float(np.sum(np.abs(gr * u)))
     assert abs(got - want) <= REL_TOL * scale, f"{name}: <grad, u> {got} vs float64 {want} (scale {scale})"
+
+
+def test_the_inverse_form_follows_the_platform_traced_for():
+  # a CPU inverts by the loop; under an abstract TPU mesh (the ahead-of-time compile for a TPU from
+  # this host) kda_chunked traces the doubling form, a static argument of its jit
+  from jax._src import mesh as mesh_lib
+  import kda_plugin.ops.chunked as chunked
+  assert chunked.inverse_form() == "loop"
+  seen = []
+  real = chunked._unit_lower_inverse
+
+  def spy(lmat, form="loop"):
+    seen.append(form)
+    return real(lmat, form)
+
+  device = mesh_lib.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+  sds = jax.ShapeDtypeStruct
+  shapes = [sds((B, T, H, K), jnp.float32)] * 2 + [sds((B, T, H, V), jnp.float32), sds((B, T, H, K), jnp.float32),
+                                                   sds((B, T, H), jnp.float32)]
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(chunked, "_unit_lower_inverse", spy)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+      assert chunked.inverse_form() == "doubling"
+      run = jax.jit(lambda *a: chunked.kda_chunked(*a, segment_ids=SEG, max_num_segments=N)[0])
+      jax.export.export(run, platforms=["tpu"])(*shapes)
+  assert seen and set(seen) == {"doubling"}, seen
