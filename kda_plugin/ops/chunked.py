@@ -275,11 +275,12 @@ INVERSE_FORMS = ("loop", "doubling")
 def inverse_form() -> str:
   """How `_unit_lower_inverse` inverts, chosen by the platform traced for: "doubling" on a TPU or GPU
   (no sequential loop: a TPU runs the loop's 15 small dependent steps one after another), "loop" on
-  a CPU (the cheaper one there). Both are forward substitution, regrouped; their rounding matches."""
+  a CPU (the cheaper one there). Both are forward substitution regrouped, exact to float32 rounding
+  (tests/kernels/test_chunk_math.py); the GPU's choice is not measured."""
   return "doubling" if target_platform() in ("tpu", "gpu") else "loop"
 
 
-def _unit_lower_inverse(lmat, form="loop"):
+def _unit_lower_inverse(lmat, form):
   """Inverse of unit lower-triangular `[..., C, C]` (C = 16 * 2^j), by `form` (`inverse_form()`):
 
   - "loop": forward substitution inside the 16-row diagonal blocks (a 15-step loop, all blocks at
@@ -291,8 +292,6 @@ def _unit_lower_inverse(lmat, form="loop"):
   loses ~3 digits for nearly parallel keys (tests/kernels/test_chunk_math.py).
   """
   c = lmat.shape[-1]
-  if form not in INVERSE_FORMS:
-    raise ValueError(f"inverse form must be one of {INVERSE_FORMS}, got {form!r}")
   if form == "doubling":
     strict = lmat - jnp.eye(c, dtype=lmat.dtype)
     return jax.vmap(cm.unit_lower_inverse)(strict.reshape((-1, c, c))).reshape(lmat.shape)
@@ -371,7 +370,7 @@ def _chunk_prep(q, k, v, g, beta, seg, *, scale, prep=None, diag_mode="auto"):
   return _ChunkPrep(qh, kh, vh, bh, gh, egl, same, dte), aqk, akk
 
 
-def _mask_and_inverse(cp, aqk, akk, inverse="loop"):
+def _mask_and_inverse(cp, aqk, akk, inverse):
   """Masked `Aqk [..., H, C, C]` and `L^-1 = (I + Diag(beta) Akk)^-1` of a chunk."""
   c = cp.qh.shape[-2]
   causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
@@ -437,6 +436,8 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   if diag_mode not in DIAG_MODES:
     raise ValueError(f"diag_mode must be one of {DIAG_MODES}, got {diag_mode!r}")
   inverse = inverse_form() if inverse is None else inverse
+  if inverse not in INVERSE_FORMS:
+    raise ValueError(f"inverse must be one of {INVERSE_FORMS} or None, got {inverse!r}")
   if chunk % SUB or chunk < SUB:
     raise ValueError(f"chunk must be a positive multiple of {SUB}, got {chunk}")
   b, t, h, kd = q.shape
@@ -581,7 +582,7 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   # Differentiated (training), the scan step is rematerialised: the backward pass keeps only each
   # step's inputs (the chunk's rows and the state entering it, `[B, H, K, V]`) and recomputes the
   # chunk's gates, scores, inverse and sub-block tensors from them, one chunk at a time. Without it
-  # autodiff stacks every chunk's intermediates (the inverse's 15 forward-substitution steps, the
+  # autodiff stacks every chunk's intermediates (the loop inverse's 15 forward-substitution steps, the
   # `[NB, NB, SUB, K]` sub-block columns of both score paths) for the whole sequence. The recomputed
   # values are the same operations on the same inputs, so the gradients are unchanged.
   (_, buf), o = lax.scan(jax.checkpoint(step, prevent_cse=False), (s0, buf0), grouped)
@@ -624,7 +625,7 @@ def chunk_prep(gate, lower_bound, use_l2norm: bool):
 @functools.partial(jax.jit, static_argnames=("scale", "n_slots", "want_final", "diag_mode", "lower_bound",
                                              "use_l2norm", "inverse"))
 def _chunked_jit(q, k, v, g, beta, seg, h0, gate, *, scale, n_slots, want_final, diag_mode, lower_bound=None,
-                 use_l2norm=False, inverse="loop"):
+                 use_l2norm=False, inverse):
   # With the in-op L2 norm the op computes with the float32 normalised q (as `l2norm` of the
   # unfused route returns it), so o is formed in float32 whatever q's dtype; the caller casts it.
   return kda_chunk_core(q, k, v, g, beta, seg, h0, scale=scale, n_slots=n_slots, want_final=want_final,
