@@ -17,6 +17,9 @@ TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
 if os.environ.get("KDA_TEST_XLA_OPT", "o0") != "default" and TEST_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
 
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
@@ -46,3 +49,46 @@ def pytest_collection_modifyitems(config, items):
   Makefile's test_recipe), so running them first would leave the workers waiting. The order is
   otherwise kept (a stable sort)."""
   items.sort(key=_order)
+
+
+# XLA:CPU maps memory for every compiled program's machine code (three mappings each) and unmaps it
+# only when the executable is freed. A test worker that keeps every program of ~600 tests alive reaches
+# the kernel's per-process limit (vm.max_map_count, 65530 by default): compiles then fail with "LLVM
+# compilation error: Cannot allocate memory" / "Failed to materialize symbols" (seen in CI). Past half
+# the limit, the worker drops jax's caches and the engine's executable cache between tests: later
+# tests recompile what they need, and no test is slowed before the limit comes near. What fixtures
+# still hold stays mapped, so the next release comes halfway between that and the limit (not after
+# every test). KDA_TEST_MAX_MAPPINGS=N pretends the limit is N (e.g. a low one, to run the suite with
+# releases exercised).
+def _max_mappings() -> int | None:
+  if os.environ.get("KDA_TEST_MAX_MAPPINGS"):
+    return int(os.environ["KDA_TEST_MAX_MAPPINGS"])
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return None   # not Linux: nothing to watch
+
+
+def _mapping_count() -> int:
+  with open("/proc/self/maps", "rb") as f:
+    return sum(1 for _ in f)
+
+
+_MAX_MAPPINGS = _max_mappings()
+_next_release = None if _MAX_MAPPINGS is None else _MAX_MAPPINGS // 2
+
+
+@pytest.fixture(autouse=True)
+def _free_compiled_code_near_the_mapping_limit():
+  global _next_release
+  yield
+  if _next_release is not None and _mapping_count() > _next_release:
+    import jax
+
+    from model.engine import executables
+    executables.clear()
+    jax.clear_caches()
+    gc.collect()
+    held = _mapping_count()
+    _next_release = held + (_MAX_MAPPINGS - held) // 2

@@ -47,3 +47,9 @@ def put(key: tuple, value, seconds: float = 0.0) -> None:
   """Stores `value` under `key` (built elsewhere, e.g. compiled on a thread by
   `model.engine.runner.ModelRunner.compile_all`); the first value stored stays."""
   _CACHE.setdefault(key, value)
+
+
+def clear() -> None:
+  """Drops every stored executable, so that those no engine or Generator still holds are freed with
+  their machine code (on XLA:CPU each compiled program keeps its own memory mappings until freed)."""
+  _CACHE.clear()
