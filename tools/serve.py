@@ -30,8 +30,9 @@ Keys (vLLM's names; none is written into a checkpoint):
                           on a TPU (a smaller row costs as much there), 16 elsewhere. Fewer buckets: fewer
                           executables to compile at start-up (docs/serving.md 'Shape buckets').
   max_waiting             waiting requests at which new ones get HTTP 503.
-  prefix_cache_bytes      byte budget of the continuous engine's prefix cache (0 = off); engine=static has
-                          none (giving it there is an error).
+  prefix_cache_bytes      byte budget of the continuous engine's prefix cache (0 = off), in device memory
+                          (HBM on an accelerator; more than is free after the weights and the slot pool
+                          is refused); engine=static has none (giving it there is an error).
   host, port              where to listen (port=0: any free port). The line "listening on http://HOST:PORT"
                           goes to stdout once the server accepts requests.
   uds                     listen on this unix-domain socket path instead of TCP (`--uds PATH` works too;

@@ -8,7 +8,7 @@ Per `step`:
   4. run: `model.engine.runner.ModelRunner.execute` runs the plan on the device and samples;
   5. update and emit: tokens are emitted; a request that hits a stop id or max_tokens frees its slot
      in this step; then a chunk that ended at a prefix-cache boundary has its state there copied
-     into the cache.
+     into the cache (a device copy, `model.engine.slots`: snapshots live in device memory).
 The engine holds no device code: the runner owns the parameters, the slot pool and the executables.
 """
 
@@ -25,6 +25,27 @@ from model.engine.config import EngineConfig
 from model.engine.prefix_cache import PrefixCache, block_keys
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import Sequence
+from model.errors import UsageError
+
+
+def check_prefix_cache_fits(budget_bytes: int, devices) -> None:
+  """Refuses a prefix-cache budget larger than the device memory free now (after the weights and the
+  slot pool), summed over `devices`: snapshots live there. Devices that report no memory statistics
+  (XLA:CPU) are not checked; the step executables' temporaries need room beside the budget too.
+
+  Raises:
+    UsageError: names prefix_cache_bytes, the budget and the free bytes.
+  """
+  free = 0
+  for device in devices:
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+      return
+    free += stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+  if budget_bytes > free:
+    raise UsageError(f"prefix_cache_bytes={budget_bytes} does not fit: snapshots live in device memory and "
+                     f"{free} bytes are free after the weights and the slot pool ({len(devices)} device(s)); "
+                     f"lower prefix_cache_bytes (0 turns the prefix cache off)")
 
 
 class ContinuousEngine:
@@ -45,6 +66,7 @@ class ContinuousEngine:
 
   Raises:
     GenerationError: vocab_limit outside [1, vocab_size].
+    UsageError: `config.prefix_cache_bytes` exceeds the device memory left (`check_prefix_cache_fits`).
   """
 
   def __init__(self, model, config: EngineConfig, *, vocab_limit: int | None = None, mesh=None, rules=None):
@@ -54,6 +76,7 @@ class ContinuousEngine:
     self.runner = ModelRunner(model, config, vocab_limit=vocab_limit, mesh=mesh, rules=rules)
     self.vocab_size = self.runner.vocab_size
     self.pool = self.runner.pool
+    check_prefix_cache_fits(config.prefix_cache_bytes, self.pool.devices())
     self.prefix_cache = PrefixCache(config.prefix_cache_bytes)
     self.last_top2: dict[str, tuple[float, float]] = {}
     self._waiting: collections.deque[Sequence] = collections.deque()
@@ -144,9 +167,9 @@ class ContinuousEngine:
     out = self.runner.execute(plan)
     tok, logprob, top2 = out.tokens, out.logprobs, out.top2
     self.last_top2 = {}
-    # Snapshots are copied after the step's events are out: a prefix-cache hit's first token need not
-    # wait for its own snapshot transfers (each a device-to-host copy). The pool is not touched until
-    # the next step, so the slots still hold the states the snapshots need (a finished request's too).
+    # Snapshots are copied after the step's events are out (device copies, dispatched, not waited for).
+    # The pool is not touched until the next step, so the slots still hold the states the snapshots
+    # need (a finished request's too).
     saves = []
     for chunk in sorted(plan.chunks, key=lambda c: c.seq.slot):
       seq = chunk.seq

@@ -1,4 +1,4 @@
-"""Prefix cache of recurrent + latent states at block-aligned prompt boundaries (host side, no JAX).
+"""Prefix cache of recurrent + latent states at block-aligned prompt boundaries (the index: no JAX).
 
 A prompt is cut into blocks of `BLOCK` tokens, keyed by a hash chain (equal keys: equal prefixes). A
 `Snapshot` is a slot's state after exactly such a prefix (KDA states and conv windows, MLA latents);
@@ -34,7 +34,9 @@ def block_keys(prompt: Sequence[int]) -> list[bytes]:
 @dataclasses.dataclass
 class Snapshot:
   """A slot's state after the first `num_tokens` (a multiple of BLOCK) prompt tokens: per decoder
-  layer a dict of host arrays, KDA {"state", "conv_q", "conv_k", "conv_v"}, MLA {"latent"}."""
+  layer a dict of arrays, KDA {"state", "conv_q", "conv_k", "conv_v"}, MLA {"latent"} (at least
+  `num_tokens` rows; those past it are stale). The engine's are device arrays (`model.engine.slots`),
+  so `budget_bytes` is device memory."""
 
   num_tokens: int
   layers: tuple
@@ -45,7 +47,8 @@ class Snapshot:
 
 
 class PrefixCache:
-  """Snapshots keyed by block-chain keys, LRU under `budget_bytes` (0 = off)."""
+  """Snapshots keyed by block-chain keys, LRU under `budget_bytes` (0 = off); an evicted snapshot's
+  memory is freed when nothing else holds it (a restore in flight keeps its arrays alive)."""
 
   def __init__(self, budget_bytes: int):
     self.budget_bytes = int(budget_bytes)  # >= 0: validated once, by EngineConfig

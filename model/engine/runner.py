@@ -215,10 +215,16 @@ class ModelRunner:
       if on_compiled is not None:
         on_compiled(record)
 
-    if threads == 1:
+    def compile_transfers():
+      sizes = sorted({n for _, n in self.step_shapes() if n is not None})
+      self.pool.compile_transfers([self._mid_example(n) for n in sizes])
+
+    if threads == 1 or not todo:
       for shape in todo:
         finish(shape, self._compile(shape, traced(shape)))
-    elif todo:
+      if transfers:
+        compile_transfers()
+    else:
       with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
         pending = {}
         for shape in todo:
@@ -226,11 +232,10 @@ class ModelRunner:
           pending[pool.submit(self._compile, shape, lowered)] = shape
           for future in [f for f in pending if f.done()]:   # report what finished while tracing
             finish(pending.pop(future), future.result())
+        if transfers:   # small programs, compiled here while the steps compile on the threads
+          compile_transfers()
         for future in concurrent.futures.as_completed(list(pending)):
           finish(pending.pop(future), future.result())
-    if transfers:
-      sizes = sorted({n for _, n in self.step_shapes() if n is not None})
-      self.pool.compile_transfers([self._mid_example(n) for n in sizes])
     return time.perf_counter() - t0
 
   def _mid_example(self, num_prefill: int):

@@ -3,8 +3,10 @@
 Slot s holds one running request: per KDA layer its float32 state and conv windows, per MLA layer
 its latents `[max_model_len, latent_width]` (rows >= lengths[s] are stale and masked), and `lengths[s]`.
 Slots absent from a step come back bit-unchanged, so idle and finished slots need no masking. For
-the prefix cache, `take`, `take_mid` and `put` move one slot's state to and from the host (each one
-executable, compiled on first use).
+the prefix cache, `take`, `take_mid` and `put` copy one slot's state into a `Snapshot` and back, device
+to device: a snapshot lives in device memory (HBM on an accelerator), so saving one never waits for
+the step and restoring one moves no bytes over the host link. Its MLA latents keep `snapshot_rows`
+rows, one of a few sizes (one executable per size and transfer, compiled by `compile_transfers`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from model import partitioning
-from model.engine.prefix_cache import Snapshot
+from model.engine.prefix_cache import BLOCK, Snapshot
 from model.nn import cache as cache_lib
 
 
 def _fields(layer) -> tuple[str, ...]:
   return tuple(layer.__dataclass_fields__)
+
+
+def snapshot_rows(num_tokens: int, cache_rows: int) -> int:
+  """MLA latent rows a snapshot after `num_tokens` (> 0) tokens keeps: BLOCK times the least power of
+  two that covers them, at most the slot's `cache_rows`. Powers of two bound the sizes (so the
+  executables) to about log2(cache_rows / BLOCK) + 1 and waste at most half of a snapshot's latents;
+  rows past `num_tokens` are stale and never read (the restored slot's length bounds every read)."""
+  blocks = -(-int(num_tokens) // BLOCK)
+  return min(int(cache_rows), BLOCK * (1 << (blocks - 1).bit_length()))
+
+
+def _take_rows(layer, s, rows: int) -> dict:
+  """Slot `s` of one layer's cache: every field, the MLA latent's first `rows` rows only."""
+  if "latent" in _fields(layer):
+    return {"latent": jax.lax.dynamic_slice_in_dim(layer.latent[s], 0, rows, axis=0)}
+  return {f: getattr(layer, f)[s] for f in _fields(layer)}
 
 
 class SlotPool:
@@ -56,6 +74,10 @@ class SlotPool:
     self._free = list(range(self.num_slots))
     self._take = self._put = self._take_mid = None
 
+  def devices(self) -> list:
+    """The devices the pool lives on."""
+    return sorted(jax.tree.leaves(self.cache)[0].devices(), key=lambda d: d.id)
+
   # --- free list ------------------------------------------------------------------------------------
   @property
   def num_free(self) -> int:
@@ -76,68 +98,66 @@ class SlotPool:
   def _context(self):
     return partitioning.mesh_context(self.mesh, self._rules) if self.mesh is not None else contextlib.nullcontext()
 
+  def transfer_sizes(self) -> list[int]:
+    """Every MLA latent size (`snapshot_rows`) a snapshot of this pool can have, ascending."""
+    return sorted({snapshot_rows(n, self.cache_rows) for n in range(BLOCK, self.cache_length + 1, BLOCK)})
+
   def compile_transfers(self, mids=()) -> None:
-    """Compiles `take` and `put` now by copying free slot 0 out and back, and `take_mid` for each
-    example `mid` in `mids`; only while every slot is free.
+    """Compiles `take` and `put` now, for every size in `transfer_sizes`, by copying free slot 0 out
+    and back, and `take_mid` for each example `mid` in `mids`; only while every slot is free.
 
     Raises:
       ValueError: a slot is in use.
     """
     if self.num_free != self.num_slots:
       raise ValueError(f"compile_transfers needs every slot free ({self.num_free} of {self.num_slots} are)")
-    self.put(0, self.take(0, 0))
-    for mid in mids:
-      self.take_mid(mid, 0, 0, 0)
+    for rows in self.transfer_sizes():
+      self.put(0, Snapshot(0, self.take(0, rows).layers))   # length 0, as a free slot's was
+      for mid in mids:
+        self.take_mid(mid, 0, 0, rows)
 
   def take(self, slot: int, num_tokens: int) -> Snapshot:
-    """A host copy of slot `slot`'s state, which must have seen exactly `num_tokens` tokens."""
+    """A device copy of slot `slot`'s state, which must have seen exactly `num_tokens` tokens (> 0);
+    dispatched, not waited for."""
     if self._take is None:
-      def take(cache, s):
-        return tuple({f: getattr(layer, f)[s] for f in _fields(layer)} for layer in cache.layers)
+      def take(cache, s, rows):
+        return tuple(_take_rows(layer, s, rows) for layer in cache.layers)
       with self._context():
-        self._take = jax.jit(take)
-    return self._snapshot(self._take(self.cache, jnp.int32(slot)), num_tokens)
+        self._take = jax.jit(take, static_argnums=2)
+    with self._context():
+      layers = self._take(self.cache, jnp.int32(slot), snapshot_rows(num_tokens, self.cache_rows))
+    return Snapshot(int(num_tokens), layers)
 
   def take_mid(self, mid, entry: int, slot: int, num_tokens: int) -> Snapshot:
-    """A host `Snapshot` of slot `slot` after `num_tokens` tokens, its KDA states and conv windows from
-    entry `entry` of a split step's first-stage output `mid` (the slot went on past them in the same
-    step), its MLA latents from the slot's first `num_tokens` rows."""
+    """A device `Snapshot` of slot `slot` after `num_tokens` tokens, its KDA states and conv windows
+    from entry `entry` of a split step's first-stage output `mid` (the slot went on past them in the
+    same step), its MLA latents from the slot's rows (those past `num_tokens` are never read)."""
     if self._take_mid is None:
-      def take_mid(cache, mid, p, s):
-        return tuple({f: getattr(m, f)[p] for f in _fields(m)} if m is not None
-                     else {f: getattr(layer, f)[s] for f in _fields(layer)}
+      def take_mid(cache, mid, p, s, rows):
+        return tuple({f: getattr(m, f)[p] for f in _fields(m)} if m is not None else _take_rows(layer, s, rows)
                      for layer, m in zip(cache.layers, mid))
       with self._context():
-        self._take_mid = jax.jit(take_mid)
-    return self._snapshot(self._take_mid(self.cache, mid, jnp.int32(entry), jnp.int32(slot)), num_tokens)
-
-  @staticmethod
-  def _snapshot(layers, num_tokens: int) -> Snapshot:
-    out = []
-    for layer in jax.device_get(layers):
-      if "latent" in layer:   # MLA: only the prefix rows (the rest of the slot's row is stale)
-        layer = {"latent": np.array(layer["latent"][:num_tokens])}
-      out.append({k: np.asarray(v) for k, v in layer.items()})
-    return Snapshot(int(num_tokens), tuple(out))
+        self._take_mid = jax.jit(take_mid, static_argnums=4)
+    with self._context():
+      layers = self._take_mid(self.cache, mid, jnp.int32(entry), jnp.int32(slot),
+                              snapshot_rows(num_tokens, self.cache_rows))
+    return Snapshot(int(num_tokens), layers)
 
   def put(self, slot: int, snapshot: Snapshot) -> None:
-    """Writes `snapshot` into slot `slot` (KDA states and convs, MLA latent prefix, length)."""
+    """Writes `snapshot` into slot `slot` (KDA states and convs, MLA latent rows, length); dispatched,
+    not waited for (the next step reads the pool after it)."""
     if self._put is None:
       def put(cache, s, layers, length):
         new = []
         for layer, src in zip(cache.layers, layers):
-          new.append(type(layer)(**{f: getattr(layer, f).at[s].set(src[f].astype(getattr(layer, f).dtype))
-                                   for f in _fields(layer)}))
+          fields = {}
+          for f in _fields(layer):
+            dst, val = getattr(layer, f), src[f].astype(getattr(layer, f).dtype)
+            fields[f] = (jax.lax.dynamic_update_slice(dst, val[None], (s,) + (0,) * val.ndim) if f == "latent"
+                         else dst.at[s].set(val))
+          new.append(type(layer)(**fields))
         return cache_lib.ModelCache(tuple(new), cache.lengths.at[s].set(length))
       with self._context():
         self._put = jax.jit(put, donate_argnums=(0,), out_shardings=self.shardings)
-    layers = []
-    for layer in snapshot.layers:
-      if "latent" in layer:   # padded to the slot's full row so that one executable fits every length
-        lat = layer["latent"]
-        full = np.zeros((self.cache_rows,) + lat.shape[1:], lat.dtype)
-        full[:lat.shape[0]] = lat
-        layer = {"latent": full}
-      layers.append(layer)
     with self._context():
-      self.cache = self._put(self.cache, jnp.int32(slot), tuple(layers), jnp.int32(snapshot.num_tokens))
+      self.cache = self._put(self.cache, jnp.int32(slot), snapshot.layers, jnp.int32(snapshot.num_tokens))

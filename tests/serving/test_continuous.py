@@ -266,6 +266,12 @@ def test_prefix_cache_hit_equals_cache_off(model, engine):
   first, second = shared + _prompt(rng, 40), shared + _prompt(rng, 51)
   run(on, [Request("first", first, 4)])
   assert on.stats().prefix_cache_bytes > 0 and len(on.prefix_cache) == 1    # saved after token 128
+  # The snapshot lives on the device beside the pool (no host copy); its MLA latents keep 128 rows.
+  (snap,) = on.prefix_cache._entries.values()
+  leaves = [a for layer in snap.layers for a in layer.values()]
+  assert all(isinstance(a, jax.Array) and a.devices() == on.pool.cache.lengths.devices() for a in leaves)
+  assert {layer["latent"].shape[0] for layer in snap.layers if "latent" in layer} == {128}
+  assert on.stats().prefix_cache_bytes == sum(a.nbytes for a in leaves)
   hit, _ = run(on, [Request("second", second, 10)])
   assert all(e.cached_tokens == 128 for e in hit["second"])
   assert on.stats().cached_prompt_tokens == 128
@@ -276,6 +282,46 @@ def test_prefix_cache_hit_equals_cache_off(model, engine):
   assert on.stats().num_compilations <= on.runner.max_compilations
   # The steps with one prompt chunk of at most 64 tokens ran the one-prompt executables.
   assert {(b, n) for b, n in on.runner.compiled if b is not None and b <= 64} == {(64, 1)}
+
+
+def test_snapshot_rows_are_powers_of_two_blocks_capped_by_the_slot():
+  from model.engine.slots import snapshot_rows
+  got = [snapshot_rows(n, 648) for n in (1, 64, 65, 128, 129, 192, 256, 257, 512, 513, 640)]
+  assert got == [64, 64, 128, 128, 256, 256, 256, 512, 512, 648, 648]
+
+
+def test_compile_transfers_covers_every_snapshot_size(model):
+  """After `compile_transfers`, a take and a put of any prefix length compile nothing more: one
+  executable per size in `transfer_sizes` (64, 128, 256, 512 and the slot's 640 rows)."""
+  from model.engine.slots import SlotPool
+  pool = SlotPool(model, 2, MAX_LEN)
+  sizes = pool.transfer_sizes()
+  assert sizes == [64, 128, 256, 512, pool.cache_rows] and pool.cache_rows >= MAX_LEN
+  pool.compile_transfers()
+  assert pool._take._cache_size() == pool._put._cache_size() == len(sizes)
+  for n in (64, 192, 320, 576):
+    pool.put(1, pool.take(0, n))
+  assert pool._take._cache_size() == pool._put._cache_size() == len(sizes)
+
+
+def test_prefix_cache_budget_beyond_free_device_memory_is_refused():
+  from model.engine.continuous import check_prefix_cache_fits
+
+  class Device:
+    def __init__(self, stats):
+      self.stats = stats
+
+    def memory_stats(self):
+      return self.stats
+
+  gib = 1 << 30
+  hbm = [Device({"bytes_limit": 16 * gib, "bytes_in_use": 12 * gib}) for _ in range(2)]
+  check_prefix_cache_fits(8 * gib, hbm)           # 4 + 4 GiB free
+  with pytest.raises(UsageError, match=r"^prefix_cache_bytes=8589934593 does not fit: snapshots live in device "
+                                       r"memory and 8589934592 bytes are free .*\(2 device\(s\)\); lower "
+                                       r"prefix_cache_bytes"):
+    check_prefix_cache_fits(8 * gib + 1, hbm)
+  check_prefix_cache_fits(1 << 50, [Device(None)])   # XLA:CPU reports nothing: not checked
 
 
 def test_tail_after_a_snapshot_boundary_emits_in_the_same_step(model, engine):
