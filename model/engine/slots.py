@@ -42,6 +42,32 @@ def _take_rows(layer, s, rows: int) -> dict:
   return {f: getattr(layer, f)[s] for f in _fields(layer)}
 
 
+# The transfers' programs (jitted per pool: `put` pins the pool's shardings; `rows` is static).
+def take_slot(cache, s, rows: int) -> tuple:
+  """Slot `s`'s per-layer state (`_take_rows`): a snapshot's arrays."""
+  return tuple(_take_rows(layer, s, rows) for layer in cache.layers)
+
+
+def take_mid_slot(cache, mid, p, s, rows: int) -> tuple:
+  """As `take_slot`, the KDA layers' fields from entry `p` of a split step's `mid` instead."""
+  return tuple({f: getattr(m, f)[p] for f in _fields(m)} if m is not None else _take_rows(layer, s, rows)
+               for layer, m in zip(cache.layers, mid))
+
+
+def put_slot(cache, s, layers, length):
+  """`cache` with slot `s` holding `layers` (a snapshot's arrays; MLA latents: its first rows) and
+  length `length`."""
+  new = []
+  for layer, src in zip(cache.layers, layers):
+    fields = {}
+    for f in _fields(layer):
+      dst, val = getattr(layer, f), src[f].astype(getattr(layer, f).dtype)
+      fields[f] = (jax.lax.dynamic_update_slice(dst, val[None], (s,) + (0,) * val.ndim) if f == "latent"
+                   else dst.at[s].set(val))
+    new.append(type(layer)(**fields))
+  return cache_lib.ModelCache(tuple(new), cache.lengths.at[s].set(length))
+
+
 class SlotPool:
   """S slots of per-request state on the device, and the free list.
 
@@ -120,10 +146,7 @@ class SlotPool:
     """A device copy of slot `slot`'s state, which must have seen exactly `num_tokens` tokens (> 0);
     dispatched, not waited for."""
     if self._take is None:
-      def take(cache, s, rows):
-        return tuple(_take_rows(layer, s, rows) for layer in cache.layers)
-      with self._context():
-        self._take = jax.jit(take, static_argnums=2)
+      self._take = jax.jit(take_slot, static_argnums=2)
     with self._context():
       layers = self._take(self.cache, jnp.int32(slot), snapshot_rows(num_tokens, self.cache_rows))
     return Snapshot(int(num_tokens), layers)
@@ -133,11 +156,7 @@ class SlotPool:
     from entry `entry` of a split step's first-stage output `mid` (the slot went on past them in the
     same step), its MLA latents from the slot's rows (those past `num_tokens` are never read)."""
     if self._take_mid is None:
-      def take_mid(cache, mid, p, s, rows):
-        return tuple({f: getattr(m, f)[p] for f in _fields(m)} if m is not None else _take_rows(layer, s, rows)
-                     for layer, m in zip(cache.layers, mid))
-      with self._context():
-        self._take_mid = jax.jit(take_mid, static_argnums=4)
+      self._take_mid = jax.jit(take_mid_slot, static_argnums=4)
     with self._context():
       layers = self._take_mid(self.cache, mid, jnp.int32(entry), jnp.int32(slot),
                               snapshot_rows(num_tokens, self.cache_rows))
@@ -147,17 +166,6 @@ class SlotPool:
     """Writes `snapshot` into slot `slot` (KDA states and convs, MLA latent rows, length); dispatched,
     not waited for (the next step reads the pool after it)."""
     if self._put is None:
-      def put(cache, s, layers, length):
-        new = []
-        for layer, src in zip(cache.layers, layers):
-          fields = {}
-          for f in _fields(layer):
-            dst, val = getattr(layer, f), src[f].astype(getattr(layer, f).dtype)
-            fields[f] = (jax.lax.dynamic_update_slice(dst, val[None], (s,) + (0,) * val.ndim) if f == "latent"
-                         else dst.at[s].set(val))
-          new.append(type(layer)(**fields))
-        return cache_lib.ModelCache(tuple(new), cache.lengths.at[s].set(length))
-      with self._context():
-        self._put = jax.jit(put, donate_argnums=(0,), out_shardings=self.shardings)
+      self._put = jax.jit(put_slot, donate_argnums=(0,), out_shardings=self.shardings)
     with self._context():
       self.cache = self._put(self.cache, jnp.int32(slot), snapshot.layers, jnp.int32(snapshot.num_tokens))
