@@ -162,11 +162,19 @@ def _check_moe_impl(cfg, sizes: dict[str, int]) -> None:
     return
   split = {a: v for a, v in sizes.items() if v > 1}
   if split:
-    mesh = " x ".join(f"{a}={v}" for a, v in split.items())
+    keys = []
+    for axis, size in split.items():
+      ici, dcn = cfg[PARALLELISM_KEYS[axis]], cfg[DCN_PARALLELISM_KEYS[axis]]
+      if ici != 1:
+        keys.append(f"{PARALLELISM_KEYS[axis]}=-1 (the devices left: {size // dcn})" if ici == -1
+                    else f"{PARALLELISM_KEYS[axis]}={ici}")
+      if dcn > 1:
+        keys.append(f"{DCN_PARALLELISM_KEYS[axis]}={dcn}")
     least = "at least " if -1 in sizes.values() else ""
     raise ConfigError(f"moe_impl=megablox needs one device: its Pallas TPU grouped matmul cannot be split over a "
-                      f"mesh, and this job's mesh has {least}{math.prod(split.values())} devices ({mesh}); use "
-                      f"moe_impl=auto (dense on a mesh), dense or ragged, or run on one device")
+                      f"mesh, and this job's mesh has {least}{math.prod(split.values())} devices "
+                      f"({', '.join(keys)}); use moe_impl=auto (dense on a mesh), dense or ragged, or set those "
+                      f"keys to 1")
 
 
 def _raw_sizes(cfg) -> dict[str, int]:

@@ -71,22 +71,24 @@ def test_experts_not_divisible_by_the_expert_axis_fail_at_load_config():
 
 MEGABLOX_ON_A_MESH = (r"^moe_impl=megablox needs one device: its Pallas TPU grouped matmul cannot be split over a "
                       r"mesh, and this job's mesh has {} devices \({}\); use moe_impl=auto \(dense on a mesh\), "
-                      r"dense or ragged, or run on one device$")
+                      r"dense or ragged, or set those keys to 1$")
 
 
 def test_megablox_on_a_mesh_of_several_devices_is_refused_up_front():
   """Its Pallas kernel cannot be partitioned by GSPMD (on a TPU the compile failed deep inside Mosaic:
   "cannot be automatically partitioned"): refused, naming moe_impl and what to use, as soon as the
   mesh is known: at load_config when the sizes say it, else where the devices resolve the -1 axis."""
-  with pytest.raises(ConfigError, match=MEGABLOX_ON_A_MESH.format(8, "data=8")):
+  every = MEGABLOX_ON_A_MESH.format(8, r"ici_data_parallelism=-1 \(the devices left: 8\)")
+  with pytest.raises(ConfigError, match=every):
     partitioning.mesh_shape(cfg("moe_impl=megablox"), 8)   # the default ici_data_parallelism=-1: all 8
-  with pytest.raises(ConfigError, match=MEGABLOX_ON_A_MESH.format(4, "data=2 x expert=2")):
+  two_keys = MEGABLOX_ON_A_MESH.format(4, "ici_data_parallelism=2, ici_expert_parallelism=2")
+  with pytest.raises(ConfigError, match=two_keys):
     cfg("moe_impl=megablox", "ici_data_parallelism=2", "ici_expert_parallelism=2")   # at config time
-  with pytest.raises(ConfigError, match=MEGABLOX_ON_A_MESH.format(2, "tensor=2")):
+  with pytest.raises(ConfigError, match=MEGABLOX_ON_A_MESH.format(2, "ici_tensor_parallelism=2")):
     cfg("moe_impl=megablox", "ici_data_parallelism=1", "ici_tensor_parallelism=2")
-  with pytest.raises(ConfigError, match=MEGABLOX_ON_A_MESH.format("at least 2", "expert=2")):
+  with pytest.raises(ConfigError, match=MEGABLOX_ON_A_MESH.format("at least 2", "ici_expert_parallelism=2")):
     cfg("moe_impl=megablox", "ici_expert_parallelism=2")   # data=-1 still open: at least 2 devices
-  with pytest.raises(ConfigError, match=MEGABLOX_ON_A_MESH.format(2, "data=2")):
+  with pytest.raises(ConfigError, match=MEGABLOX_ON_A_MESH.format(2, "dcn_data_parallelism=2")):
     cfg("moe_impl=megablox", "ici_data_parallelism=1", "dcn_data_parallelism=2")   # two slices
   with pytest.raises(ConfigError, match="moe_impl=megablox needs one device"):   # the job's mesh builders
     partitioning.create_mesh(cfg("moe_impl=megablox"), jax.devices() * 8)
