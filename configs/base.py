@@ -223,6 +223,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 100  # save the full train state every N steps and at the last step (Orbax)
   c.checkpoint_keep = 3  # keep the last K train-state checkpoints
   c.resume = True  # continue from the latest checkpoint in output_dir; false refuses a dir that has one
+  # The train step compiled ahead of time (MaxText's key): kda-aot-compile mode=train writes it, kda-train
+  # runs it instead of compiling (model/training/compiled_step.py); "" = compile as usual.
+  c.compiled_trainstep_file = ""
   c.stop_at_step = 0  # end this run (checkpointed) at this step, to resume later; 0 = run to `steps`
   c.eval_every = 100  # held-out loss/perplexity every N steps and at the last step (0 = never)
   c.eval_batch_size = 8  # rows per held-out evaluation window

@@ -71,7 +71,16 @@ def topology(name: str, num_slices: int = 1) -> Target:
     raise ConfigError(f"compile_topology_num_slices must be an int >= 1, got {num_slices!r}")
   try:
     kw = {"num_slices": num_slices} if num_slices > 1 else {}
-    topo = topologies.get_topology_desc(topology_name=name, platform="tpu", **kw)
+    try:
+      topo = topologies.get_topology_desc(topology_name=name, platform="tpu", **kw)
+    except Exception as e:
+      # Older libtpu (jax 0.10.2's) assumes 2x2 chips per host, so a one-chip host such as the lent
+      # v5e ("v5e:1x1", a v5litepod-1) needs its host bounds given: the layout itself.
+      if "chips_per_host_bounds" not in str(e):
+        raise
+      dims = tuple(int(d) for d in name.split(":", 1)[1].split("x"))
+      topo = topologies.get_topology_desc(topology_name=name, platform="tpu",
+                                          chips_per_host_bounds=(dims + (1, 1, 1))[:3], **kw)
   except Exception as e:  # libtpu raises XlaRuntimeError / ValueError with its own text
     raise ConfigError(f"compile_topology={name!r} is not a TPU topology libtpu knows (e.g. v5e:2x2, v5p:4x4x4, "
                       f"v6e:2x2, tpu7x:2x2x1): {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
@@ -302,7 +311,8 @@ def compile_for(cfg, mode: str, target: Target, *, stacked_params: bool = True) 
     dict with topology, device_kind, num_devices, mesh (axis sizes), the shapes, memory
     (`memory_report`, or `refused_report` when libtpu refuses the program for memory; then
     flops_per_device and hlo are None), flops_per_device, compile_seconds, hlo (the compiled HLO
-    text) and hbm_spec_bytes (the nominal HBM per device).
+    text), compiled (the `jax.stages.Compiled`, or None) and hbm_spec_bytes (the nominal HBM per
+    device).
 
   Raises:
     ConfigError: a mesh that does not divide the topology's devices, heads or experts that do not
@@ -329,4 +339,4 @@ def compile_for(cfg, mode: str, target: Target, *, stacked_params: bool = True) 
           **info, "memory": memory, "hbm_spec_bytes": target.hbm_spec_bytes,
           "flops_per_device": None if compiled is None else flops(compiled),
           "lower_seconds": t1 - t0, "compile_seconds": t2 - t1,
-          "hlo": None if compiled is None else compiled.as_text()}
+          "hlo": None if compiled is None else compiled.as_text(), "compiled": compiled}

@@ -20,7 +20,11 @@ config key (configs/base.py: mesh `ici_*` / `dcn_*_parallelism`, `logical_axis_r
                                     arguments already stacked (default true, as a server stacks them
                                     once at load); false stacks them inside the program (a second copy)
   output_json=PATH                  also write the report (with the compiled HLO text) there
-  overwrite=true                    replace an existing output_json
+  compiled_trainstep_file=PATH      mode=train: also write the compiled step there, for
+                                    `kda-train ... compiled_trainstep_file=PATH` on the target (it loads
+                                    in seconds instead of compiling; same jax, device kind, device count
+                                    and step-shaping keys, checked when it loads: model/training/compiled_step.py)
+  overwrite=true                    replace an existing output_json or compiled_trainstep_file
 
 Prints per device: arguments, outputs, temporaries, total, the device's usable HBM, one verdict line
 ("fits: ..." / "does not fit in ... by X GiB: needs ..."), the compiler's FLOP count per step and the
@@ -95,6 +99,10 @@ def _parse(argv):
     raise UsageError(f"stacked_params must be true or false, got {own['stacked_params']!r}")
   if cfg.output_json:
     cli.check_output_path(cfg.output_json, overwrite=cfg.overwrite)
+  if cfg.compiled_trainstep_file:
+    if mode != "train":
+      raise UsageError(f"compiled_trainstep_file is written for mode=train only, got mode={mode}")
+    cli.check_output_path(cfg.compiled_trainstep_file, "compiled_trainstep_file", overwrite=cfg.overwrite)
   return cfg, own["compile_topology"], slices, mode, stacked_text == "true"
 
 
@@ -110,7 +118,7 @@ def run(argv: list[str]) -> int:
   from model import aot  # imports jax: with libtpu present it starts the TPU compiler
   target = aot.topology(topology_name, slices)
   report = aot.compile_for(cfg, mode, target, stacked_params=stacked)
-  hlo = report.pop("hlo")
+  hlo, compiled = report.pop("hlo"), report.pop("compiled")
   m = report["memory"]
   mesh = " ".join(f"{a}={s}" for a, s in report["mesh"].items())
   print(f"{cfg.model_name} {mode} on {topology_name} x{slices} ({report['num_devices']} devices, "
@@ -131,6 +139,14 @@ def run(argv: list[str]) -> int:
   print(f"compile time: {report['compile_seconds']:.1f} s (lowering {report['lower_seconds']:.1f} s)")
   if cfg.output_json:
     cli.write_json_atomic(cfg.output_json, {**report, "hlo": hlo}, overwrite=cfg.overwrite)
+  if cfg.compiled_trainstep_file and compiled is not None:
+    from model.training import compiled_step  # noqa: PLC0415
+    head = compiled_step.header(cfg, target.device_kind, report["num_devices"], report["mesh"])
+    size = compiled_step.save(cfg.compiled_trainstep_file, compiled, head, overwrite=cfg.overwrite)
+    report["compiled_trainstep_file"] = {"path": str(cfg.compiled_trainstep_file), "bytes": size}
+    print(f"wrote the compiled train step to {cfg.compiled_trainstep_file} ({size / 2**20:.1f} MiB)")
+  elif cfg.compiled_trainstep_file:
+    print("compiled_trainstep_file: not written (the compiler refused the program)")
   print(json.dumps({**report, "has_tpu_custom_call": hlo is not None and "tpu_custom_call" in hlo}))
   return 0 if m["fits"] else EXIT_DOES_NOT_FIT
 

@@ -33,6 +33,12 @@ What a run does:
     cache); it needs X MiB ... of Y MiB available"). jax's persistent compilation cache
     (`compilation_cache_dir`: "" = $KDA_COMPILATION_CACHE_DIR or ~/.cache/kda_plugin/jax, none = off)
     makes a restart or a resume load the step instead of compiling it again;
+    `compiled_trainstep_file=PATH` (MaxText's key) loads the step that `kda-aot-compile ... mode=train
+    compiled_trainstep_file=PATH` compiled ahead of time on another host for this target ("train step
+    ready in N s (loaded from PATH)"): a large model's step then costs seconds here instead of
+    minutes. The file must match the run: same jax and jaxlib, device kind, device count, mesh and
+    every key that shapes the step (model/training/compiled_step.py); otherwise one line names the
+    differences, before anything is read or written;
   * export: the parameters in the project's checkpoint format (model.checkpoint.format: Orbax params +
     config.json + tokenizer copy) to DIR/params at the end, so `load_parameters_path=DIR/params` alone
     serves tools.generate and tools.perplexity.

@@ -339,7 +339,12 @@ def train_step_fn(graphdef, hparams: tuple, num_slots: int, router_bias_update_r
     compiled["exe"] = exe if reuse else None
     return exe
 
+  def install(exe):
+    """Later calls run `exe` (e.g. a step compiled ahead of time, `model.training.compiled_step`)."""
+    compiled["exe"] = exe
+
   run.compile = compile_step
+  run.install = install
   return run
 
 

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from model import loading, memory, partitioning
 from model.engine import compilation_cache
+from model.training import compiled_step
 from model.training import steps as train_lib
 from model.checkpoint import format as checkpointing
 from model.config import config_to_json, matmul_precision
@@ -327,7 +328,14 @@ def _say(line: str) -> None:
   sys.stderr.flush()
 
 
-def check_step_memory(step_fn, state, batch, *, reuse: bool, cfg=None) -> dict | None:
+def step_header(cfg) -> dict:
+  """What this run's train step is compiled for (`compiled_step.header`): checked against a
+  compiled_trainstep_file."""
+  n = jax.device_count()
+  return compiled_step.header(cfg, jax.devices()[0].device_kind, n, partitioning.mesh_shape(cfg, n))
+
+
+def check_step_memory(step_fn, state, batch, *, reuse: bool, cfg=None, aot_step: dict | None = None) -> dict | None:
   """Announces and compiles the train step, says how long it took, and refuses it before it runs when
   it cannot fit: libtpu refuses to compile it for memory (a TPU), or XLA's compile-time
   `memory_analysis()` says it needs more than the device has (its bytes_limit; on CPU the host's
@@ -336,7 +344,9 @@ def check_step_memory(step_fn, state, batch, *, reuse: bool, cfg=None) -> dict |
 
   jax's persistent compilation cache (`model.engine.compilation_cache`, enabled by tools.train) makes a
   restart load the executable instead of compiling it; the seconds of a cold compile are kept beside
-  the cache (COMPILE_TIMES_FILE) and quoted by the next run's announcement.
+  the cache (COMPILE_TIMES_FILE) and quoted by the next run's announcement. With `aot_step` (a
+  `compiled_step.read` of cfg.compiled_trainstep_file, already checked), the step is loaded from it
+  instead, and every later step runs it.
 
   Returns:
     None for a step without an ahead-of-time form (a wrapped or substituted step), else
@@ -351,6 +361,8 @@ def check_step_memory(step_fn, state, batch, *, reuse: bool, cfg=None) -> dict |
   if compile_step is None:  # a step without an ahead-of-time form (a wrapped or substituted step)
     return None
   device = jax.devices()[0]
+  if aot_step is not None:
+    return _load_step(step_fn, state, aot_step, cfg, device)
   advice = memory_advice(cfg) if cfg is not None else f"lower {MEMORY_KEYS}"
   params = int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"])))
   cache_dir = compilation_cache.directory()
@@ -403,6 +415,29 @@ def check_step_memory(step_fn, state, batch, *, reuse: bool, cfg=None) -> dict |
                    f"the first step, nothing was run")
 
 
+def _load_step(step_fn, state, aot_step: dict, cfg, device) -> dict:
+  """`check_step_memory` for a step compiled ahead of time: loads it, says so and how long it took,
+  and refuses it as a compiled one when XLA's memory analysis says it cannot fit."""
+  path = cfg.compiled_trainstep_file
+  _say(f"loading the train step compiled ahead of time from {path} (compiled_trainstep_file)")
+  t0 = time.perf_counter()
+  exe = compiled_step.deserialize(path, aot_step, device.device_kind)
+  step_fn.install(exe)
+  seconds = time.perf_counter() - t0
+  have, resident = train_lib.available_memory_bytes(device)
+  need = train_lib.step_bytes_needed(exe, arguments_resident=resident)
+  need_text = "" if need is None else f"; it needs {need / 2**20:,.1f} MiB by XLA's memory analysis"
+  have_text = "" if have is None else f" of {have / 2**20:,.1f} MiB available"
+  _say(f"train step ready in {seconds:.1f} s (loaded from {path}){need_text}{have_text if need_text else ''}")
+  if have is not None and need is not None and need > have:
+    raise TrainError(f"out of memory (the train step in {path} needs {need / 2**20:,.1f} MiB by XLA's memory "
+                     f"analysis, {have / 2**20:,.1f} MiB available on {device.device_kind}): "
+                     f"{memory_advice(cfg)}, then compile it again; checked before the first step, nothing was run")
+  return {"seconds": round(seconds, 2), "cache_dir": None, "cache_hits": 0, "cache_requests": 0,
+          "loaded_from_cache": False, "loaded_from_file": str(path), "need_bytes": need, "have_bytes": have,
+          "device_kind": device.device_kind}
+
+
 def train(cfg, *, progress: bool = True) -> dict:
   """Runs (or resumes) training as configured; see the module docstring.
 
@@ -429,6 +464,10 @@ def train(cfg, *, progress: bool = True) -> dict:
 def _train(cfg, *, progress: bool) -> dict:
   train_lib.check_train_config(cfg)
   partitioning.mesh_shape(cfg, jax.device_count())  # an impossible mesh fails before anything is read or written
+  aot_step = None
+  if cfg.compiled_trainstep_file:   # a file for another step fails before anything is read or written too
+    aot_step = compiled_step.read(cfg.compiled_trainstep_file)
+    compiled_step.check(cfg.compiled_trainstep_file, aot_step["header"], step_header(cfg))
   if not cfg.output_dir:
     raise TrainError("output_dir is required: pass output_dir=DIR (checkpoints, metrics and parameters go there)")
   out = pathlib.Path(cfg.output_dir).absolute()
@@ -553,7 +592,7 @@ def _train(cfg, *, progress: bool) -> dict:
         if to_global is not None:
           batch = to_global(batch)
         if step == start:  # before the first step: announced, timed, and XLA's own figure of what it needs
-          compile_report = check_step_memory(step_fn, state, batch, reuse=mesh is None, cfg=cfg)
+          compile_report = check_step_memory(step_fn, state, batch, reuse=mesh is None, cfg=cfg, aot_step=aot_step)
         interrupts.check()
         with interrupts.hold():  # a SIGTERM now is raised once the new state and its metrics are kept
           state, m = step_fn(state, batch)

@@ -149,6 +149,7 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
     # a mistyped corpus failed inside the loss phase, after the install; a PY without jax after OUT was cleared
     ({"TRAIN_CORPUS": "/nonexistent/corpus.txt"}, "error: TRAIN_CORPUS='/nonexistent/corpus.txt': no such file"),
     ({"PY": "/nonexistent/python3"}, "error: PY='/nonexistent/python3': not a Python with jax"),
+    ({"TRAIN_COMPILED_STEP": "no/such.bin"}, "error: TRAIN_COMPILED_STEP='no/such.bin': no such file"),
 ])
 def test_bad_settings_are_refused_before_any_phase(tmp_path, env, message):
   """A typo in a phase name, budget, switch, batch list or model key exits 2 with one line naming the
@@ -265,3 +266,25 @@ def test_help_has_the_description_once_and_every_flag_explained(capsys):
   with pytest.raises(SystemExit) as e:
     train_device.main(["--help"])
   assert e.value.code == 0 and capsys.readouterr().out.count(first) == 1
+
+
+@pytest.mark.slow   # ~40 s of CPU (a compile of the smoke step, then the phase); make test-slow runs it
+def test_the_step_phase_runs_a_step_compiled_ahead_of_time(tmp_path):
+  """--compiled-step: the step phase loads the file (model/aot.py's program, compiled here for this CPU as
+  kda-aot-compile compiles it for the chip) instead of compiling, and times it."""
+  import jax
+
+  from model import aot, partitioning
+  from model.training import compiled_step
+  cfg = train_device.step_config(train_device.build_parser().parse_args(["step", "--smoke", "--seq-len", "64"]), 2)
+  mesh = partitioning.create_mesh(cfg, jax.devices()[:1])
+  path = tmp_path / "step.bin"
+  head = compiled_step.header(cfg, jax.devices()[0].device_kind, 1, partitioning.mesh_shape(cfg, 1))
+  compiled_step.save(path, aot.lower(cfg, "train", mesh)[0].compile(), head)
+  out = tmp_path / "step.json"
+  assert train_device.main(["step", "--json", str(out), "--smoke", "--batches", "2", "--seq-len", "64",
+                            "--repeats", "2", "--steps-per-repeat", "1", "--compiled-step", str(path)]) == 0
+  report = json.loads(out.read_text())
+  assert report["compile"]["loaded_from"] == str(path) and report["compile"]["file_bytes"] == path.stat().st_size
+  assert report["batch_size"] == 2 and report["timed"]["step"]["median_ms"] > 0
+  assert np.isfinite(report["timed"]["first_loss"])

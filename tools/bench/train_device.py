@@ -239,15 +239,30 @@ def phase_step(args, out: dict) -> None:
       f"{params['active_matmul'] / 1e9:.3f} B active; {dev.device_kind}")
   step_fn = train_lib.train_step_fn(graphdef, hparams, cfg.max_num_segments, float(cfg.router_bias_update_rate))
   data = {b: packed_batch(cfg, b, args.seq_len, seed=b) for b in batches}
-  say(f"compiling the train step for batch sizes {batches} x seq_len {args.seq_len} at once (cold on a fresh "
-      f"machine: minutes for this model on a v5e; persistent cache at {compilation_cache.directory()})")
-  t_c = time.perf_counter()
-  with compilation_cache.watch() as seen:
-    lowered = {b: train_lib_lower(step_fn, state, data[b][0], donate=args.donate) for b in batches}
-    compiled = compile_all(lowered, threads=len(batches))
-  out["compile"] = {"wall_s": round(time.perf_counter() - t_c, 2), "cache_hits": seen["hits"],
-                    "cache_dir": compilation_cache.directory(),
-                    "per_batch_s": {str(b): round(sec, 2) for b, (_, sec) in compiled.items()}}
+  if args.compiled_step:   # compiled ahead of time on another host (kda-aot-compile compiled_trainstep_file)
+    # imported in the phase that needs it: a missing package fails that phase alone, by name
+    from model import partitioning
+    from model.training import compiled_step
+    say(f"loading the train step compiled ahead of time from {args.compiled_step} (batch size {batches[0]})")
+    t_c = time.perf_counter()
+    want = compiled_step.header(cfg, dev.device_kind, 1, partitioning.mesh_shape(cfg, 1))
+    exe = compiled_step.load(args.compiled_step, want)
+    load_s = time.perf_counter() - t_c
+    compiled = {batches[0]: (exe, load_s)}
+    batches = batches[:1]
+    out["donate_state"] = True   # kda-aot-compile donates the train state
+    out["compile"] = {"loaded_from": str(args.compiled_step), "load_s": round(load_s, 2),
+                      "file_bytes": os.path.getsize(args.compiled_step)}
+  else:
+    say(f"compiling the train step for batch sizes {batches} x seq_len {args.seq_len} at once (cold on a fresh "
+        f"machine: minutes for this model on a v5e; persistent cache at {compilation_cache.directory()})")
+    t_c = time.perf_counter()
+    with compilation_cache.watch() as seen:
+      lowered = {b: train_lib_lower(step_fn, state, data[b][0], donate=args.donate) for b in batches}
+      compiled = compile_all(lowered, threads=len(batches))
+    out["compile"] = {"wall_s": round(time.perf_counter() - t_c, 2), "cache_hits": seen["hits"],
+                      "cache_dir": compilation_cache.directory(),
+                      "per_batch_s": {str(b): round(sec, 2) for b, (_, sec) in compiled.items()}}
   have, _ = memory.available_memory_bytes(dev)
   out["bytes_limit"] = have
   candidates = {}
@@ -769,6 +784,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="loss: checkpoint_every of the kda-train runs, >= 1 (default 50)")
   p.add_argument("--child-platforms", default="", help="loss: JAX_PLATFORMS of the kda-train runs")
   p.add_argument("--cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
+  p.add_argument("--compiled-step", default="",
+                 help="step: run the train step in this file (kda-aot-compile ... mode=train "
+                      "compiled_trainstep_file=FILE, for this model, the first of --batches and --seq-len, "
+                      "steps=1000 warmup_steps=10) instead of compiling it")
   return p
 
 
@@ -824,6 +843,9 @@ def main(argv=None) -> int:
     p.error(f"the following arguments are required: --json (the phase {args.phase} writes its figures there)")
   if args.phase == "loss" and args.corpus and not pathlib.Path(args.corpus).is_file():   # before any file is made
     p.error(f"argument --corpus: no such file: {args.corpus!r} (expected the text to train on)")
+  if args.compiled_step and (args.phase != "step" or not pathlib.Path(args.compiled_step).is_file()):
+    p.error(f"argument --compiled-step: the step phase's only, and a file (kda-aot-compile ... "
+            f"compiled_trainstep_file=FILE): got phase {args.phase}, {args.compiled_step!r}")
   if args.phase == "loss" and args.kill_at >= args.loss_steps:
     p.error(f"argument --kill-at: expected fewer than --loss-steps={args.loss_steps}, got {args.kill_at} "
             f"(run A must be stopped before it ends)")

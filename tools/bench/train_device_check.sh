@@ -33,7 +33,11 @@
 #   "step loss split"), TRAIN_MODEL_SET (model overrides of the step and split phases, e.g.
 #   "scan_layers=true remat_policy=none"), TRAIN_BATCHES (default "8 4 1"), TRAIN_DONATE=0 (the step phase
 #   then does not donate the train state, as train_step_fn's own jit runs it now; default 1: donated, as
-#   model/aot.py compiles it),
+#   model/aot.py compiles it), TRAIN_COMPILED_STEP=FILE (the step phase runs the step in FILE, written on a
+#   CPU host by `kda-aot-compile kimi_linear_48b_pattern_0p9b num_experts=4 compile_topology=v5e:1x1
+#   mode=train batch_size=8 seq_len=2048 dtype=bfloat16 weight_dtype=float32 steps=1000 warmup_steps=10
+#   compiled_trainstep_file=FILE` under this chip's jax and libtpu, instead of compiling it: seconds, not
+#   the cold compile; a relative path is taken from the checkout),
 #   CACHE_DIR (default /tmp/kda_train_jax_cache), TRAIN_BUDGET_<phase>=SECONDS (e.g. TRAIN_BUDGET_loss=400 with
 #   TRAIN_PHASES=loss when its cold compile needs longer; phases: install step loss split; whole seconds
 #   up to the total, which stays 570 s, 1200 s with TRAIN_SMOKE=1).
@@ -109,6 +113,10 @@ fi
 if [ -n "${TRAIN_CORPUS:-}" ] && [ ! -f "$TRAIN_CORPUS" ]; then
   echo "error: TRAIN_CORPUS='$TRAIN_CORPUS': no such file (expected the text of the loss phase, e.g. tinyshakespeare.txt)" >&2; exit 2
 fi
+if [ -n "${TRAIN_COMPILED_STEP:-}" ]; then
+  case "$TRAIN_COMPILED_STEP" in /*) f="$TRAIN_COMPILED_STEP";; *) f="$ROOT/$TRAIN_COMPILED_STEP";; esac
+  [ -f "$f" ] || { echo "error: TRAIN_COMPILED_STEP='$TRAIN_COMPILED_STEP': no such file (expected a kda-aot-compile compiled_trainstep_file)" >&2; exit 2; }
+fi
 PY_INFO=$(cd / && "$PY" -c "import jax, sys; print(sys.version.split()[0], 'jax', jax.__version__)" 2>&1) \
   || { echo "error: PY='$PY': not a Python with jax (${PY_INFO##*$'\n'}); set PY to the machine's Python with JAX" >&2; exit 2; }
 LOGS="$OUT/train_device_logs.txt"
@@ -159,6 +167,10 @@ if [ "$SMOKE" = 1 ]; then
 else
   STEP_ARGS=(--batches "$BATCHES" --seq-len 2048 --repeats 5 --steps-per-repeat 3)
   [ "${TRAIN_DONATE:-1}" = 0 ] && STEP_ARGS+=(--no-donate)
+  if [ -n "${TRAIN_COMPILED_STEP:-}" ]; then
+    case "$TRAIN_COMPILED_STEP" in /*) ;; *) TRAIN_COMPILED_STEP="$ROOT/$TRAIN_COMPILED_STEP";; esac
+    STEP_ARGS+=(--compiled-step "$TRAIN_COMPILED_STEP")
+  fi
   SPLIT_ARGS=(--seq-len 2048 --repeats 5 --steps-per-repeat 3)
   LOSS_ARGS=()
 fi
