@@ -344,9 +344,9 @@ def check_step_memory(step_fn, state, batch, *, reuse: bool, cfg=None, aot_step:
 
   jax's persistent compilation cache (`model.engine.compilation_cache`, enabled by tools.train) makes a
   restart load the executable instead of compiling it; the seconds of a cold compile are kept beside
-  the cache (COMPILE_TIMES_FILE) and quoted by the next run's announcement. With `aot_step` (a
-  `compiled_step.read` of cfg.compiled_trainstep_file, already checked), the step is loaded from it
-  instead, and every later step runs it.
+  the cache (COMPILE_TIMES_FILE) and quoted by the next run's announcement. With `aot_step` (the
+  header of cfg.compiled_trainstep_file, `compiled_step.read` and checked), the step is loaded from
+  that file instead, and every later step runs it.
 
   Returns:
     None for a step without an ahead-of-time form (a wrapped or substituted step), else
@@ -421,7 +421,7 @@ def _load_step(step_fn, state, aot_step: dict, cfg, device) -> dict:
   path = cfg.compiled_trainstep_file
   _say(f"loading the train step compiled ahead of time from {path} (compiled_trainstep_file)")
   t0 = time.perf_counter()
-  exe = compiled_step.deserialize(path, aot_step, device.device_kind)
+  exe = compiled_step.deserialize(path, device.device_kind)
   step_fn.install(exe)
   seconds = time.perf_counter() - t0
   have, resident = train_lib.available_memory_bytes(device)
@@ -467,7 +467,7 @@ def _train(cfg, *, progress: bool) -> dict:
   aot_step = None
   if cfg.compiled_trainstep_file:   # a file for another step fails before anything is read or written too
     aot_step = compiled_step.read(cfg.compiled_trainstep_file)
-    compiled_step.check(cfg.compiled_trainstep_file, aot_step["header"], step_header(cfg))
+    compiled_step.check(cfg.compiled_trainstep_file, aot_step, step_header(cfg))
   if not cfg.output_dir:
     raise TrainError("output_dir is required: pass output_dir=DIR (checkpoints, metrics and parameters go there)")
   out = pathlib.Path(cfg.output_dir).absolute()
