@@ -178,7 +178,8 @@ def test_megablox_is_refused_on_the_mesh_before_anything_runs(saved, tmp_path, c
   from model.errors import ConfigError
   from tools import generate, train
   path, _, _ = saved
-  with pytest.raises(ConfigError, match=r"^moe_impl=megablox needs one device: .* 8 devices \(data=8\); use moe_impl=auto"):
+  with pytest.raises(ConfigError, match=r"^moe_impl=megablox needs one device: .* 8 devices \(ici_data_parallelism=-1 "
+                                       r"\(the devices left: 8\)\); use moe_impl=auto"):
     loading.load(path, ["moe_impl=megablox"])
   assert generate.main([f"load_parameters_path={path}", "prompt_ids=5,9", "moe_impl=megablox"]) == 2
   data, out = tmp_path / "ids.txt", tmp_path / "run"
