@@ -15,7 +15,6 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from model import partitioning
 from model.engine.prefix_cache import BLOCK, Snapshot
