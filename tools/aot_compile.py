@@ -99,6 +99,9 @@ def _parse(argv):
     raise UsageError(f"stacked_params must be true or false, got {own['stacked_params']!r}")
   if cfg.output_json:
     cli.check_output_path(cfg.output_json, overwrite=cfg.overwrite)
+  if mode == "train":   # the optimizer's keys too (warmup_steps < steps, ...): one line, not optax's traceback
+    from model.training.steps import check_train_config  # noqa: PLC0415  (mode=train only: imports jax)
+    check_train_config(cfg)
   if cfg.compiled_trainstep_file:
     if mode != "train":
       raise UsageError(f"compiled_trainstep_file is written for mode=train only, got mode={mode}")

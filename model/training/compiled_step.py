@@ -109,6 +109,8 @@ def read(path) -> dict:
     UsageError: no such file, or not a compiled train step of this FORMAT.
   """
   path = pathlib.Path(path)
+  if path.is_dir():
+    raise UsageError(f"{KEY}={path} is a directory: expected a file written by kda-aot-compile ... mode=train {KEY}=FILE")
   if not path.is_file():
     raise UsageError(f"{KEY}={path}: no such file (write one with kda-aot-compile ... mode=train {KEY}={path})")
   with open(path, "rb") as f:
@@ -117,13 +119,20 @@ def read(path) -> dict:
     if magic != MAGIC or len(size) != 8:
       raise UsageError(f"{KEY}={path} is not a compiled train step (written by kda-aot-compile ... mode=train "
                        f"{KEY}=...)")
+    length = struct.unpack("<Q", size)[0]
+    if length > path.stat().st_size:   # a damaged length: never read (or allocate) more than the file
+      raise UsageError(f"{KEY}={path} is not a compiled train step: its header length {length} exceeds the file")
     try:
-      head = json.loads(f.read(struct.unpack("<Q", size)[0]))
+      head = json.loads(f.read(length))
     except ValueError as e:   # a truncated file
       raise UsageError(f"{KEY}={path} is not a compiled train step: its header does not parse ({e})") from None
   if not isinstance(head, dict) or head.get("format") != FORMAT:
     got = head.get("format") if isinstance(head, dict) else type(head).__name__
     raise UsageError(f"{KEY}={path} is a compiled train step of format {got!r}, not {FORMAT}: compile it again")
+  kinds = {"jax": str, "jaxlib": str, "device_kind": str, "num_devices": int, "mesh": dict, "config": dict}
+  bad = [k for k, kind in kinds.items() if not isinstance(head.get(k), kind)]
+  if bad:
+    raise UsageError(f"{KEY}={path} is not a compiled train step: its header lacks or mistypes {', '.join(bad)}")
   return head
 
 

@@ -94,6 +94,23 @@ def test_a_file_that_is_not_a_compiled_step_is_one_clear_error(corpus, tmp_path)
     compiled_step.read(tmp_path / "missing.bin")
   assert train_tool.main(_argv(corpus, tmp_path / "run", f"compiled_trainstep_file={bad}")) == 2
   assert not (tmp_path / "run").exists()
+  with pytest.raises(UsageError, match=rf"^compiled_trainstep_file={tmp_path} is a directory: "):
+    compiled_step.read(tmp_path)
+  # The right magic line, then a header that is not one (a new user's hand-made files): one line each.
+  import json
+  import struct
+
+  def made(name, head: bytes, length=None):
+    path = tmp_path / name
+    path.write_bytes(compiled_step.MAGIC + struct.pack("<Q", len(head) if length is None else length) + head)
+    return path
+  for path, why in ((made("no_keys.bin", b'{"format": 1}'), "its header lacks or mistypes jax, jaxlib"),
+                    (made("list.bin", json.dumps({"format": 1, "jax": "x", "jaxlib": "x", "device_kind": "cpu",
+                                                  "num_devices": 1, "mesh": {}, "config": []}).encode()),
+                     "its header lacks or mistypes config"),
+                    (made("long.bin", b"{}", length=2**63 - 1), "its header length 9223372036854775807 exceeds")):
+    with pytest.raises(UsageError, match=rf"^compiled_trainstep_file={path} is not a compiled train step: {why}"):
+      compiled_step.read(path)
 
 
 def test_aot_compile_writes_the_step_for_mode_train_only(tmp_path, capsys):
@@ -105,3 +122,6 @@ def test_aot_compile_writes_the_step_for_mode_train_only(tmp_path, capsys):
   existing.write_bytes(b"")
   assert aot_compile.main(["tiny", "compile_topology=v5e:1x1", f"compiled_trainstep_file={existing}"]) == 2
   assert "compiled_trainstep_file" in capsys.readouterr().err
+  # The optimizer's keys are checked as kda-train checks them (was: optax's traceback inside tracing).
+  assert aot_compile.main(["tiny", "compile_topology=v5e:1x1", "mode=train", "steps=3"]) == 2
+  assert "error: warmup_steps=100 is invalid: expected fewer than steps=3" in capsys.readouterr().err

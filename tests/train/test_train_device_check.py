@@ -149,7 +149,10 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
     # a mistyped corpus failed inside the loss phase, after the install; a PY without jax after OUT was cleared
     ({"TRAIN_CORPUS": "/nonexistent/corpus.txt"}, "error: TRAIN_CORPUS='/nonexistent/corpus.txt': no such file"),
     ({"PY": "/nonexistent/python3"}, "error: PY='/nonexistent/python3': not a Python with jax"),
-    ({"TRAIN_COMPILED_STEP": "no/such.bin"}, "error: TRAIN_COMPILED_STEP='no/such.bin': no such file"),
+    ({"TRAIN_SMOKE": "0", "TRAIN_COMPILED_STEP": "no/such.bin"}, "error: TRAIN_COMPILED_STEP='no/such.bin': no such file"),
+    # the smoke step is another program: the file was checked, then silently unused
+    ({"TRAIN_COMPILED_STEP": "no/such.bin"}, "error: TRAIN_COMPILED_STEP is for the 0.4B step phase on the chip, "
+                                             "not with TRAIN_SMOKE=1"),
 ])
 def test_bad_settings_are_refused_before_any_phase(tmp_path, env, message):
   """A typo in a phase name, budget, switch, batch list or model key exits 2 with one line naming the

@@ -114,6 +114,7 @@ if [ -n "${TRAIN_CORPUS:-}" ] && [ ! -f "$TRAIN_CORPUS" ]; then
   echo "error: TRAIN_CORPUS='$TRAIN_CORPUS': no such file (expected the text of the loss phase, e.g. tinyshakespeare.txt)" >&2; exit 2
 fi
 if [ -n "${TRAIN_COMPILED_STEP:-}" ]; then
+  [ "$SMOKE" = 1 ] && { echo "error: TRAIN_COMPILED_STEP is for the 0.4B step phase on the chip, not with TRAIN_SMOKE=1 (the smoke step is another program)" >&2; exit 2; }
   case "$TRAIN_COMPILED_STEP" in /*) f="$TRAIN_COMPILED_STEP";; *) f="$ROOT/$TRAIN_COMPILED_STEP";; esac
   [ -f "$f" ] || { echo "error: TRAIN_COMPILED_STEP='$TRAIN_COMPILED_STEP': no such file (expected a kda-aot-compile compiled_trainstep_file)" >&2; exit 2; }
 fi
