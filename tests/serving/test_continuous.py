@@ -9,6 +9,7 @@ step executables (they are shared per model and sizes).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pathlib
 
@@ -41,6 +42,21 @@ def _config(**kw):
 @pytest.fixture(scope="module")
 def engine(model):
   return ContinuousEngine(model, _config())
+
+
+@contextlib.contextmanager
+def xla_compiles():
+  """Yields a list that gets the seconds of every XLA compilation made inside the block."""
+  compiles = []
+
+  def listen(event, seconds, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(seconds)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield compiles
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def _prompt(rng, n):
@@ -297,20 +313,12 @@ def test_compile_transfers_covers_every_snapshot_size(model):
   pool = SlotPool(model, 2, MAX_LEN)
   sizes = pool.transfer_sizes()
   assert sizes == [64, 128, 256, 512, pool.cache_rows] and pool.cache_rows >= MAX_LEN
-  compiles = []
-
-  def listen(event, seconds, **_):
-    if event == "/jax/core/compile/backend_compile_duration":
-      compiles.append(seconds)
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
+  with xla_compiles() as compiles:
     pool.compile_transfers()
     assert len(compiles) >= len(sizes)    # (none already compiled by another pool of these shapes)
     compiles.clear()
     for n in (64, 192, 320, 576):
       pool.put(1, pool.take(0, n))
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
   assert compiles == []
 
 
@@ -469,21 +477,13 @@ def test_compile_all_compiles_every_executable_and_changes_no_slot(model):
   # Then requests with snapshots, hits and tails compile nothing, no XLA compilation at all: a 200-token
   # prompt, two sharing its 192-token prefix in one step (one crossing the next boundary: a tail on
   # the 4-slot sub-pool), then a third alone (a tail on the one-prompt executable).
-  compiles = []
-
-  def listen(event, seconds, **_):
-    if event == "/jax/core/compile/backend_compile_duration":
-      compiles.append(seconds)
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
+  with xla_compiles() as compiles:
     rng = np.random.default_rng(13)
     first = _prompt(rng, 200)
     run(fresh, [Request("first", first, 3)])
     hits, _ = run(fresh, [Request("hit", first[:192] + _prompt(rng, 20), 3),
                           Request("tail", first[:192] + _prompt(rng, 90), 3)])
     alone, _ = run(fresh, [Request("alone", first[:192] + _prompt(rng, 100), 3)])
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
   assert hits["hit"][-1].cached_tokens == hits["tail"][-1].cached_tokens == alone["alone"][-1].cached_tokens == 192
   # Snapshots: the first prompt's last full block (192), then 256 of "tail" and of "alone" (each from a
   # step's `mid`: their chunks went on past it).
