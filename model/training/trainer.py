@@ -362,7 +362,7 @@ def check_step_memory(step_fn, state, batch, *, reuse: bool, cfg=None, aot_step:
     return None
   device = jax.devices()[0]
   if aot_step is not None:
-    return _load_step(step_fn, state, aot_step, cfg, device)
+    return _load_step(step_fn, cfg, device)
   advice = memory_advice(cfg) if cfg is not None else f"lower {MEMORY_KEYS}"
   params = int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"])))
   cache_dir = compilation_cache.directory()
@@ -415,7 +415,7 @@ def check_step_memory(step_fn, state, batch, *, reuse: bool, cfg=None, aot_step:
                    f"the first step, nothing was run")
 
 
-def _load_step(step_fn, state, aot_step: dict, cfg, device) -> dict:
+def _load_step(step_fn, cfg, device) -> dict:
   """`check_step_memory` for a step compiled ahead of time: loads it, says so and how long it took,
   and refuses it as a compiled one when XLA's memory analysis says it cannot fit."""
   path = cfg.compiled_trainstep_file
