@@ -305,32 +305,26 @@ class MultiHeadLatentAttention(nnx.Module):
     s = x.shape[0]
     q = self.query(x).astype(jnp.float32)                                  # [S, nH, dn + dr]
     lat = self.latent(x).astype(latent_cache.dtype)                        # [S, latent_width]
-    c = latent_cache.astype(self.dtype).astype(jnp.float32)                # as expand() sees it
-    new = lat.astype(self.dtype).astype(jnp.float32)
+    # The new row is written first and the attention reads the written cache (rows <= lengths).
+    # Attending over the incoming cache plus the new row apart, and writing last, was slower on the
+    # lent v5e at the real-width shard (decode B=64 28.90 against 26.18 ms a step, B=8 15.53 against
+    # 14.38: docs/performance.md "Decode: the MLA cache order"): XLA then read each cache from HBM
+    # twice (scores, weighted sum) instead of streaming it through VMEM once.
+    cache = latent_cache.at[jnp.arange(s), lengths].set(lat, mode="drop")
+    c = cache.astype(self.dtype).astype(jnp.float32)                       # as expand() sees it
     w_uk, w_uv = self._absorbed_weights()
     q_lat = jnp.einsum("shd,rhd->shr", q[..., :self.dn], w_uk)             # [S, nH, r]
     # One product against the whole cached row [latent, shared key part] (the query's rope part
     # beside its absorbed part), and the weighted sum over the whole row, its latent part kept:
     # slicing the cache into the two parts first copies every slot's L rows each step.
     q_row = self._pad_latent(jnp.concatenate([q_lat, q[..., self.dn:]], axis=-1))   # [S, nH, latent_width]
-    # The cached rows (< lengths) and the new token's own row, one softmax over both. The attention
-    # reads the cache as it came in and the new row is written after (the write's only use is the
-    # returned cache), so XLA updates the donated cache in place: attending over the cache after
-    # writing the row made XLA:TPU move each real-width MLA cache through a copy every step
-    # (docs/performance.md, "the real-width shard on the chip").
-    # (Not one [S, nH, L + 1] array: a row of L + 1 scores is no whole number of lanes, and XLA
-    # copied the scores around the concatenation.)
     scores = jnp.einsum("shc,slc->shl", q_row, c) * self.scale                     # [S, nH, L]
-    own = jnp.einsum("shc,sc->sh", q_row, new)[..., None] * self.scale              # [S, nH, 1]
-    cached = (jnp.arange(latent_cache.shape[1])[None, :] < lengths[:, None])[:, None, :]
-    scores = jnp.where(cached, scores, _NEG)
-    m = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), own)   # the own score is finite: no empty row
-    p = jnp.where(cached, jnp.exp(scores - m), 0.0)
-    p_own = jnp.exp(own - m)
-    den = jnp.sum(p, axis=-1, keepdims=True) + p_own
-    o_lat = (jnp.einsum("shl,slc->shc", p, c) + p_own * new[:, None, :]) / den
-    o = jnp.einsum("shr,rhd->shd", o_lat[..., :self.rank], w_uv)
-    return self._out(o), latent_cache.at[jnp.arange(s), lengths].set(lat, mode="drop")
+    valid = (jnp.arange(cache.shape[1])[None, :] <= lengths[:, None])[:, None, :]
+    scores = jnp.where(valid, scores, _NEG)
+    p = jnp.where(valid, jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True)), 0.0)
+    p = p / jnp.sum(p, axis=-1, keepdims=True)   # the new row is valid: no empty row (lengths < L)
+    o = jnp.einsum("shr,rhd->shd", jnp.einsum("shl,slc->shc", p, c)[..., :self.rank], w_uv)
+    return self._out(o), cache
 
 
 def _positions_in_run(segment_ids):

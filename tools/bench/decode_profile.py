@@ -1,0 +1,297 @@
+r"""Where a decode step's device time goes: one loop of decode steps traced with jax's profiler, the
+compiled program's own instructions summed by name, largest first.
+
+    python -m tools.bench.decode_profile --json FILE [--batch 64] [--context 1024] [--steps 32]
+        [--config kimi_linear_48b_a3b] [--set key=value ...] [--top 40] [--smoke]
+
+What it does, in order:
+  1. builds the model (random weights, bf16) and a decode cache for `--batch` sequences that hold
+     `--context` tokens, and jits `--steps` greedy decode steps in one `lax.fori_loop` (the cache
+     donated, as tools/bench/e2e_device.py's decode figures and the serving engine run it);
+  2. times the loop (median of `--repeats`, wall clock around a blocked call: device time, one
+     dispatch a loop) and prints the step time;
+  3. traces one more loop with `jax.profiler.trace` and reads the trace back (`jax.profiler.ProfileData`):
+     every event on the device's plane ("/device:TPU:0", else the host's, where XLA:CPU runs) whose
+     name is an instruction of the compiled program is that instruction's execution;
+  4. writes JSON: per instruction the summed time and count a step (divided by `--steps`), its opcode,
+     its kernel or fusion kind, its output shape and the op_name jax gave it; the sum by opcode
+     (custom-call by target); the sum of all (asynchronous copies overlap compute, so the sum can
+     exceed the step).
+
+Run it on the chip beside the e2e check's real phase (same model, same loop) to see what the step split
+leaves out (docs/performance.md). `--smoke`: the tiny config, batch 2, context 16, 2 steps, on any
+backend (the CPU test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import glob
+import json
+import os
+import pathlib
+import re
+import sys
+import tempfile
+import time
+
+from tools.bench import e2e_device
+
+REAL_CONFIG = ["kimi_linear_48b_a3b", "num_experts=16"]
+
+# `%name = shape opcode(` in XLA's HLO text; the shape is an array `f32[64,32]{...}` or a tuple `(...)`
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\(.*?\)|[\w]+\[[\d,]*\][^ ]*) ([\w\-]+)\(")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_KERNEL = re.compile(r'"kernel_name":\s*"([^"]+)"|kernel_name=([\w.\-]+)')
+_KIND = re.compile(r"kind=(k\w+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+# The model part an instruction belongs to: the first frame of its stack (innermost first) whose
+# function or file is one of these.
+PARTS = (("kda", ("KimiDeltaAttention.", "KDABackend.", "kda_plugin/")),
+         ("mla", ("MultiHeadLatentAttention.",)),
+         ("moe", ("SparseMoeBlock.", "Experts.", "TopKRouter.", "megablox/")),
+         ("ffn", ("SwiGLU.",)),
+         ("norm", ("RMSNorm.",)),
+         ("embed", ("Embed.",)),
+         ("model", ("KimiLinearForCausalLM.", "DecoderLayer.")))
+
+
+def stack_frames(hlo_text: str) -> dict[int, list[tuple[str, str, int]]]:
+  """`{stack_frame_id: [(file, function, line), ...]}`, innermost frame first, from the FileNames /
+  FunctionNames / FileLocations / StackFrames tables that XLA prints at the top of a module's text
+  (absent in older XLA: then `{}`)."""
+  sections: dict[str, list[str]] = {}
+  current = None
+  for line in hlo_text.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      current = sections.setdefault(line, [])
+    elif current is not None and re.match(r"^\d+ ", line):
+      current.append(line)
+    elif current is not None:
+      current = None
+  named = lambda key: {int(l.split(None, 1)[0]): l.split(None, 1)[1].strip('"') for l in sections.get(key, [])}
+  files, functions = named("FileNames"), named("FunctionNames")
+  locations, frames = {}, {}
+  for l in sections.get("FileLocations", []):
+    d = dict(re.findall(r"(\w+)=(\d+)", l))
+    locations[int(l.split()[0])] = (files.get(int(d.get("file_name_id", 0)), "?"),
+                                    functions.get(int(d.get("function_name_id", 0)), "?"), int(d.get("line", 0)))
+  for l in sections.get("StackFrames", []):
+    d = dict(re.findall(r"(\w+)=(\d+)", l))
+    frames[int(l.split()[0])] = (int(d.get("file_location_id", 0)), int(d.get("parent_frame_id", 0)))
+  out = {}
+  for fid in frames:
+    chain, seen, f = [], set(), fid
+    while f in frames and f not in seen:   # a frame that is its own parent ends the chain
+      seen.add(f)
+      loc, f = frames[f]
+      if loc in locations:
+        chain.append(locations[loc])
+    out[fid] = chain
+  return out
+
+
+def part_of(chain: list[tuple[str, str, int]]) -> str:
+  """The model part (PARTS) of a stack, innermost frame first; "other" when none matches."""
+  for file, function, _ in chain:
+    for part, marks in PARTS:
+      if any(function.startswith(m) or m in file for m in marks):
+        return part
+  return "other"
+
+
+def hlo_instructions(hlo_text: str) -> dict[str, dict]:
+  """Every instruction of an HLO module's text by name: opcode, output shape (layout dropped), the
+  custom-call target (a Mosaic kernel's name where the backend config gives it), the fusion kind and
+  jax's op_name, and where its stack says it comes from: the innermost frame ("source") and the model
+  part (`part_of`)."""
+  frames = stack_frames(hlo_text)
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    name, shape, opcode = m.groups()
+    info = {"opcode": opcode, "shape": re.sub(r"\{[^{}]*\}", "", shape)}
+    if opcode == "custom-call":
+      t = _TARGET.search(line)
+      k = _KERNEL.search(line)
+      info["target"] = (t.group(1) if t else "?") + (f":{k.group(1) or k.group(2)}" if k else "")
+    kind = _KIND.search(line)
+    if kind:
+      info["kind"] = kind.group(1)
+    op = _OP_NAME.search(line)
+    if op:
+      info["op_name"] = op.group(1)
+    frame = _FRAME_ID.search(line)
+    chain = frames.get(int(frame.group(1)), []) if frame else []
+    info["part"] = part_of(chain)
+    if chain:
+      file, function, lineno = chain[0]
+      info["source"] = f"{'/'.join(file.split('/')[-2:])}:{lineno} {function}"
+    out[name] = info
+  return out
+
+
+# Instructions whose time is their body's (counted there): left out of every sum.
+CONTAINERS = ("while", "conditional", "call", "async-start", "async-done")
+
+
+def instruction_times(profile, instructions: dict) -> tuple[str | None, dict[str, list[int]]]:
+  """`(plane name, {instruction: [total ns, count]})`: the events of the device plane (the first
+  "/device:" plane with any event named like an instruction, else "/host:CPU") whose names are
+  instructions of the program, control flow (CONTAINERS) left out. A profile with neither gives `(None, {})`."""
+  planes = list(profile.planes)
+  ordered = ([p for p in planes if p.name.startswith("/device:")]
+             + [p for p in planes if p.name == "/host:CPU"])
+  for plane in ordered:
+    times: dict[str, list[int]] = {}
+    for line in plane.lines:
+      for ev in line.events:
+        if ev.name in instructions and instructions[ev.name]["opcode"] not in CONTAINERS:
+          slot = times.setdefault(ev.name, [0, 0])
+          slot[0] += int(ev.duration_ns)
+          slot[1] += 1
+    if times:
+      return plane.name, times
+  return None, {}
+
+
+def summarize(times: dict[str, list[int]], instructions: dict, steps: int, top: int) -> dict:
+  """Per-step times: the `top` largest instructions, and sums by model part and by opcode (custom-call
+  by target)."""
+  per_step = lambda ns: round(ns / steps / 1e6, 5)   # milliseconds a step
+  rows = sorted(times.items(), key=lambda kv: -kv[1][0])
+  by_kind: dict[str, int] = collections.Counter()
+  by_part: dict[str, int] = collections.Counter()
+  for name, (ns, _) in rows:
+    info = instructions[name]
+    by_part[info["part"]] += ns
+    by_kind[info.get("target", info["opcode"]) if info["opcode"] == "custom-call" else info["opcode"]] += ns
+  return {
+      "sum_ms_per_step": per_step(sum(ns for ns, _ in times.values())),
+      "by_part_ms_per_step": {k: per_step(v) for k, v in sorted(by_part.items(), key=lambda kv: -kv[1])},
+      "by_opcode_ms_per_step": {k: per_step(v) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+      "top": [{"name": name, "ms_per_step": per_step(ns), "count_per_step": round(n / steps, 3),
+               **instructions[name]} for name, (ns, n) in rows[:top]],
+      "instructions_seen": len(times),
+  }
+
+
+def run(args) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.profiler import ProfileData
+
+  ns = argparse.Namespace(config=args.config, set=args.set)
+  cfg = e2e_device.build_config(ns, "bfloat16")
+  model = e2e_device.build_model(cfg)
+  graphdef, treedef, leaves = e2e_device.split(model)
+  from flax import nnx
+  model_of = lambda lv: nnx.merge(graphdef, jax.tree.unflatten(treedef, lv))
+  b, context, steps = args.batch, args.context, args.steps
+
+  def decode_loop(lv, tok, cache):   # as tools/bench/e2e_device.py's decode figures run it
+    m = model_of(lv)
+
+    def body(_, carry):
+      tok, cache = carry
+      logits, cache = m.decode(tok, cache)
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+    tok, out = jax.lax.fori_loop(0, steps, body, (tok, cache))
+    return tok, type(out)(out.layers, cache.lengths)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def decode_cache(batch):
+    cache = model.init_cache(batch, 1, context + steps + 1)
+    return type(cache)(cache.layers, jnp.full((batch,), context, jnp.int32))
+
+  tok = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (b,)), jnp.int32)
+  t = time.perf_counter()
+  compiled = jax.jit(decode_loop, donate_argnums=2).lower(leaves, tok, jax.eval_shape(decode_cache, b)).compile()
+  compile_s = time.perf_counter() - t
+  live = {"cache": decode_cache(b)}
+  floor = e2e_device.decode_floor_bytes(e2e_device.tree_bytes(leaves), live["cache"], context)
+
+  def loop():
+    out, live["cache"] = compiled(leaves, tok, live["cache"])
+    return out
+
+  jax.block_until_ready(loop())
+  med, runs = e2e_device.timed(loop, args.repeats)
+  step_ms = med / steps * 1e3
+  floor_ms = floor["total"] / e2e_device.HBM_BYTES_PER_S * 1e3
+  print(f"decode B={b}: {step_ms:.3f} ms/step (HBM floor {floor_ms:.2f} ms, {step_ms / floor_ms:.2f}x); "
+        f"compiled in {compile_s:.1f} s", flush=True)
+  instructions = hlo_instructions(compiled.as_text())
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      jax.block_until_ready(loop())
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+      raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
+    plane, times = instruction_times(ProfileData.from_file(files[0]), instructions)
+  summary = summarize(times, instructions, steps, args.top)
+  print(f"profile ({plane}): {summary['instructions_seen']} instructions, "
+        f"{summary['sum_ms_per_step']:.3f} ms a step in all", flush=True)
+  for part, ms in summary["by_part_ms_per_step"].items():
+    print(f"  part {part:43s} {ms:9.4f} ms/step", flush=True)
+  for kind, ms in list(summary["by_opcode_ms_per_step"].items())[:12]:
+    print(f"  {kind:48s} {ms:9.4f} ms/step", flush=True)
+  for row in summary["top"][:args.top]:
+    print(f"  {row['ms_per_step']:9.4f} ms x{row['count_per_step']:<6g} {row['name']:32s} "
+          f"{row['part']:6s} {row.get('target', row.get('kind', row['opcode']))} {row['shape'][:60]}  "
+          f"{row.get('source', '')}", flush=True)
+  return {"what": "tools/bench/decode_profile.py", "config": cfg.get("name", None) if hasattr(cfg, "get") else None,
+          "args": {k: v for k, v in vars(args).items() if k != "json"}, "jax": jax.__version__,
+          "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
+          "step_ms": round(step_ms, 4), "loop_runs_ms": [round(r * 1e3, 3) for r in runs],
+          "hbm_floor_ms": round(floor_ms, 4), "x_floor": round(step_ms / floor_ms, 3), "floor_bytes": floor,
+          "plane": plane, **summary}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m tools.bench.decode_profile", description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+  p.add_argument("--json", required=True, help="where the profile's figures are written")
+  p.add_argument("--smoke", action="store_true", help="the tiny config at tiny shapes (the CPU test)")
+  p.add_argument("--config", default="", help="model config (default kimi_linear_48b_a3b with num_experts=16; "
+                                              "--smoke: tiny)")
+  p.add_argument("--set", action="append", default=[], help="key=value config override (repeatable)")
+  p.add_argument("--batch", type=int, default=0, help="sequences decoded together (default 64; --smoke: 2)")
+  p.add_argument("--context", type=int, default=0, help="tokens each sequence holds (default 1024; --smoke: 16)")
+  p.add_argument("--steps", type=int, default=0, help="decode steps in the loop (default 32; --smoke: 2)")
+  p.add_argument("--repeats", type=int, default=3, help="timed loops before the traced one (default: %(default)s)")
+  p.add_argument("--top", type=int, default=40, help="instructions listed, largest first (default: %(default)s)")
+  p.add_argument("--compilation-cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
+  args = p.parse_args(argv)
+  for name, smoke, full in (("batch", 2, 64), ("context", 16, 1024), ("steps", 2, 32)):
+    value = getattr(args, name)
+    if value < 0:
+      p.error(f"--{name} must be >= 1 (0 = the default), got {value}")
+    setattr(args, name, value or (smoke if args.smoke else full))
+  for name in ("repeats", "top"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+  if not args.config:
+    if args.smoke:
+      args.config = e2e_device.SMOKE_CONFIG
+    else:
+      args.config, args.set = REAL_CONFIG[0], [*REAL_CONFIG[1:], *args.set]
+  from model.engine import compilation_cache
+  print(compilation_cache.enable(args.compilation_cache_dir), flush=True)
+  result = run(args)
+  out = pathlib.Path(args.json)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+  print(f"wrote {out}", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
