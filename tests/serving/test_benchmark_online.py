@@ -311,6 +311,45 @@ def test_each_configuration_is_written_as_it_ends(tmp_path, monkeypatch):
   assert data["partial"] is False and [r["config"] for r in data["rows"]] == seen == ["engine=continuous", "engine=static"]
 
 
+def test_partial_prefills_reach_the_continuous_engines_only(tmp_path, monkeypatch):
+  """--max-num-partial-prefills: every continuous configuration's engine keys carry it (prefix cache on and
+  off alike), the static engine's never (it prefills whole groups and refuses the key); the JSON records it."""
+  (tmp_path / "ckpt").mkdir()
+  (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"vocab_size": 64}))
+  out, keys_of = tmp_path / "out.json", {}
+
+  def fake_replay(args, label, keys, requests, warmup, max_len, prefix_len=None):
+    keys_of[label] = keys
+    return {**_run(0.1), "config": label}
+
+  monkeypatch.setattr(serving_load, "replay", fake_replay)
+  argv = ["--in-process", "--checkpoint", str(tmp_path / "ckpt"), "--engines", "continuous,static",
+          "--workloads", "mixed,shared_prefix", "--num-requests", "4", "--concurrency", "2", "--prompt-max", "16",
+          "--prefix-len", "64", "--suffix-max", "16", "--output-min", "2", "--output-max", "4",
+          "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-num-partial-prefills", "8", "--json", str(out)]
+  assert serving_load.main(argv) == 0
+  assert set(keys_of) == {"engine=continuous", "engine=static", "engine=continuous, prefix cache on",
+                          "engine=continuous, prefix cache off"}
+  for label, keys in keys_of.items():
+    assert ("max_num_partial_prefills=8" in keys) == (label != "engine=static"), (label, keys)
+  assert json.loads(out.read_text())["args"]["max_num_partial_prefills"] == 8
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-num-partial-prefills", "-1"], "--max-num-partial-prefills must be an integer in [0, --max-num-seqs=32]"),
+    (["--max-num-partial-prefills", "33"], "--max-num-partial-prefills must be an integer in [0, --max-num-seqs=32]"),
+    (["--max-num-partial-prefills", "2", "--workloads", "mixed", "--engines", "static"],
+     "--max-num-partial-prefills sizes the continuous engine, and this run starts none"),
+    (["--max-num-partial-prefills", "2", "--url", "http://127.0.0.1:1"],
+     "--max-num-partial-prefills configures the servers this tool starts"),
+])
+def test_bad_partial_prefills_are_refused_by_name(tmp_path, capsys, argv, message):
+  (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 64}))
+  with pytest.raises(SystemExit) as e:
+    serving_load.main(["--checkpoint", str(tmp_path), *argv])
+  assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_in_process_replay_times_each_token_when_it_is_emitted():
   """The static engine emits a group's tokens chunk by chunk inside one `step`: each token is timed
   when emitted, so TPOT is the gap between chunks (was 0: every token took the step's end time)."""

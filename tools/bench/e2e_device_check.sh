@@ -32,6 +32,8 @@
 #   E2E_SMOKE=1 (tiny model and shapes, CPU: the test), E2E_REAL=1, E2E_PHASES (default all:
 #   "model ckpt serving identity server real"), CACHE_DIR (default /tmp/kda_e2e_jax_cache),
 #   E2E_MODEL_SET (model config overrides for every phase's model, e.g. "moe_impl=ragged attention=kda_chunked"),
+#   E2E_PARTIAL_PREFILLS (the serving phase's max_num_partial_prefills, P: prompts a continuous step takes;
+#   default: the engine's, min(4, max_num_seqs); the server phase's too unless E2E_SERVER_KEYS is given),
 #   E2E_SERVER_KEYS (the server phase's engine keys instead of the serving phase's sizes, e.g.
 #   "max_num_seqs=4 max_model_len=256 max_num_batched_tokens=64": fewer, smaller executables, so a
 #   server phase run without the serving phase's persistent cache compiles in less time),
@@ -93,6 +95,10 @@ for p in $PHASES; do   # a typo must not silently drop a phase
   case " model ckpt serving identity server real " in *" $p "*) ;;
     *) echo "error: E2E_PHASES: unknown phase '$p' (expected some of: model ckpt serving identity server real)" >&2; exit 2;; esac
 done
+PARTIAL=${E2E_PARTIAL_PREFILLS:-}
+[[ -z "$PARTIAL" || "$PARTIAL" =~ ^[1-9][0-9]*$ ]] || {
+  echo "error: E2E_PARTIAL_PREFILLS='$PARTIAL': expected a whole number >= 1 (prompts a continuous step takes; unset: the engine's default)" >&2
+  exit 2; }
 read -ra SERVER_KEYS_GIVEN <<< "${E2E_SERVER_KEYS:-}"   # words, never glob-expanded
 if [ -n "${E2E_SERVER_KEYS+set}" ] && [ "${#SERVER_KEYS_GIVEN[@]}" = 0 ]; then
   echo "error: E2E_SERVER_KEYS='${E2E_SERVER_KEYS}': expected key=value words (e.g. max_num_seqs=4); unset it for the serving phase's sizes" >&2
@@ -216,6 +222,10 @@ else
                --output-max 128 --prefix-len 512 --suffix-min 16 --suffix-max 128 --max-num-seqs 32
                --max-num-batched-tokens 1024 --max-model-len 768)
   SERVER_KEYS=(max_num_seqs=32 max_model_len=768 max_num_batched_tokens=1024)
+fi
+if [ -n "$PARTIAL" ]; then
+  SERVE_SIZES+=(--max-num-partial-prefills "$PARTIAL")
+  SERVER_KEYS+=("max_num_partial_prefills=$PARTIAL")
 fi
 [ "${#SERVER_KEYS_GIVEN[@]}" -gt 0 ] && SERVER_KEYS=("${SERVER_KEYS_GIVEN[@]}")
 have_ckpt() { [ -f "$CKPT/config.json" ] || { skip "$1" "no checkpoint (the ckpt phase did not finish)"; return 1; }; }

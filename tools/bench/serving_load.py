@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="the servers' max_model_len; 0: the longest prompt + longest output the workload draws")
   p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the servers' max_num_batched_tokens")
   p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, help="the 'prefix cache on' budget")
+  p.add_argument("--max-num-partial-prefills", type=int, default=0,
+                 help="the continuous engines' max_num_partial_prefills (P: prompts prefilled in one step; "
+                      "many requests arriving together wait N / P steps for their first tokens); "
+                      "0: the engine's default, min(4, --max-num-seqs)")
   p.add_argument("--serve-arg", action="append", default=[],
                  help="more key=value for tools.serve (repeatable; configs/base.py keys)")
   p.add_argument("--start-timeout", type=float, default=1200.0, help="seconds a server may take to listen")
@@ -551,6 +555,7 @@ def _split(text: str) -> list[str]:
 _OWN_SERVE_KEYS = {"load_parameters_path": "--checkpoint", "port": "a free port", "engine": "--engines / the workload",
                    "max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len",
                    "max_num_batched_tokens": "--max-num-batched-tokens",
+                   "max_num_partial_prefills": "--max-num-partial-prefills",
                    "prefix_cache_bytes": "--prefix-cache-bytes / the workload"}
 
 
@@ -611,6 +616,12 @@ def check_args(parser: argparse.ArgumentParser, args) -> tuple[list[str], list[s
                              ("--prefix-cache-bytes", args.prefix_cache_bytes, 0)):
       if value < low:
         bad(f"{flag} must be an integer >= {low}, got {value}")
+    if not 0 <= args.max_num_partial_prefills <= max(args.max_num_seqs, 1):
+      bad(f"--max-num-partial-prefills must be an integer in [0, --max-num-seqs={args.max_num_seqs}] "
+          f"(0: the engine's default), got {args.max_num_partial_prefills}")
+    if args.max_num_partial_prefills and not ("shared_prefix" in kinds or "continuous" in engines):
+      bad("--max-num-partial-prefills sizes the continuous engine, and this run starts none "
+          "(--engines static with --workloads mixed)")
     if ("shared_prefix" in kinds or "continuous" in engines) and args.max_num_batched_tokens < args.max_num_seqs:
       bad(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be >= --max-num-seqs "
           f"({args.max_num_seqs}) for engine=continuous (every decoding request needs one token per step)")
@@ -707,7 +718,7 @@ def probe(parser: argparse.ArgumentParser, url: str) -> dict:
 
 # The flags that configure the servers this tool starts: refused with --url when given other than default.
 _SERVER_ONLY_FLAGS = ("--engines", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
-                      "--prefix-cache-bytes", "--serve-arg", "--start-timeout", "--compilation-cache-dir")
+                      "--prefix-cache-bytes", "--max-num-partial-prefills", "--serve-arg", "--start-timeout", "--compilation-cache-dir")
 
 # The flags that apply to each mode, recorded (typed) in the JSON's "args".
 _COMMON = ("checkpoint", "workloads", "num_requests", "concurrency", "output_min", "output_max", "warmup", "seed",
@@ -725,7 +736,7 @@ def recorded_args(args, kinds: list[str], engines: list[str], max_len: int) -> d
   if mode != "url":
     names += _SERVER_FLAGS
     if "shared_prefix" in kinds or "continuous" in engines:
-      names.append("prefix_cache_bytes")
+      names += ["prefix_cache_bytes", "max_num_partial_prefills"]
   if mode != "in_process":
     names.append("client")
   if mode == "servers":
@@ -783,14 +794,16 @@ def _main(args, kinds: list[str], engines: list[str]) -> int:
     base = [f"max_num_seqs={args.max_num_seqs}", f"max_model_len={max_len}",
             f"max_num_batched_tokens={args.max_num_batched_tokens}"]
     configs = []
+    # the static engine prefills whole groups: P is the continuous engine's alone
+    partial = [f"max_num_partial_prefills={args.max_num_partial_prefills}"] if args.max_num_partial_prefills else []
     if "mixed" in kinds:
       for e in engines:
-        keys = [f"engine={e}"] + ([f"prefix_cache_bytes={args.prefix_cache_bytes}"] if e == "continuous" else [])
+        keys = [f"engine={e}"] + ([f"prefix_cache_bytes={args.prefix_cache_bytes}", *partial] if e == "continuous" else [])
         configs.append(("mixed", f"engine={e}", keys))
     if "shared_prefix" in kinds:
       for on in (True, False):
         configs.append(("shared_prefix", f"engine=continuous, prefix cache {'on' if on else 'off'}",
-                        ["engine=continuous", f"prefix_cache_bytes={args.prefix_cache_bytes if on else 0}"]))
+                        ["engine=continuous", f"prefix_cache_bytes={args.prefix_cache_bytes if on else 0}", *partial]))
     runs: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.rounds):     # interleaved: a slow spell of the host hits every configuration alike
       for kind, label, keys in configs:

@@ -1,0 +1,128 @@
+"""tools/bench/decode_profile.py: the HLO text and the profile are read as XLA and jax write them."""
+
+import json
+
+import pytest
+from jax.profiler import ProfileData
+
+from tools.bench import decode_profile as dp
+
+# The shape of XLA's module text since the stack-frame tables (jax >= 0.10): tables first, then the
+# computations; instructions point at their stack through stack_frame_id.
+HLO = """HloModule jit_decode_loop, is_scheduled=true
+
+FileNames
+1 "/repo/model/nn/mla.py"
+2 "/site-packages/flax/nnx/nn/linear.py"
+3 "/repo/kda_plugin/ops/decode_pallas_tpu.py"
+4 "/repo/model/nn/moe.py"
+
+FunctionNames
+1 "MultiHeadLatentAttention.decode_latent"
+2 "Linear.__call__"
+3 "decode_step_tpu"
+4 "Experts._megablox"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=321 end_line=321 column=4 end_column=9}
+2 {file_name_id=2 function_name_id=2 line=422 end_line=422 column=4 end_column=9}
+3 {file_name_id=3 function_name_id=3 line=140 end_line=140 column=4 end_column=9}
+4 {file_name_id=4 function_name_id=4 line=312 end_line=312 column=4 end_column=9}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+3 {file_location_id=3 parent_frame_id=3}
+4 {file_location_id=4 parent_frame_id=4}
+
+%body {
+  %scores_fusion.7 = f32[64,32,1064]{2,1,0:T(8,128)} fusion(%p0, %p1), kind=kOutput, calls=%f7, metadata={op_name="jit(decode_loop)/while/body/dot_general" stack_frame_id=1}
+  %proj_fusion.2 = bf16[64,6144]{1,0} fusion(%p2), kind=kOutput, calls=%f2, metadata={op_name="jit(decode_loop)/while/body/dot_general" stack_frame_id=2}
+  %custom-call.9 = (bf16[64,32,128]{2,1,0}, f32[64,32,128,128]{3,2,1,0}) custom-call(%a, %b), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "x"}, "kernel_name": "kda_decode_step_tpu"}, metadata={op_name="pallas" stack_frame_id=3}
+  %copy-start.1 = (bf16[16,2304,1024]{2,1,0}, bf16[16,2304,1024]{2,1,0:S(1)}, u32[]) copy-start(%w), metadata={op_name="x" stack_frame_id=4}
+  ROOT %while.3 = (s32[], f32[4]) while(%t), condition=%c, body=%b
+}
+"""
+
+
+def test_instructions_read_with_their_kind_source_and_part():
+  ins = dp.hlo_instructions(HLO)
+  assert set(ins) == {"scores_fusion.7", "proj_fusion.2", "custom-call.9", "copy-start.1", "while.3"}
+  assert ins["scores_fusion.7"] == {"opcode": "fusion", "shape": "f32[64,32,1064]", "kind": "kOutput",
+                                    "op_name": "jit(decode_loop)/while/body/dot_general", "part": "mla",
+                                    "source": "nn/mla.py:321 MultiHeadLatentAttention.decode_latent"}
+  # a Linear called from the MLA layer: its own frame is flax's, its caller's names the part
+  assert ins["proj_fusion.2"]["part"] == "mla"
+  assert ins["proj_fusion.2"]["source"] == "nn/linear.py:422 Linear.__call__"
+  assert ins["custom-call.9"]["target"] == "tpu_custom_call:kda_decode_step_tpu"
+  assert ins["custom-call.9"]["part"] == "kda"
+  assert ins["copy-start.1"]["shape"] == "(bf16[16,2304,1024], bf16[16,2304,1024], u32[])"
+  assert ins["copy-start.1"]["part"] == "moe"
+  assert ins["while.3"]["part"] == "other" and "source" not in ins["while.3"]
+
+
+def test_stack_frames_are_absent_from_older_module_text():
+  assert dp.stack_frames("HloModule m\n\nENTRY %main {\n  ROOT %p = f32[2] parameter(0)\n}\n") == {}
+  assert dp.hlo_instructions("ENTRY %main {\n  ROOT %p = f32[2]{0} parameter(0)\n}\n")["p"]["part"] == "other"
+
+
+PROFILE = """
+planes { name: "/host:CPU" lines { name: "python" events { metadata_id: 1 duration_ps: 7000000 } }
+         event_metadata { key: 1 value { id: 1 name: "scores_fusion.7" } } }
+planes { name: "/device:TPU:0"
+  lines { name: "XLA Ops"
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 2000000 }
+    events { metadata_id: 2 offset_ps: 2500000 duration_ps: 9000000 }
+    events { metadata_id: 3 offset_ps: 3000000 duration_ps: 500000 }
+    events { metadata_id: 1 offset_ps: 5000000 duration_ps: 1000000 }
+    events { metadata_id: 4 offset_ps: 7000000 duration_ps: 250000 } }
+  event_metadata { key: 1 value { id: 1 name: "scores_fusion.7" } }
+  event_metadata { key: 2 value { id: 2 name: "while.3" } }
+  event_metadata { key: 3 value { id: 3 name: "custom-call.9" } }
+  event_metadata { key: 4 value { id: 4 name: "not-in-this-program.1" } } }
+"""
+
+
+def test_device_plane_times_sum_the_program_s_own_instructions():
+  ins = dp.hlo_instructions(HLO)
+  plane, times = dp.instruction_times(ProfileData.from_text_proto(PROFILE), ins)
+  # the device plane wins over the host's; the loop itself (its body's time) and foreign names are left out
+  assert plane == "/device:TPU:0"
+  assert times == {"scores_fusion.7": [3000, 2], "custom-call.9": [500, 1]}
+  s = dp.summarize(times, ins, steps=2, top=1)
+  assert s["sum_ms_per_step"] == pytest.approx(0.00175)
+  assert s["by_part_ms_per_step"] == {"mla": 0.0015, "kda": 0.00025}
+  assert s["by_opcode_ms_per_step"] == {"fusion": 0.0015, "tpu_custom_call:kda_decode_step_tpu": 0.00025}
+  assert [r["name"] for r in s["top"]] == ["scores_fusion.7"] and s["top"][0]["count_per_step"] == 1
+
+
+def test_host_plane_when_no_device_plane_has_the_program():
+  ins = dp.hlo_instructions(HLO)
+  profile = ProfileData.from_text_proto("""
+planes { name: "/device:TPU:0" lines { name: "XLA Ops" events { metadata_id: 1 duration_ps: 5000 } }
+         event_metadata { key: 1 value { id: 1 name: "another_program_fusion.1" } } }
+planes { name: "/host:CPU" lines { name: "tf_XLAEigen" events { metadata_id: 1 duration_ps: 7000000 } }
+         event_metadata { key: 1 value { id: 1 name: "scores_fusion.7" } } }
+""")
+  assert dp.instruction_times(profile, ins) == ("/host:CPU", {"scores_fusion.7": [7000, 1]})
+  assert dp.instruction_times(ProfileData.from_text_proto('planes { name: "/host:metadata" }'), ins) == (None, {})
+
+
+def test_smoke_run_on_this_host(tmp_path, capsys):
+  out = tmp_path / "p.json"
+  assert dp.main(["--smoke", "--json", str(out), "--top", "5", "--compilation-cache-dir", "none"]) == 0
+  r = json.loads(out.read_text())
+  assert r["step_ms"] > 0 and r["plane"] == "/host:CPU" and r["instructions_seen"] > 20
+  assert {"kda", "mla", "moe"} <= set(r["by_part_ms_per_step"])
+  assert sum(r["by_part_ms_per_step"].values()) == pytest.approx(r["sum_ms_per_step"], abs=1e-3)
+  assert len(r["top"]) == 5 and r["top"][0]["ms_per_step"] >= r["top"][-1]["ms_per_step"]
+  assert all(row["opcode"] not in dp.CONTAINERS for row in r["top"])
+  assert "decode B=2:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [(["--batch", "-1"], "--batch must be >= 1"),
+                                           (["--top", "0"], "--top must be >= 1")])
+def test_bad_arguments_exit_2_naming_them(tmp_path, capsys, argv, message):
+  with pytest.raises(SystemExit) as e:
+    dp.main(["--smoke", "--json", str(tmp_path / "p.json"), *argv])
+  assert e.value.code == 2 and message in capsys.readouterr().err
