@@ -120,9 +120,18 @@ def test_smoke_run_on_this_host(tmp_path, capsys):
   assert "decode B=2:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [(["--batch", "-1"], "--batch must be >= 1"),
-                                           (["--top", "0"], "--top must be >= 1")])
-def test_bad_arguments_exit_2_naming_them(tmp_path, capsys, argv, message):
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "-1"], "--batch must be >= 1"),
+    (["--top", "0"], "--top must be >= 1"),
+    (["--set", "nope=1"], "--config 'tiny' / --set: unknown config key 'nope'"),
+    (["--config", "nosuch"], "--config 'nosuch' / --set: unknown model config 'nosuch'"),
+    (["--json", "{tmp}"], "is a directory; expected a file path"),
+    (["--json", "{tmp}/file/p.json"], "cannot be written ({tmp}/file is not a writable directory)"),
+])
+def test_bad_arguments_exit_2_naming_them_before_anything_is_written(tmp_path, capsys, argv, message):
+  (tmp_path / "file").write_text("")
+  argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
   with pytest.raises(SystemExit) as e:
-    dp.main(["--smoke", "--json", str(tmp_path / "p.json"), *argv])
-  assert e.value.code == 2 and message in capsys.readouterr().err
+    dp.main(["--smoke", "--json", str(tmp_path / "out" / "p.json"), *argv])
+  assert e.value.code == 2 and message.replace("{tmp}", str(tmp_path)) in capsys.readouterr().err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]   # nothing created

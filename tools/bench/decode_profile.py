@@ -235,7 +235,9 @@ def run(args) -> dict:
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not files:
       raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
-    plane, times = instruction_times(ProfileData.from_file(files[0]), instructions)
+    profile = ProfileData.from_file(files[0])
+    plane, times = instruction_times(profile, instructions)
+    lines_seen = {p.name: sorted({line.name for line in p.lines}) for p in profile.planes}
   summary = summarize(times, instructions, steps, args.top)
   print(f"profile ({plane}): {summary['instructions_seen']} instructions, "
         f"{summary['sum_ms_per_step']:.3f} ms a step in all", flush=True)
@@ -252,7 +254,7 @@ def run(args) -> dict:
           "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
           "step_ms": round(step_ms, 4), "loop_runs_ms": [round(r * 1e3, 3) for r in runs],
           "hbm_floor_ms": round(floor_ms, 4), "x_floor": round(step_ms / floor_ms, 3), "floor_bytes": floor,
-          "plane": plane, **summary}
+          "plane": plane, **({} if times else {"trace_planes": lines_seen}), **summary}
 
 
 def main(argv=None) -> int:
@@ -283,13 +285,38 @@ def main(argv=None) -> int:
       args.config = e2e_device.SMOKE_CONFIG
     else:
       args.config, args.set = REAL_CONFIG[0], [*REAL_CONFIG[1:], *args.set]
+  out = pathlib.Path(args.json)
+  if out.is_dir():
+    p.error(f"--json {args.json!r} is a directory; expected a file path")
+  # before minutes of model building and compiling: a path that cannot be written fails now (and
+  # nothing is created until the figures are written)
+  ancestor = out.parent
+  while not ancestor.exists() and ancestor != ancestor.parent:
+    ancestor = ancestor.parent
+  if (out.exists() and not os.access(out, os.W_OK)) or not ancestor.is_dir() \
+      or not os.access(ancestor, os.W_OK | os.X_OK):
+    p.error(f"--json {args.json!r} cannot be written ({ancestor} is not a writable directory)")
+  from model.errors import ConfigError
+  try:   # an unknown --config or a bad --set names itself before anything is built
+    e2e_device.build_config(argparse.Namespace(config=args.config, set=args.set), "bfloat16")
+  except ConfigError as e:
+    p.error(f"--config {args.config!r} / --set: {e}")
   from model.engine import compilation_cache
   print(compilation_cache.enable(args.compilation_cache_dir), flush=True)
   result = run(args)
-  out = pathlib.Path(args.json)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+  try:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")   # whole or not at all
+    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    os.replace(tmp, out)
+  except OSError as e:
+    print(f"error: --json {args.json!r}: cannot write the figures: {e.strerror or e}", file=sys.stderr, flush=True)
+    return 1
   print(f"wrote {out}", flush=True)
+  if result["plane"] is None:   # the step time stands; the breakdown is missing, and the JSON lists what the trace had
+    print("error: the trace has no event named like an instruction of the compiled loop (its planes and lines "
+          f"are in {out} under trace_planes): no per-instruction figures", file=sys.stderr, flush=True)
+    return 1
   return 0
 
 
