@@ -21,12 +21,16 @@ def test_rounds_report_the_median_of_each_figure():
 
 
 def test_prefix_cache_ratio_is_off_over_on_with_each_round():
-  on = {"workload": "shared_prefix", **serving_load.median_row([{**_run(t), "config": "cache on"} for t in (0.1, 0.2)])}
+  on = {"workload": "shared_prefix",
+        **serving_load.median_row([{**_run(t), "config": "cache on", "cached_tokens": 512} for t in (0.1, 0.2)])}
   off = {"workload": "shared_prefix", **serving_load.median_row([{**_run(t), "config": "cache off"} for t in (0.4, 0.5)])}
   text = serving_load.prefix_cache_ratio([on, off])
   assert text.startswith("prefix cache TTFT p50 ratio (off / on, medians): 3.00x")   # 0.45 / 0.15
   assert text.endswith("(each round: 4.00x, 2.50x)")
   assert serving_load.prefix_cache_ratio([on]) == ""
+  # a cache-on run that hit nothing (every request admitted before a prefix was saved) says so
+  cold = {**on, "cached_tokens": 0}
+  assert "NOTE: the cache-on run cached no prompt token" in serving_load.prefix_cache_ratio([cold, off])
 
 
 @pytest.mark.parametrize("argv", [["--rounds", "0"], ["--rounds", "2", "--url", "http://127.0.0.1:1"]])

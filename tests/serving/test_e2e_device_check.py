@@ -131,10 +131,15 @@ def _assert_refused(tmp_path, env, message):
     ({"E2E_SERVER_KEYS": "max_num_seqs=*"}, "error: E2E_SERVER_KEYS: 'max_num_seqs=*' is not key=value (e.g. max_num_seqs=4)"),
     ({"E2E_SERVER_KEYS": " "}, "error: E2E_SERVER_KEYS=' ': expected key=value words (e.g. max_num_seqs=4); unset it for "
                                "the serving phase's sizes"),
-    ({"E2E_PARTIAL_PREFILLS": "0"}, "error: E2E_PARTIAL_PREFILLS='0': expected a whole number >= 1 (prompts a "
-                                    "continuous step takes; unset: the engine's default)"),
-    ({"E2E_PARTIAL_PREFILLS": "8x"}, "error: E2E_PARTIAL_PREFILLS='8x': expected a whole number >= 1 (prompts a "
-                                     "continuous step takes; unset: the engine's default)"),
+    ({"E2E_PARTIAL_PREFILLS": "0"}, "error: E2E_PARTIAL_PREFILLS='0': expected a whole number from 1 to the "
+                                    "serving phase's max_num_seqs (8) (prompts a continuous step takes; unset: "
+                                    "the engine's default)"),
+    ({"E2E_PARTIAL_PREFILLS": "8x"}, "error: E2E_PARTIAL_PREFILLS='8x': expected a whole number from 1 to the "
+                                    "serving phase's max_num_seqs (8) (prompts a continuous step takes; unset: "
+                                    "the engine's default)"),
+    ({"E2E_PARTIAL_PREFILLS": "9"}, "error: E2E_PARTIAL_PREFILLS='9': expected a whole number from 1 to the "
+                                    "serving phase's max_num_seqs (8) (prompts a continuous step takes; unset: "
+                                    "the engine's default)"),
     ({"E2E_BUDGET_modle": "400"}, "error: E2E_BUDGET_modle: unknown phase 'modle' (expected E2E_BUDGET_<phase> with "
                                   "a phase of: install model ckpt serving identity server real)"),
 ])

@@ -1,5 +1,5 @@
 r"""Where a decode step's device time goes: one loop of decode steps traced with jax's profiler, the
-compiled program's own instructions summed by name, largest first.
+compiled program's own instructions summed by name, by model part and by opcode, largest first.
 
     python -m tools.bench.decode_profile --json FILE [--batch 64] [--context 1024] [--steps 32]
         [--config kimi_linear_48b_a3b] [--set key=value ...] [--top 40] [--smoke]
@@ -7,16 +7,26 @@ compiled program's own instructions summed by name, largest first.
 What it does, in order:
   1. builds the model (random weights, bf16) and a decode cache for `--batch` sequences that hold
      `--context` tokens, and jits `--steps` greedy decode steps in one `lax.fori_loop` (the cache
-     donated, as tools/bench/e2e_device.py's decode figures and the serving engine run it);
+     donated, as tools/bench/e2e_device.py's decode figures and the serving engine run it). Without
+     --config that is the real-width shard (kimi_linear_48b_a3b num_experts=16: about 9.9 GB of bf16
+     weights): a tool for the chip; on a CPU use --smoke;
   2. times the loop (median of `--repeats`, wall clock around a blocked call: device time, one
-     dispatch a loop) and prints the step time;
+     dispatch a loop) and prints the step time beside the HBM floor at v5e's 819 GB/s (weights, KDA
+     states and the MLA rows in use read once; meaningful on a v5e only);
   3. traces one more loop with `jax.profiler.trace` and reads the trace back (`jax.profiler.ProfileData`):
      every event on the device's plane ("/device:TPU:0", else the host's, where XLA:CPU runs) whose
-     name is an instruction of the compiled program is that instruction's execution;
-  4. writes JSON: per instruction the summed time and count a step (divided by `--steps`), its opcode,
-     its kernel or fusion kind, its output shape and the op_name jax gave it; the sum by opcode
-     (custom-call by target); the sum of all (asynchronous copies overlap compute, so the sum can
-     exceed the step).
+     name is an instruction of the compiled program is that instruction's execution (control flow
+     such as the loop itself is left out: its time is its body's);
+  4. writes JSON (whole, or nothing): `step_ms`, `loop_runs_ms`, `hbm_floor_ms`, `x_floor`,
+     `floor_bytes`; `by_part_ms_per_step` (the model part each instruction comes from, by the stack
+     XLA records for it: kda, mla, moe, ffn (a dense or shared-expert SwiGLU outside them), norm,
+     embed, model (the rest of the decoder layer and the LM head), other); `by_opcode_ms_per_step`
+     (custom-calls by target and kernel name); `top`: the `--top` largest instructions, each with
+     its time and count a step, opcode, fusion kind or kernel, output shape, jax's op_name, source
+     line and part; `sum_ms_per_step`. Instructions that run at once (asynchronous copies beside
+     compute on a TPU, XLA:CPU's threads) make the sum exceed the step.
+A trace in which no event is named like an instruction of the program still writes the step time
+(and the trace's planes and lines, `trace_planes`) and exits 1.
 
 Run it on the chip beside the e2e check's real phase (same model, same loop) to see what the step split
 leaves out (docs/performance.md). `--smoke`: the tiny config, batch 2, context 16, 2 steps, on any
@@ -48,19 +58,21 @@ _KERNEL = re.compile(r'"kernel_name":\s*"([^"]+)"|kernel_name=([\w.\-]+)')
 _KIND = re.compile(r"kind=(k\w+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
-# The model part an instruction belongs to: the first frame of its stack (innermost first) whose
-# function or file is one of these.
-PARTS = (("kda", ("KimiDeltaAttention.", "KDABackend.", "kda_plugin/")),
-         ("mla", ("MultiHeadLatentAttention.",)),
-         ("moe", ("SparseMoeBlock.", "Experts.", "TopKRouter.", "megablox/")),
-         ("ffn", ("SwiGLU.",)),
-         ("norm", ("RMSNorm.",)),
-         ("embed", ("Embed.",)),
-         ("model", ("KimiLinearForCausalLM.", "DecoderLayer.")))
+# The model part an instruction belongs to, by its stack (innermost frame first): the first frame in
+# a layer-level part (a mixer or the MoE block: a projection called by the KDA mixer is the KDA
+# mixer's), else the first frame in a smaller part, else "other". A mark is a function name prefix
+# or a piece of the file's path.
+LAYER_PARTS = (("kda", ("KimiDeltaAttention.", "KDABackend.", "kda_plugin/", "model/nn/kda.py")),
+               ("mla", ("MultiHeadLatentAttention.", "model/nn/mla.py")),
+               ("moe", ("SparseMoeBlock.", "Experts.", "TopKRouter.", "megablox/", "model/nn/moe.py")))
+SMALL_PARTS = (("ffn", ("SwiGLU.",)),
+               ("norm", ("RMSNorm.",)),
+               ("embed", ("Embed.",)),
+               ("model", ("KimiLinearForCausalLM.", "DecoderLayer.")))
 
 
 def stack_frames(hlo_text: str) -> dict[int, list[tuple[str, str, int]]]:
-  """`{stack_frame_id: [(file, function, line), ...]}`, innermost frame first, from the FileNames /
+  """`{stack_frame_id: [(file, function, line), ...]}`, innermost frame first (callers after), from the FileNames /
   FunctionNames / FileLocations / StackFrames tables that XLA prints at the top of a module's text
   (absent in older XLA: then `{}`)."""
   sections: dict[str, list[str]] = {}
@@ -85,21 +97,27 @@ def stack_frames(hlo_text: str) -> dict[int, list[tuple[str, str, int]]]:
   out = {}
   for fid in frames:
     chain, seen, f = [], set(), fid
-    while f in frames and f not in seen:   # a frame that is its own parent ends the chain
+    while f in frames and f not in seen:
       seen.add(f)
-      loc, f = frames[f]
+      loc, parent = frames[f]
       if loc in locations:
         chain.append(locations[loc])
+      # As XLA prints the table (jax 0.10.2 and 0.12 alike), a frame's caller is the frame numbered
+      # parent_frame_id - 1; 1 (frame 0) means none. Read so, a projection's chain goes
+      # Linear.__call__ -> KimiDeltaAttention._output -> KimiDeltaAttention.decode -> DecoderLayer...
+      f = parent - 1
     out[fid] = chain
   return out
 
 
 def part_of(chain: list[tuple[str, str, int]]) -> str:
-  """The model part (PARTS) of a stack, innermost frame first; "other" when none matches."""
-  for file, function, _ in chain:
-    for part, marks in PARTS:
-      if any(function.startswith(m) or m in file for m in marks):
-        return part
+  """The model part of a stack, innermost frame first (LAYER_PARTS before SMALL_PARTS); "other"
+  when no frame matches."""
+  for parts in (LAYER_PARTS, SMALL_PARTS):
+    for file, function, _ in chain:
+      for part, marks in parts:
+        if any(function.startswith(m) or m in file for m in marks):
+          return part
   return "other"
 
 
@@ -119,7 +137,12 @@ def hlo_instructions(hlo_text: str) -> dict[str, dict]:
     if opcode == "custom-call":
       t = _TARGET.search(line)
       k = _KERNEL.search(line)
-      info["target"] = (t.group(1) if t else "?") + (f":{k.group(1) or k.group(2)}" if k else "")
+      target = t.group(1) if t else "?"
+      if k:
+        target += f":{k.group(1) or k.group(2)}"
+      elif target == "tpu_custom_call":   # XLA:TPU names a Pallas call's instruction after its kernel
+        target += ":" + re.sub(r"\.\d+$", "", name)
+      info["target"] = target
     kind = _KIND.search(line)
     if kind:
       info["kind"] = kind.group(1)
@@ -226,7 +249,7 @@ def run(args) -> dict:
   med, runs = e2e_device.timed(loop, args.repeats)
   step_ms = med / steps * 1e3
   floor_ms = floor["total"] / e2e_device.HBM_BYTES_PER_S * 1e3
-  print(f"decode B={b}: {step_ms:.3f} ms/step (HBM floor {floor_ms:.2f} ms, {step_ms / floor_ms:.2f}x); "
+  print(f"decode B={b}: {step_ms:.3f} ms/step (v5e HBM floor {floor_ms:.2f} ms, {step_ms / floor_ms:.2f}x); "
         f"compiled in {compile_s:.1f} s", flush=True)
   instructions = hlo_instructions(compiled.as_text())
   with tempfile.TemporaryDirectory() as trace_dir:
@@ -249,25 +272,26 @@ def run(args) -> dict:
     print(f"  {row['ms_per_step']:9.4f} ms x{row['count_per_step']:<6g} {row['name']:32s} "
           f"{row['part']:6s} {row.get('target', row.get('kind', row['opcode']))} {row['shape'][:60]}  "
           f"{row.get('source', '')}", flush=True)
-  return {"what": "tools/bench/decode_profile.py", "config": cfg.get("name", None) if hasattr(cfg, "get") else None,
+  return {"what": "tools/bench/decode_profile.py", "config": [args.config, *args.set],
           "args": {k: v for k, v in vars(args).items() if k != "json"}, "jax": jax.__version__,
           "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
           "step_ms": round(step_ms, 4), "loop_runs_ms": [round(r * 1e3, 3) for r in runs],
-          "hbm_floor_ms": round(floor_ms, 4), "x_floor": round(step_ms / floor_ms, 3), "floor_bytes": floor,
+          "hbm_bytes_per_s": e2e_device.HBM_BYTES_PER_S, "hbm_floor_ms": round(floor_ms, 4), "x_floor": round(step_ms / floor_ms, 3), "floor_bytes": floor,
           "plane": plane, **({} if times else {"trace_planes": lines_seen}), **summary}
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m tools.bench.decode_profile", description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog=__doc__.split("\n\n", 1)[1])
   p.add_argument("--json", required=True, help="where the profile's figures are written")
   p.add_argument("--smoke", action="store_true", help="the tiny config at tiny shapes (the CPU test)")
-  p.add_argument("--config", default="", help="model config (default kimi_linear_48b_a3b with num_experts=16; "
-                                              "--smoke: tiny)")
+  p.add_argument("--config", default="", help="model config (default: the real-width shard, kimi_linear_48b_a3b "
+                                              "with num_experts=16, ~9.9 GB of weights: for the chip; --smoke: tiny)")
   p.add_argument("--set", action="append", default=[], help="key=value config override (repeatable)")
-  p.add_argument("--batch", type=int, default=0, help="sequences decoded together (default 64; --smoke: 2)")
-  p.add_argument("--context", type=int, default=0, help="tokens each sequence holds (default 1024; --smoke: 16)")
-  p.add_argument("--steps", type=int, default=0, help="decode steps in the loop (default 32; --smoke: 2)")
+  p.add_argument("--batch", type=int, default=0, help="sequences decoded together (0 or absent: 64; --smoke: 2)")
+  p.add_argument("--context", type=int, default=0, help="tokens each sequence holds (0 or absent: 1024; --smoke: 16)")
+  p.add_argument("--steps", type=int, default=0, help="decode steps in the loop (0 or absent: 32; --smoke: 2)")
   p.add_argument("--repeats", type=int, default=3, help="timed loops before the traced one (default: %(default)s)")
   p.add_argument("--top", type=int, default=40, help="instructions listed, largest first (default: %(default)s)")
   p.add_argument("--compilation-cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")

@@ -32,8 +32,9 @@
 #   E2E_SMOKE=1 (tiny model and shapes, CPU: the test), E2E_REAL=1, E2E_PHASES (default all:
 #   "model ckpt serving identity server real"), CACHE_DIR (default /tmp/kda_e2e_jax_cache),
 #   E2E_MODEL_SET (model config overrides for every phase's model, e.g. "moe_impl=ragged attention=kda_chunked"),
-#   E2E_PARTIAL_PREFILLS (the serving phase's max_num_partial_prefills, P: prompts a continuous step takes;
-#   default: the engine's, min(4, max_num_seqs); the server phase's too unless E2E_SERVER_KEYS is given),
+#   E2E_PARTIAL_PREFILLS (the serving phase's max_num_partial_prefills, P: prompts a continuous step takes,
+#   1 to its max_num_seqs; unset or empty: the engine's default, min(4, max_num_seqs); the server phase's
+#   too unless E2E_SERVER_KEYS is given),
 #   E2E_SERVER_KEYS (the server phase's engine keys instead of the serving phase's sizes, e.g.
 #   "max_num_seqs=4 max_model_len=256 max_num_batched_tokens=64": fewer, smaller executables, so a
 #   server phase run without the serving phase's persistent cache compiles in less time),
@@ -42,8 +43,8 @@
 #   E2E_BUDGET_model=400 with E2E_PHASES=model; defaults in BUDGET below; model and real need >= 60;
 #   the whole check still stops at 570 s, 1500 s with E2E_SMOKE=1: one device command is at most 600 s).
 # E2E_SMOKE and SKIP_INSTALL other than 0, 1 or empty, an E2E_LONG_PROMPT that is not whole tokens, an unknown phase, a budget that is not whole
-# seconds or names no phase, and E2E_SERVER_KEYS words that are not key=value, exit 2 with one `error:` line naming the variable, before anything is
-# created or cleared.
+# seconds or names no phase, E2E_SERVER_KEYS words that are not key=value, and an E2E_PARTIAL_PREFILLS that is not a whole number from 1 to the
+# serving phase's max_num_seqs (32; 8 with E2E_SMOKE=1), exit 2 with one `error:` line naming the variable, before anything is created or cleared.
 set -uo pipefail
 case "${1:-}" in   # settings are environment variables; an argument would be ignored, so refuse it
   "") ;;
@@ -96,8 +97,9 @@ for p in $PHASES; do   # a typo must not silently drop a phase
     *) echo "error: E2E_PHASES: unknown phase '$p' (expected some of: model ckpt serving identity server real)" >&2; exit 2;; esac
 done
 PARTIAL=${E2E_PARTIAL_PREFILLS:-}
-[[ -z "$PARTIAL" || "$PARTIAL" =~ ^[1-9][0-9]*$ ]] || {
-  echo "error: E2E_PARTIAL_PREFILLS='$PARTIAL': expected a whole number >= 1 (prompts a continuous step takes; unset: the engine's default)" >&2
+SERVE_SEQS=32; [ "$SMOKE" = 1 ] && SERVE_SEQS=8   # the serving phase's max_num_seqs (SERVE_SIZES below)
+[[ -z "$PARTIAL" || ( "$PARTIAL" =~ ^[1-9][0-9]{0,3}$ && "$PARTIAL" -le "$SERVE_SEQS" ) ]] || {
+  echo "error: E2E_PARTIAL_PREFILLS='$PARTIAL': expected a whole number from 1 to the serving phase's max_num_seqs ($SERVE_SEQS) (prompts a continuous step takes; unset: the engine's default)" >&2
   exit 2; }
 read -ra SERVER_KEYS_GIVEN <<< "${E2E_SERVER_KEYS:-}"   # words, never glob-expanded
 if [ -n "${E2E_SERVER_KEYS+set}" ] && [ "${#SERVER_KEYS_GIVEN[@]}" = 0 ]; then

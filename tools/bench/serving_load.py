@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
                          description="Online serving benchmark (see tools/bench/benchmark_serving.py). The flags "
                                      "that size the servers this tool starts (--engines, --max-num-seqs, "
                                      "--max-model-len, --max-num-batched-tokens, --prefix-cache-bytes, "
-                                     "--serve-arg, --start-timeout, --rounds) are refused with --url.")
+                                     "--max-num-partial-prefills, --serve-arg, --start-timeout, --rounds) are "
+                                     "refused with --url.")
   p.add_argument("--url", default="",
                  help="an already running server: measure it (one configuration per workload) instead of "
                       "starting servers. Its /metrics are scraped before and after the measured requests and "
@@ -524,6 +525,9 @@ def prefix_cache_ratio(rows: list[dict]) -> str:
              f"block) {_fmt(on['ttft_p50_suffix_block_or_more_s'])} s")
     if None in (on["ttft_p50_suffix_under_block_s"], on["ttft_p50_suffix_block_or_more_s"]):
       text += " (-: no such request)"
+  if on.get("cached_tokens") == 0:
+    text += ("; NOTE: the cache-on run cached no prompt token (every request was admitted before a prefix "
+             "was saved; a warm-up request, --warmup >= 1, saves it first): the ratio measures no cache hit")
   return text
 
 
