@@ -47,6 +47,14 @@ import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.profiler import ProfileData
+
+from model.engine import compilation_cache
+from model.errors import ConfigError
 from tools.bench import e2e_device
 
 REAL_CONFIG = ["kimi_linear_48b_a3b", "num_experts=16"]
@@ -205,16 +213,10 @@ def summarize(times: dict[str, list[int]], instructions: dict, steps: int, top: 
 
 
 def run(args) -> dict:
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.profiler import ProfileData
-
   ns = argparse.Namespace(config=args.config, set=args.set)
   cfg = e2e_device.build_config(ns, "bfloat16")
   model = e2e_device.build_model(cfg)
   graphdef, treedef, leaves = e2e_device.split(model)
-  from flax import nnx
   model_of = lambda lv: nnx.merge(graphdef, jax.tree.unflatten(treedef, lv))
   b, context, steps = args.batch, args.context, args.steps
 
@@ -320,12 +322,10 @@ def main(argv=None) -> int:
   if (out.exists() and not os.access(out, os.W_OK)) or not ancestor.is_dir() \
       or not os.access(ancestor, os.W_OK | os.X_OK):
     p.error(f"--json {args.json!r} cannot be written ({ancestor} is not a writable directory)")
-  from model.errors import ConfigError
   try:   # an unknown --config or a bad --set names itself before anything is built
     e2e_device.build_config(argparse.Namespace(config=args.config, set=args.set), "bfloat16")
   except ConfigError as e:
     p.error(f"--config {args.config!r} / --set: {e}")
-  from model.engine import compilation_cache
   print(compilation_cache.enable(args.compilation_cache_dir), flush=True)
   result = run(args)
   try:
