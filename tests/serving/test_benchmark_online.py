@@ -91,7 +91,7 @@ def test_a_warm_server_gets_a_note():
      {"url", "prefix_cache_bytes", "prefix_len", "suffix_min", "in_process"}),
     (["--in-process", "--workloads", "mixed,shared_prefix"], "in_process",
      {"engines": ["continuous", "static"], "prefix_cache_bytes": 1 << 30, "suffix_max": 128, "warmup": 32,
-      "workloads": ["mixed", "shared_prefix"]},
+      "workloads": ["mixed", "shared_prefix"], "max_num_partial_prefills": 4},   # the engine's default, resolved
      {"url", "client", "serve_arg", "start_timeout"}),
 ])
 def test_the_json_records_typed_args_of_its_mode_only(argv, mode, present, absent):

@@ -757,6 +757,10 @@ def recorded_args(args, kinds: list[str], engines: list[str], max_len: int) -> d
     out["max_model_len"] = max_len
     if "mixed" in kinds:
       out["engines"] = engines
+    if "max_num_partial_prefills" in out:   # the P the continuous engines ran with (0 resolved as they resolve it)
+      from model.engine.config import DEFAULT_PARTIAL_PREFILLS  # no jax: the client mode stays light
+      out["max_num_partial_prefills"] = args.max_num_partial_prefills or min(DEFAULT_PARTIAL_PREFILLS,
+                                                                             args.max_num_seqs)
   return out
 
 
