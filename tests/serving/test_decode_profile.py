@@ -154,6 +154,7 @@ def test_smoke_run_on_this_host(tmp_path, capsys):
     (["--set", "nope=1"], "--config 'tiny' / --set: unknown config key 'nope'"),
     (["--config", "nosuch"], "--config 'nosuch' / --set: unknown model config 'nosuch'"),
     (["--json", "{tmp}"], "is a directory; expected a file path"),
+    (["--compilation-cache-dir", "{tmp}/file/cache"], "--compilation-cache-dir: compilation_cache_dir="),
     (["--json", "{tmp}/file/p.json"], "cannot be written ({tmp}/file is not a writable directory)"),
 ])
 def test_bad_arguments_exit_2_naming_them_before_anything_is_written(tmp_path, capsys, argv, message):

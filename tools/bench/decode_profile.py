@@ -54,7 +54,7 @@ from flax import nnx
 from jax.profiler import ProfileData
 
 from model.engine import compilation_cache
-from model.errors import ConfigError
+from model.errors import ConfigError, UsageError
 from tools.bench import e2e_device
 
 REAL_CONFIG = ["kimi_linear_48b_a3b", "num_experts=16"]
@@ -326,7 +326,10 @@ def main(argv=None) -> int:
     e2e_device.build_config(argparse.Namespace(config=args.config, set=args.set), "bfloat16")
   except ConfigError as e:
     p.error(f"--config {args.config!r} / --set: {e}")
-  print(compilation_cache.enable(args.compilation_cache_dir), flush=True)
+  try:
+    print(compilation_cache.enable(args.compilation_cache_dir), flush=True)
+  except UsageError as e:
+    p.error(f"--compilation-cache-dir: {e}")
   result = run(args)
   try:
     out.parent.mkdir(parents=True, exist_ok=True)
