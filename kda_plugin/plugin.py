@@ -9,14 +9,17 @@ Routing rule (which op serves which mode; the modes are `model.backend.MODES`):
 =============  ===================================  ==============================  ================
 backend        train (gradients)                    eval, prefill                   decode
 =============  ===================================  ==============================  ================
-kda_native     kda_chunked                          kda_inference (gate + q/k L2    kda_decode_step
-                                                    norm fused, raw g, a_log)
-kda_chunked    kda_chunked                          kda_chunked                     kda_decode_step
+kda_native     kda_chunked (its pallas_tpu          kda_inference (gate + q/k L2    kda_decode_step
+               forward on a TPU, else xla)          norm fused, raw g, a_log)
+kda_chunked    kda_chunked (xla)                    kda_chunked (xla)               kda_decode_step
 kda_reference  kda_reference                        kda_reference                   kda_decode_step
 =============  ===================================  ==============================  ================
 
 Anything that needs gradients goes through `kda_chunked` (or the reference): `kda_inference` is a
-forward-only op. Where the op does not fuse them, the gate (`activate_gate`: softplus, or bounded
+forward-only op. kda_native trains through `kda_chunked(implementation="pallas_tpu")` (the Mosaic
+kernel's forward, a chunked backward: `kda_plugin.ops.chunked_tpu`) wherever its kernel choice
+resolves to `pallas_tpu` and the call carries no initial or final state (a training step's packed
+rows); otherwise, and always for the kda_chunked backend, through the XLA chunk scan. Where the op does not fuse them, the gate (`activate_gate`: softplus, or bounded
 when `lower_bound` is set) and the q/k `l2norm` are applied here first. `implementation` (the
 config's `kda_implementation`) is the kernel choice of `kda_inference` ("auto" picks `pallas_tpu`,
 `pallas_gpu` or `xla` by platform); the other ops have one implementation and ignore it.
@@ -54,11 +57,12 @@ class KDABackend:
   model traced (for tests and tools).
   """
 
-  def __init__(self, name: str, routes: dict[str, str]):
+  def __init__(self, name: str, routes: dict[str, str], *, train_kernel: bool = False):
     if set(routes) != set(MODES) or not set(routes.values()) <= set(_OPS):
       raise ValueError(f"routes must map each of {MODES} to one of {sorted(_OPS)}, got {routes}")
     self.name = name
     self.routes = dict(routes)
+    self.train_kernel = train_kernel  # kda_chunked may take its pallas_tpu forward (module docstring)
     self._observers: list[Callable[[str, str], None]] = []
 
   def __repr__(self):
@@ -74,8 +78,20 @@ class KDABackend:
     if mode not in self.routes:
       raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     op = self.routes[mode]
-    label = f"{op}[{resolve_implementation(implementation)}]" if op == "kda_inference" else op
+    if op == "kda_inference":
+      label = f"{op}[{resolve_implementation(implementation)}]"
+    elif op == "kda_chunked":
+      label = f"{op}[{self.chunked_implementation(implementation)}]"
+    else:
+      label = op
     return f"{self.name} -> {label}"
+
+  def chunked_implementation(self, implementation: str = "auto", *, with_states: bool = False) -> str:
+    """The `kda_chunked` implementation this backend trains with: "pallas_tpu" when it may use the
+    kernel (`train_kernel`), `implementation` resolves to "pallas_tpu" and the call carries no
+    initial or final state (`with_states`), else "xla"."""
+    kernel = self.train_kernel and resolve_implementation(implementation) == "pallas_tpu"
+    return "pallas_tpu" if kernel and not with_states else "xla"
 
   @contextlib.contextmanager
   def traced_ops(self) -> Iterator[list[tuple[str, str]]]:
@@ -126,9 +142,16 @@ class KDABackend:
           lower_bound=lower_bound, use_qk_l2norm=True, max_num_segments=max_num_segments,
           num_heads=num_heads, implementation=implementation)
     lane_dense = num_heads is not None
+    if lane_dense and q.ndim != 3:
+      raise ValueError(f"num_heads={num_heads} means lane-dense [B, T, H*K] inputs, got q of shape {q.shape}")
+    if op == "kda_chunked" and self.chunked_implementation(
+        implementation, with_states=initial_state is not None or bool(output_final_state)) == "pallas_tpu":
+      # the kernel reads the projections' lane-dense layout in place, as in prefill
+      o, state = _kda_chunked(q, k, v, g_raw, beta, segment_ids=segment_ids, max_num_segments=max_num_segments,
+                              a_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=True,
+                              num_heads=num_heads, implementation="pallas_tpu")
+      return o.astype(q.dtype), state
     if lane_dense:  # the chunked and reference ops take [B, T, H, D]
-      if q.ndim != 3:
-        raise ValueError(f"num_heads={num_heads} means lane-dense [B, T, H*K] inputs, got q of shape {q.shape}")
       q, k, v, g_raw = (x.reshape(x.shape[:2] + (num_heads, -1)) for x in (q, k, v, g_raw))
     if op == "kda_chunked":
       # The gate and the q/k L2 norm inside the op, per chunk: training keeps q, k and the raw gate in
@@ -159,7 +182,7 @@ class KDABackend:
 def kda_native() -> KDABackend:
   """Production backend: kda_inference for eval/prefill, kda_chunked for training, decode step."""
   return KDABackend("kda_native", {"train": "kda_chunked", "eval": "kda_inference",
-                                   "prefill": "kda_inference", "decode": "kda_decode_step"})
+                                   "prefill": "kda_inference", "decode": "kda_decode_step"}, train_kernel=True)
 
 
 def kda_chunked() -> KDABackend:

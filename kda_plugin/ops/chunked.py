@@ -397,6 +397,70 @@ def _slot_spans(seg, n_slots):
   return jnp.where(present, first, 0), jnp.where(present, last, -1), present
 
 
+def carry_schedule(segc):
+  """Which document is carried across each chunk edge, and where it closes.
+
+  Args:
+    segc: int32 `[NC, B, C]` labels by chunk (0 = padding).
+
+  Returns:
+    `(cont_lab, last_is_cont, cont_closes)`, `[NC, B]` each: the label of the document continued
+    from the previous chunk (0 when the chunk's first row starts a document or is padding), whether
+    that document is still open at the chunk's last row, and whether it closes inside the chunk.
+  """
+  b = segc.shape[1]
+  zeros = jnp.zeros((1, b), jnp.int32)
+  prev_last = jnp.concatenate([zeros, segc[:-1, :, -1]], axis=0)
+  next_first = jnp.concatenate([segc[1:, :, 0], zeros], axis=0)
+  first_lab, last_lab = segc[:, :, 0], segc[:, :, -1]
+  cont_lab = jnp.where((first_lab == prev_last) & (first_lab > 0), first_lab, 0)
+  last_is_cont = (cont_lab > 0) & (last_lab == cont_lab)
+  cont_closes = (cont_lab > 0) & ~(last_is_cont & (next_first == cont_lab))
+  return cont_lab, last_is_cont, cont_closes
+
+
+def chunk_with_state(cp, aqk, linv, s, sx, cl, lic, corr, out_precision):
+  """One chunk's state-dependent work: the carried state `s` applied to the rows of the document it
+  continues, the per-token deltas, the output and the state leaving the chunk.
+
+  Args:
+    cp: the chunk's `_ChunkPrep` (leading `[B]`); aqk, linv: its masked `Aqk` and
+      `(I + Diag(beta) Akk)^-1` `[B, H, C, C]` (`_mask_and_inverse`).
+    s: float32 `[B, H, K, V]` the state of the document open at the chunk's first edge (any finite
+      value where no document continues: it then multiplies only zeros).
+    sx: int32 `[B, C]` the chunk's labels; cl, lic: `[B]` its row of `carry_schedule`.
+    corr: None, or `[B, H, 2C, V]` the initial-state terms of documents that start inside the chunk
+      (`kgb S_in` rows, then `qd S_in` rows).
+    out_precision: the precision of the `Aqk Vnew` product.
+
+  Returns:
+    `(s_next [B, H, K, V], o [B, H, C, V] float32, vnew [B, H, C, V], dec [B, H, K, 1])`: s_next
+    without the initial state of a document that starts inside the chunk and is open at its end
+    (the caller adds `dec` times it).
+  """
+  c = cp.qh.shape[-2]
+  cont = ((sx == cl[:, None]) & (cl[:, None] > 0))[:, None, :, None]
+  last = ((sx == sx[:, -1:]) & (sx[:, -1:] > 0))[:, None, :, None]
+  qk = jnp.concatenate([jnp.where(cont, cp.bh * cp.kh * cp.egl, 0.0),
+                        jnp.where(cont, cp.qh * cp.egl, 0.0)], axis=-2)            # [B, H, 2C, K]
+  xw = _mm("bhrk,bhkv->bhrv", qk, s)                                             # kgb S, qd S
+  r = cp.bh * cp.vh - xw[..., :c, :]
+  o = xw[..., c:, :]
+  if corr is not None:
+    r = r - corr[..., :c, :]
+    o = o + corr[..., c:, :]
+  vnew = _mm("bhri,bhiv->bhrv", linv, r)                                         # per-token deltas
+  o = o + _mm("bhri,bhiv->bhrv", aqk, vnew, out_precision)
+  # The state leaving the chunk decays the carried state if the carried document is still open at
+  # its end, else starts from the deltas of the document that is (the selects act on [B, H, K, 1]
+  # factors, not on the [B, H, K, V] states).
+  dec = cp.egl[..., c - 1, :, None]                                              # [B, H, K, 1]
+  kept = lic[:, None, None, None]
+  kd_last = jnp.where(last, cp.kh * cp.dte, 0.0)
+  s_next = jnp.where(kept, dec, 0.0) * s + _mm("bhik,bhiv->bhkv", kd_last, vnew)
+  return s_next, o, vnew, dec
+
+
 def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, diag_mode="auto",
                    prep=None, chunk=CHUNK, group=1, out_dtype=None, inverse=None):
   """The segment-native chunked KDA algorithm on validated, activated inputs.
@@ -455,14 +519,7 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   qc, kc, vc, gc, bc = layout(q), layout(k), layout(v), layout(g), layout(beta)
   segc = jnp.moveaxis(seg.reshape(b, nc, c), 1, 0)                               # [NC, B, C]
 
-  # Which document is carried across each chunk edge, and where it closes.
-  zeros = jnp.zeros((1, b), jnp.int32)
-  prev_last = jnp.concatenate([zeros, segc[:-1, :, -1]], axis=0)
-  next_first = jnp.concatenate([segc[1:, :, 0], zeros], axis=0)
-  first_lab, last_lab = segc[:, :, 0], segc[:, :, -1]
-  cont_lab = jnp.where((first_lab == prev_last) & (first_lab > 0), first_lab, 0)   # [NC, B]
-  last_is_cont = (cont_lab > 0) & (last_lab == cont_lab)
-  cont_closes = (cont_lab > 0) & ~(last_is_cont & (next_first == cont_lab))
+  cont_lab, last_is_cont, cont_closes = carry_schedule(segc)
   slot = lambda lab: jnp.clip(lab - 1, 0, n_slots - 1)
   bidx = jnp.arange(b)
   labels = jnp.arange(1, n_slots + 1, dtype=jnp.int32)
@@ -529,25 +586,9 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
   def chunk_step(carry, xs, cp, aqk, linv):
     s, buf = carry
     sx, cl, lic, cc = xs[5:9]
-    cont = ((sx == cl[:, None]) & (cl[:, None] > 0))[:, None, :, None]
-    last = ((sx == sx[:, -1:]) & (sx[:, -1:] > 0))[:, None, :, None]
-    qk = jnp.concatenate([jnp.where(cont, cp.bh * cp.kh * cp.egl, 0.0),
-                          jnp.where(cont, cp.qh * cp.egl, 0.0)], axis=-2)          # [B, H, 2C, K]
-    xw = _mm("bhrk,bhkv->bhrv", qk, s)                                           # kgb S, qd S
-    r = cp.bh * cp.vh - xw[..., :c, :]
-    o = xw[..., c:, :]
-    if corr is not None:
-      r = r - xs[9][..., :c, :]
-      o = o + xs[9][..., c:, :]
-    vnew = _mm("bhri,bhiv->bhrv", linv, r)                                       # per-token deltas
-    o = o + _mm("bhri,bhiv->bhrv", aqk, vnew, out_precision)
-    # The state leaving the chunk decays the carried state if the carried document is still open at
-    # its end, else the initial state of the document that is (the selects act on [B, H, K, 1]
-    # factors, not on the [B, H, K, V] states).
-    dec = cp.egl[..., c - 1, :, None]                                            # [B, H, K, 1]
+    s_next, o, vnew, dec = chunk_with_state(cp, aqk, linv, s, sx, cl, lic,
+                                            None if corr is None else xs[9], out_precision)
     kept = lic[:, None, None, None]
-    kd_last = jnp.where(last, cp.kh * cp.dte, 0.0)
-    s_next = jnp.where(kept, dec, 0.0) * s + _mm("bhik,bhiv->bhkv", kd_last, vnew)
     if h0 is not None:
       s_next = s_next + jnp.where(kept, 0.0, dec) * h0[bidx, slot(sx[:, -1])]
     if buf is not None:
@@ -633,9 +674,12 @@ def _chunked_jit(q, k, v, g, beta, seg, h0, gate, *, scale, n_slots, want_final,
                         out_dtype=jnp.float32 if use_l2norm else None, inverse=inverse)
 
 
+TRAIN_IMPLEMENTATIONS = ("xla", "pallas_tpu")
+
+
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                 segment_ids=None, max_num_segments=None, a_log=None, dt_bias=None, lower_bound=None,
-                use_qk_l2norm=False):
+                use_qk_l2norm=False, num_heads=None, implementation="xla", interpret=False):
   """KDA in the chunked WY/UT form (chunk 64), differentiable with JAX autodiff (the training path).
 
   Equal to `kda_reference` (the token recurrence, docs/kda.md section 'Token recurrence') up to float32
@@ -667,6 +711,13 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     dt_bias: `[H*K]` or `[H, K]` gate bias (with a_log only), zeros if None.
     lower_bound: static float in [-5, 0) selecting the bounded gate (with a_log only).
     use_qk_l2norm: L2-normalise q and k per head inside the op (`gates.l2norm`, float32).
+    num_heads: H, static; given exactly when q, k, v, g come lane-dense `[B, T, H*D]` (o leaves in
+      that layout too).
+    implementation: "xla" (this module: forward and backward by JAX autodiff of the chunk scan) or
+      "pallas_tpu" (`chunked_tpu`: the Mosaic kernel's forward, which also returns the state
+      entering every chunk, and a reverse chunk scan for the backward; a TPU, or `interpret`; no
+      initial_state and no output_final_state).
+    interpret: with "pallas_tpu", simulate the kernel on CPU (True or a `pltpu.InterpretParams`).
 
   The in-op gate and L2 norm are applied per chunk inside the rematerialised scan step, so training
   keeps only q, k, v and the raw gate in their own dtype (bfloat16 in a bfloat16 model) for the
@@ -679,12 +730,28 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
 
   Raises:
     ValueError, TypeError: see `kda_plugin.ops._contract.check_kda_inputs` and `check_gate_args`
-      (dt_bias or lower_bound without a_log, lower_bound outside [-5, 0), a_log / dt_bias sizes).
+      (dt_bias or lower_bound without a_log, lower_bound outside [-5, 0), a_log / dt_bias sizes);
+      an unknown implementation; "pallas_tpu" with initial_state or output_final_state, or beyond
+      the kernel's limits (`inference_tpu.check`).
+    RuntimeError: "pallas_tpu" on a platform that is not a TPU, without interpret.
   """
+  if implementation not in TRAIN_IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {TRAIN_IMPLEMENTATIONS}, got {implementation!r}")
   g_is_raw = a_log is not None
   p = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
-                       max_num_segments=max_num_segments, scale=scale, g_is_raw=g_is_raw)
+                       max_num_segments=max_num_segments, scale=scale, g_is_raw=g_is_raw,
+                       num_heads=num_heads)
   lb = check_gate_args(g_is_raw, a_log, dt_bias, lower_bound, p.num_heads, p.key_dim)
+  if implementation == "pallas_tpu":
+    return _kda_chunked_pallas_tpu(p, q, k, v, g, beta, segment_ids, initial_state, output_final_state,
+                                   scale, a_log, dt_bias, lb, use_qk_l2norm, num_heads, interpret)
+  if num_heads is not None:  # the chunk scan works head-major
+    o, final = kda_chunked(*(x.reshape(x.shape[:2] + (num_heads, -1)) for x in (q, k, v, g)), beta,
+                           scale=scale, initial_state=initial_state,
+                           output_final_state=output_final_state, segment_ids=segment_ids,
+                           max_num_segments=max_num_segments, a_log=a_log, dt_bias=dt_bias,
+                           lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm)
+    return o.reshape(o.shape[:2] + (-1,)), final
   gate = None
   if g_is_raw:
     dt = jnp.zeros((p.num_heads * p.key_dim,), jnp.float32) if dt_bias is None else dt_bias
@@ -694,6 +761,30 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
                                              lower_bound=lb, use_l2norm=bool(use_qk_l2norm),
                                              inverse=inverse_form())
   return run_with_slots(p, q, initial_state, scale, output_final_state, core)
+
+
+def _kda_chunked_pallas_tpu(p, q, k, v, g, beta, segment_ids, initial_state, output_final_state, scale,
+                            a_log, dt_bias, lower_bound, use_qk_l2norm, num_heads, interpret):
+  """`kda_chunked(implementation="pallas_tpu")` on validated arguments (`chunked_tpu`)."""
+  from kda_plugin.ops import chunked_tpu, inference_tpu  # noqa: PLC0415 (a TPU implementation, imported when chosen)
+  from kda_plugin.ops._contract import InferenceCall  # noqa: PLC0415
+
+  if initial_state is not None or output_final_state:
+    raise ValueError("kda_chunked(implementation='pallas_tpu') trains without states: pass neither "
+                     "initial_state nor output_final_state (or use implementation='xla')")
+  call = InferenceCall(p, q, k, v, g, beta, segment_ids, None, False, scale, a_log, dt_bias, lower_bound,
+                       bool(use_qk_l2norm), lane_dense=num_heads is not None, interpret=interpret)
+  inference_tpu.check(call)
+  if interpret is True:
+    from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+    interpret = pltpu.InterpretParams()
+  seg = call.kernel_segment_ids()
+  if seg is None:
+    seg = jnp.ones((1, p.seq_len), jnp.int32)
+  o = chunked_tpu.run(q, k, v, g, beta, seg, call.kernel_gate(), num_heads=p.num_heads,
+                      num_segments=call.num_slots, scale=call.kernel_scale(), lower_bound=lower_bound,
+                      use_l2norm=bool(use_qk_l2norm), interpret=interpret)
+  return o, None
 
 
 def run_with_slots(p, q, initial_state, scale, output_final_state, core):

@@ -106,7 +106,7 @@ def run(call):
   if interpret is True:
     from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
     interpret = pltpu.InterpretParams()
-  o, final = _forward(call.q, call.k, call.v, call.g, call.beta, call.kernel_segment_ids(),
+  o, final, _ = _forward(call.q, call.k, call.v, call.g, call.beta, call.kernel_segment_ids(),
                       call.slot_states(), call.kernel_gate(), num_heads=call.problem.num_heads,
                       num_segments=call.num_slots, scale=call.kernel_scale(),
                       lower_bound=call.lower_bound, use_l2norm=bool(call.use_qk_l2norm),
@@ -115,12 +115,14 @@ def run(call):
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_segments", "scale", "lower_bound",
-                                             "use_l2norm", "want_final", "interpret"))
+                                             "use_l2norm", "want_final", "want_states", "interpret"))
 def _forward(q, k, v, g, beta, seg, h0, gate, *, num_heads, num_segments, scale, lower_bound,
-             use_l2norm, want_final, interpret):
+             use_l2norm, want_final, interpret, want_states=False):
   """Pads and lays out the operands, runs the kernel (which builds its chunk tables), unpads.
 
   q, k, v, g come as `[B, T, H, D]` or lane-dense `[B, T, H*D]`; o leaves in the same layout.
+  Returns `(o, final | None, states | None)`: states (with `want_states`) float32
+  `[NC, B, H, K, V]`, the state entering each 64-row chunk (`pallas_tpu.kda_pallas_tpu`).
   """
   lane_dense = q.ndim == 3
   b, t = q.shape[:2]
@@ -161,16 +163,18 @@ def _forward(q, k, v, g, beta, seg, h0, gate, *, num_heads, num_segments, scale,
     if kp != kd:
       dt_bias = jnp.pad(dt_bias, ((0, 0), (0, kp - kd)))
     dt_row = dt_bias.reshape(1, h * kp)
-  o2, final = kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg_p, num_heads=h, key_dim=kd,
-                             scale=scale, use_l2norm=use_l2norm, a_log=a_log, dt_bias=dt_row,
-                             lower_bound=lower_bound, initial_state=h0, num_segments=num_segments,
-                             want_final=want_final, interpret=interpret)
+  o2, final, states = kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg_p, num_heads=h, key_dim=kd,
+                                     scale=scale, use_l2norm=use_l2norm, a_log=a_log, dt_bias=dt_row,
+                                     lower_bound=lower_bound, initial_state=h0,
+                                     num_segments=num_segments, want_final=want_final,
+                                     want_states=want_states, interpret=interpret)
   if (vp, tp) != (vd, t):
     o2 = o2.reshape(b, tp, h, vp)[:, :t, :, :vd].reshape(b, t, h * vd)
   o = o2 if lane_dense else o2.reshape(b, t, h, vd)
-  if final is not None and (kp, vp) != (kd, vd):
-    final = final[..., :kd, :vd]
-  return o, final
+  if (kp, vp) != (kd, vd):
+    final = None if final is None else final[..., :kd, :vd]
+    states = None if states is None else states[..., :kd, :vd]
+  return o, final, states
 
 
 def _reads_in_place(lane_dense, kd, vd, t, h, arrays) -> bool:

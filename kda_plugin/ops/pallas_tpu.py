@@ -75,7 +75,7 @@ def chunks_per_step(num_chunks: int) -> int:
 
 def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
                    use_l2norm, a_log=None, dt_bias=None, lower_bound=None, initial_state=None,
-                   num_segments=1, want_final=False, interpret=False):
+                   num_segments=1, want_final=False, want_states=False, interpret=False):
   """Runs the Mosaic kernel on prepared operands (see the module docstring for layouts).
 
   Args:
@@ -87,11 +87,15 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
     a_log: float32 `[H]` (read as SMEM scalars; the kernel takes exp), dt_bias: float32
       `[1, H*Kp]` (lane-dense, zero on padded lanes): the in-kernel gate, or None.
     initial_state: float32 `[B, N, H, Kp, Vp]` or None.
+    want_states: also return the state entering every chunk (the training op's residual,
+      `kda_plugin.ops.chunked_tpu`): the state of the document open at the chunk's first row edge,
+      zeros where none is (a document that ends at a chunk's last row leaves zeros). Needs no
+      initial_state.
     interpret: False, or a `pltpu.InterpretParams` to simulate the TPU on CPU.
 
   Returns:
     (o `[B, Tp, H*Vp]` (or `[B, Tp, H, Vp]` for head-major inputs) in q's dtype, final
-    `[B, N, H, Kp, Vp]` float32 or None).
+    `[B, N, H, Kp, Vp]` float32 or None, states `[NC, B, H, Kp, Vp]` float32 or None).
   """
   heads_layout = q2.ndim == 4
   bsz, tp = q2.shape[:2]
@@ -100,6 +104,8 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
   nc = tp // C
   gate = a_log is not None
   has_h0 = initial_state is not None
+  if want_states and has_h0:
+    raise ValueError("want_states needs initial_state=None (the training op's forward)")
   words = ss.chunk_table_words(num_segments)
   cps = chunks_per_step(nc)
   rows = C * cps  # block rows of one grid step
@@ -156,6 +162,9 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
   if want_final:
     out_shape.append(jax.ShapeDtypeStruct((bsz, num_segments, num_heads, kp, vp), jnp.float32))
     out_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+  if want_states:  # chunk-major, as the backward scan reads them: grid step s writes chunks s*CPS..
+    out_shape.append(jax.ShapeDtypeStruct((nc, bsz, num_heads, kp, vp), jnp.float32))
+    out_specs.append(pl.BlockSpec((cps, None, hg, kp, vp), lambda b, h, s: (s, b, h, 0, 0)))
 
   f32 = jnp.float32
   n = cps * hg  # per-chunk scratch: chunk j's head i at j * hg + i
@@ -172,7 +181,8 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
     scratch += [pltpu.VMEM((rows * hg, kp), f32)] * 3 + [pltpu.VMEM((rows * hg, vp), f32)]  # q k v g
   kernel = functools.partial(
       tk.kernel, heads_per_step=hg, chunks_per_step=cps, scale=float(scale), use_l2norm=use_l2norm,
-      gate=gate, lower_bound=lower_bound, has_h0=has_h0, want_final=want_final, key_dim=key_dim,
+      gate=gate, lower_bound=lower_bound, has_h0=has_h0, want_final=want_final,
+      want_states=want_states, key_dim=key_dim,
       out_dtype=q2.dtype, dots=matmul_precision(q2.dtype), num_chunks=nc, heads_layout=heads_layout,
       words=words)
   outs = pl.pallas_call(
@@ -180,9 +190,9 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
       out_specs=out_specs, scratch_shapes=scratch, input_output_aliases=aliases,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary"),
-          vmem_limit_bytes=vmem_limit_bytes(kp, vp, num_heads, hg, cps)),
-      interpret=interpret, name="kda_inference_tpu")(*operands)
-  return outs[0], (outs[1] if want_final else None)
+          vmem_limit_bytes=vmem_limit_bytes(kp, vp, num_heads, hg, cps, want_states)),
+      interpret=interpret, name="kda_train_fwd_tpu" if want_states else "kda_inference_tpu")(*operands)
+  return outs[0], (outs[1] if want_final else None), (outs[-1] if want_states else None)
 
 
 def heads_layout_ok(num_heads: int, kp: int, vp: int, dtype) -> bool:
@@ -192,13 +202,15 @@ def heads_layout_ok(num_heads: int, kp: int, vp: int, dtype) -> bool:
           and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)))
 
 
-def vmem_limit_bytes(kp: int, vp: int, num_heads: int, hg: int = 1, cps: int = 1) -> int:
-  """VMEM plan for `hg` heads of `cps` chunks per step: double-buffered input/output blocks +
-  scratch, with 2x headroom for the kernel's temporaries (score blocks, exponent tiles), at least
-  32 MiB."""
+def vmem_limit_bytes(kp: int, vp: int, num_heads: int, hg: int = 1, cps: int = 1,
+                     want_states: bool = False) -> int:
+  """VMEM plan for `hg` heads of `cps` chunks per step: double-buffered input/output blocks (the
+  chunk-entry states' block too with `want_states`) + scratch, with 2x headroom for the kernel's
+  temporaries (score blocks, exponent tiles), at least 32 MiB."""
   f4 = 4
   seg_w = max(LANE, C * cps)
-  blocks = 2 * (cps * hg * (3 * C * kp + 2 * C * vp) + max(num_heads, 16) * seg_w) * f4
+  blocks = 2 * (cps * hg * (3 * C * kp + 2 * C * vp + (kp * vp if want_states else 0))
+                + max(num_heads, 16) * seg_w) * f4
   scratch = (cps * hg * (3 * C * kp + 2 * C * C + 3 * C * vp + C * LANE)
              + 2 * hg * kp * vp) * f4
   return max(32 << 20, 2 * (blocks + scratch) + (8 << 20))

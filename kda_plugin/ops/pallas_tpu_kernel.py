@@ -19,7 +19,8 @@ Refs, in order (blocks of the step; shapes without the squeezed batch dim):
   beta: `[H, W]` lane-dense along T.
   a_log (SMEM `[H]` float32) and dt_bias (`[1, HG*Kp]`) when the gate is applied in the kernel.
   h0 (HBM `[B, N, H, Kp, Vp]`) when given, else the zeros aliased to the final states when wanted.
-  o: `[CPS*C, HG*Vp]`; final states (HBM `[B, N, H, Kp, Vp]`, aliased) when wanted.
+  o: `[CPS*C, HG*Vp]`; final states (HBM `[B, N, H, Kp, Vp]`, aliased) when wanted; the state
+    entering each of the step's chunks `[CPS, HG, Kp, Vp]` (the carry before the chunk) when wanted.
   Scratch: see `pallas_tpu.kda_pallas_tpu`.
 
 Math: `_chunk_math` (docs/kda.md section 'Chunked form (WY/UT)', docs/packing.md section
@@ -153,7 +154,7 @@ def _scan_pieces(table_ref, label, entering, packed, base):
 
 def kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs,
            heads_per_step, chunks_per_step, scale, use_l2norm, gate, lower_bound, has_h0, want_final,
-           key_dim, out_dtype, dots, num_chunks, heads_layout, words):
+           key_dim, out_dtype, dots, num_chunks, heads_layout, words, want_states=False):
   it = iter(refs)
   alog_ref, dtb_ref = (next(it), next(it)) if gate else (None, None)
   h0_ref = next(it) if has_h0 else None
@@ -161,6 +162,7 @@ def kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref, 
     next(it)  # the zeros aliased to the final states: never read
   o_ref = next(it)
   fs_ref = next(it) if want_final else None
+  st_ref = next(it) if want_states else None
   # each scratch but the carry, the final-state buffer and the tables has a leading dim of
   # CPS * HG: chunk j's head i at j * HG + i (the chunks of a step share no scratch but the carry)
   (carry_ref, g_scr, q_scr, k_scr, tinv_scr, aqk_scr, u_scr, vacc_scr, oacc_scr,
@@ -192,6 +194,8 @@ def kernel(seg_prev_ref, seg_cur_ref, seg_next_ref, q_ref, k_ref, v_ref, g_ref, 
                        base=j * words)
     # the chunk's lanes of the beta block: static when a step covers its whole label block
     off = j * C if chunks_per_step * C >= seg_w else (c % (seg_w // C)) * C
+    if want_states:
+      st_ref[j] = carry_ref[...]
     _chunk(j, c, off, srcs, beta_all, a_exp, dtb, o_ref, h0_ref, fs_ref, carry_ref,
            (g_scr, q_scr, k_scr, tinv_scr, aqk_scr, u_scr, vacc_scr, oacc_scr, beta_scr),
            state_scr, table_ref, b, hb, hg=hg, kp=kp, vp=vp, scale=scale, use_l2norm=use_l2norm,

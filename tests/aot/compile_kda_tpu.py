@@ -12,8 +12,14 @@ map with `--docs` documents of equal length except that the first ends 17 tokens
 (the seed's split at T/2 - 17 for two documents), the in-kernel gate (`--gate softplus|bounded`),
 q/k L2 norm inside the kernel, final states, optional initial states (`--h0`).
 
+With `--train IMPL`, the training op instead: the value and the gradients of q, k, v, g, beta and the
+gate's a_log, dt_bias of `kda_chunked(implementation=IMPL)` (no final states), IMPL "pallas_tpu" (the
+kernel's forward and the chunked backward) or "xla" (the chunk scan and its autodiff); the report
+then adds "kernel_calls" (the Mosaic custom calls in the compiled HLO) and "flops" (XLA's count).
+
 Usage: python -m tests.aot.compile_kda_tpu --chip tpu7x --dtype bfloat16 --gate bounded [--h0]
   [--batch 1 --seq-len 8192 --heads 8 --key-dim 128 --value-dim 128 --docs 2 --num-segments N]
+  [--train pallas_tpu|xla]
 
 Output (last stdout line): {"chip", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
 "generated_code_bytes", "estimate_bytes", "compile_s"}; or {"chip", "value_error", "seconds"} when
@@ -63,6 +69,8 @@ def main(argv=None) -> int:
                   help="trace under jax.default_matmul_precision(VALUE), as a caller may (e.g. highest)")
   ap.add_argument("--layout", choices=["lane_dense", "heads"], default="lane_dense",
                   help="q, k, v, g as lane-dense [B, T, H*D] (num_heads given) or head-major [B, T, H, D]")
+  ap.add_argument("--train", choices=["pallas_tpu", "xla"], default=None,
+                  help="compile the training op's value and gradients with this implementation")
   args = ap.parse_args(argv)
 
   import jax  # noqa: PLC0415
@@ -70,6 +78,7 @@ def main(argv=None) -> int:
   from jax.experimental import topologies  # noqa: PLC0415
   from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
 
+  from kda_plugin.ops.chunked import kda_chunked  # noqa: PLC0415
   from kda_plugin.ops.inference import estimate_peak_memory, kda_inference  # noqa: PLC0415
 
   b, t, h, kd, vd = args.batch, args.seq_len, args.heads, args.key_dim, args.value_dim
@@ -99,6 +108,33 @@ def main(argv=None) -> int:
     return kda_inference(q, k, v, g, beta, segment_ids=seg, initial_state=h0[0] if h0 else None,
                          output_final_state=want_final, max_num_segments=n, use_qk_l2norm=True,
                          num_heads=None if heads else h, implementation="pallas_tpu", **gate_kw)
+
+  if args.train:
+    if args.h0 or not gate:
+      ap.error("--train compiles the model's training call: the in-op gate, no --h0")
+    wo = sds(vshape, jnp.float32)
+
+    def loss(q, k, v, g, beta, a_log, dt_bias, seg, wo):
+      o, _ = kda_chunked(q, k, v, g, beta, segment_ids=seg, max_num_segments=n, a_log=a_log,
+                         dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=True,
+                         num_heads=None if heads else h, implementation=args.train)
+      return jnp.sum(o.astype(jnp.float32) * wo)
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5, 6))
+    start = time.perf_counter()
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      compiled = jax.jit(grad).lower(*arrays[:5], arrays[6], arrays[7], arrays[5], wo).compile()
+    ma = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    print(json.dumps(dict(chip=args.chip, train=args.train, argument_bytes=int(ma.argument_size_in_bytes),
+                          output_bytes=int(ma.output_size_in_bytes), temp_bytes=int(ma.temp_size_in_bytes),
+                          generated_code_bytes=int(ma.generated_code_size_in_bytes),
+                          kernel_calls=hlo.count('custom_call_target="tpu_custom_call"'),
+                          flops=float((cost or {}).get("flops", -1)),
+                          compile_s=round(time.perf_counter() - start, 2))))
+    return 0
 
   start = time.perf_counter()
   precision = (jax.default_matmul_precision(args.matmul_precision) if args.matmul_precision

@@ -1,0 +1,153 @@
+"""The `pallas_tpu` implementation of `kda_chunked` (training): the Mosaic forward, a chunked backward.
+
+Forward: the inference kernel (`pallas_tpu.kda_pallas_tpu`) with `want_states`: o, plus the state
+entering every 64-row chunk `[NC, B, H, K, V]` float32, the only residual beyond the inputs.
+
+Backward: one reverse `lax.scan` over the chunks. Step c recomputes chunk c's state-independent
+matrices from its rows (gates, scores, the unit-lower inverse: `chunked._chunk_prep`,
+`_mask_and_inverse`), applies the saved state entering it (`chunked.chunk_with_state`) and takes
+that chunk's vector-Jacobian product with the cotangents of its output rows and of the state leaving
+it; the state's cotangent is the carry. These are the same per-chunk operations as the XLA op
+(`kda_chunk_core`), whose autodiff backward does the same per step, but the states come from the
+kernel instead of a second XLA forward scan: under the model's remat the layer's forward runs twice
+(once for the loss, once to rebuild the residuals), both times through the kernel.
+
+Exactness: the gradient is the XLA chunk math's at the kernel's states; the kernel's states equal
+the XLA op's to float32 rounding (float32 inputs) or to its bf16 MXU passes (bf16 inputs,
+`pallas_tpu.matmul_precision`), tests/kernels/test_chunked_tpu.py.
+
+Limits: no initial state and no final state (a training step's packed rows); the kernel's
+(`inference_tpu.check`): K and V up to 256 after padding, a TPU target unless interpreted.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kda_plugin.ops import chunked as ch
+from kda_plugin.ops import inference_tpu
+from kda_plugin.ops._chunk_common import CHUNK as C
+
+
+def _layout(x, nc):
+  """`[B, T, ...]` -> `[NC, B, C, ...]`, T padded to NC * C with zeros."""
+  b, t = x.shape[:2]
+  pad = nc * C - t
+  if pad:
+    x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+  return jnp.moveaxis(x.reshape((b, nc, C) + x.shape[2:]), 1, 0)
+
+
+def _unlayout(x, t):
+  """`[NC, B, C, ...]` -> `[B, T, ...]` (the padding rows dropped)."""
+  nc, b = x.shape[:2]
+  return jnp.moveaxis(x, 0, 1).reshape((b, nc * C) + x.shape[3:])[:, :t]
+
+
+def _chunk_local(s, q, k, v, g, beta, a_log, dt_bias, seg, cont_lab, last_is_cont, *, scale,
+                 lower_bound, use_l2norm, inverse):
+  """One chunk as the XLA op computes it from the state `s` entering it: `(s_next, o [B, C, H, V])`.
+
+  q, k, g `[B, C, H, K]`, v `[B, C, H, V]`, beta `[B, C, H]` (the caller's dtypes); a_log `[H]` and
+  dt_bias `[H, K]` float32 or both None (g already activated); seg `[B, C]`; cont_lab, last_is_cont
+  `[B]` (`chunked.carry_schedule`).
+  """
+  gate = None if a_log is None else (a_log, dt_bias)
+  prep = ch.chunk_prep(gate, lower_bound, use_l2norm)
+  cp, aqk, akk = ch._chunk_prep(q, k, v, g, beta, seg, scale=scale, prep=prep, diag_mode="auto")
+  aqk, linv = ch._mask_and_inverse(cp, aqk, akk, inverse)
+  s_next, o, _, _ = ch.chunk_with_state(cp, aqk, linv, s, seg, cont_lab, last_is_cont, None,
+                                        lax.Precision.HIGHEST)
+  return s_next, jnp.swapaxes(o, 1, 2)
+
+
+def _forward(q, k, v, g, beta, seg, a_log, dt_bias, *, num_heads, num_segments, scale, lower_bound,
+             use_l2norm, interpret):
+  gate = None if a_log is None else (a_log, dt_bias)
+  o, _, states = inference_tpu._forward(
+      q, k, v, g, beta, seg, None, gate, num_heads=num_heads, num_segments=num_segments, scale=scale,
+      lower_bound=lower_bound, use_l2norm=use_l2norm, want_final=False, want_states=True,
+      interpret=interpret)
+  return o, states
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+def _train_op(q, k, v, g, beta, seg, a_log, dt_bias, num_heads, num_segments, scale, lower_bound,
+              use_l2norm, interpret):
+  return _forward(q, k, v, g, beta, seg, a_log, dt_bias, num_heads=num_heads, num_segments=num_segments,
+                  scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm, interpret=interpret)[0]
+
+
+def _train_op_fwd(q, k, v, g, beta, seg, a_log, dt_bias, num_heads, num_segments, scale, lower_bound,
+                  use_l2norm, interpret):
+  o, states = _forward(q, k, v, g, beta, seg, a_log, dt_bias, num_heads=num_heads,
+                       num_segments=num_segments, scale=scale, lower_bound=lower_bound,
+                       use_l2norm=use_l2norm, interpret=interpret)
+  return o, (q, k, v, g, beta, seg, a_log, dt_bias, states)
+
+
+def _train_op_bwd(num_heads, num_segments, scale, lower_bound, use_l2norm, interpret, res, do):
+  del num_segments, interpret
+  q, k, v, g, beta, seg, a_log, dt_bias, states = res
+  lane_dense = q.ndim == 3
+  heads = lambda x: x.reshape(x.shape[:2] + (num_heads, -1)) if lane_dense else x
+  qh, kh, vh, gh, doh = (heads(x) for x in (q, k, v, g, do))
+  b, t = qh.shape[:2]
+  nc = states.shape[0]
+  segb = jnp.broadcast_to(seg, (b, t)) if seg.shape[0] == 1 else seg
+  segc = _layout(segb.astype(jnp.int32), nc)
+  cont_lab, last_is_cont, _ = ch.carry_schedule(segc)
+  has_gate = a_log is not None
+  local = functools.partial(_chunk_local, scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm,
+                            inverse=ch.inverse_form())
+
+  def step(carry, xs):
+    ds, d_alog, d_dt = carry
+    s_in, qc, kc, vc, gc, bc, sx, cl, lic, doc = xs
+    f = lambda s_, q_, k_, v_, g_, b_, a_, d_: local(s_, q_, k_, v_, g_, b_, a_, d_, sx, cl, lic)
+    _, vjp = jax.vjp(f, s_in, qc, kc, vc, gc, bc, a_log, dt_bias)
+    ds_in, dq, dk, dv, dg, db, da, dd = vjp((ds, doc.astype(jnp.float32)))
+    if has_gate:
+      d_alog, d_dt = d_alog + da, d_dt + dd
+    return (ds_in, d_alog, d_dt), (dq, dk, dv, dg, db)
+
+  zeros_or_none = lambda x: None if x is None else jnp.zeros(x.shape, jnp.float32)
+  init = (jnp.zeros(states.shape[1:], jnp.float32), zeros_or_none(a_log), zeros_or_none(dt_bias))
+  xs = (states,) + tuple(_layout(x, nc) for x in (qh, kh, vh, gh, beta)) + (
+      segc, cont_lab, last_is_cont, _layout(doh, nc))
+  (_, d_alog, d_dt), grads = lax.scan(step, init, xs, reverse=True)
+  dq, dk, dv, dg, db = (_unlayout(x, t) for x in grads)
+  if lane_dense:
+    dq, dk, dv, dg = (x.reshape(x.shape[:2] + (-1,)) for x in (dq, dk, dv, dg))
+  cast = lambda d, x: None if x is None else d.astype(x.dtype)
+  return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(db, beta),
+          np.zeros(seg.shape, jax.dtypes.float0), cast(d_alog, a_log), cast(d_dt, dt_bias))
+
+
+_train_op.defvjp(_train_op_fwd, _train_op_bwd)
+
+
+def run(q, k, v, g, beta, seg, gate, *, num_heads, num_segments, scale, lower_bound, use_l2norm,
+        interpret):
+  """o of the training op (differentiable in q, k, v, g, beta and the gate's a_log, dt_bias).
+
+  Args:
+    q, k, g: `[B, T, H, K]` or lane-dense `[B, T, H*K]` (with `num_heads`); v likewise; beta
+      `[B, T, H]`; any float dtype the kernel takes (float32, bfloat16).
+    seg: int32 `[B, T]` or `[1, T]` (shared) labels, 0 = padding; num_segments: N >= every label
+      (static: it sizes the kernel's per-chunk piece tables).
+    gate: `(a_log [H], dt_bias [H, K])` float32 (g is the raw gate input) or None (g activated).
+    num_heads: H (static). scale: static float. lower_bound: static float or None.
+    use_l2norm: L2-normalise q and k in the op. interpret: False or a `pltpu.InterpretParams`.
+
+  Returns:
+    o in q's layout and dtype.
+  """
+  a_log, dt_bias = (None, None) if gate is None else gate
+  return _train_op(q, k, v, g, beta, seg, a_log, dt_bias, num_heads, num_segments, scale, lower_bound,
+                   use_l2norm, interpret)

@@ -1,0 +1,172 @@
+"""`kda_chunked(implementation="pallas_tpu")`: the Mosaic kernel's forward (simulated on CPU in
+interpret mode) with the state entering every chunk, and the chunked backward of
+`kda_plugin.ops.chunked_tpu`, against the float64 token recurrence of tests/oracles.py.
+
+Gradients are checked as in tests/ops/test_chunked_training.py: `<grad, u>` for a random direction u of
+each input against a central difference of the float64 oracle. Cases: packed rows with documents
+starting inside chunks, runs of one row, a document ending exactly at a chunk edge, padding; Kimi's
+softplus gate steep enough to underflow inside documents beside mild channels, and the bounded gate.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda_plugin.ops import inference_tpu
+from kda_plugin.ops.chunked import kda_chunked
+from tests.oracles import gate_f64, kda_recurrence_f64, l2norm_f64
+
+B, T, H, K, V, N = 2, 200, 2, 16, 8, 6
+FD_EPS = 1e-6
+REL_TOL = 5e-6  # as tests/ops/test_chunked_training.py (float32 rounding of the terms of <grad, u>)
+
+
+def _row(*runs):
+  row = np.concatenate([np.full(n, lab, np.int32) for lab, n in runs])
+  return np.pad(row, (0, T - row.size))
+
+
+# row 0: documents starting inside chunks, runs of one row, one ending exactly at row 127 (a chunk
+# edge) followed by one starting at 128, trailing padding; row 1: padding inside, a carried document
+SEG = np.stack([_row((1, 5), (2, 1), (3, 1), (4, 57), (5, 64), (6, 60)),
+                _row((2, 40), (0, 3), (3, 1), (1, 150))])
+
+
+def _inputs(seed, steep):
+  rng = np.random.default_rng(seed)
+  q, k, g_raw = (rng.normal(size=(B, T, H, K)) for _ in range(3))
+  v = rng.normal(size=(B, T, H, V))
+  beta = rng.uniform(0.0, 1.0, size=(B, T, H))
+  a_log = np.log(np.array([40.0, 0.05])) if steep else rng.uniform(-1.0, 1.0, size=(H,))
+  dt_bias = rng.normal(size=(H * K,))
+  wo = rng.normal(size=(B, T, H, V))
+  return (q, k, v, g_raw, beta, a_log, dt_bias), wo
+
+
+def _oracle(args, wo, lower_bound):
+  q, k, v, g_raw, beta, a_log, dt_bias = args
+  g = gate_f64(g_raw, a_log, dt_bias, lower_bound)
+  o, _ = kda_recurrence_f64(l2norm_f64(q), l2norm_f64(k), v, g, beta, SEG)
+  return o, float(np.sum(o * wo))
+
+
+def _op(lower_bound, implementation="pallas_tpu"):
+  def run(q, k, v, g_raw, beta, a_log, dt_bias):
+    o, _ = kda_chunked(q, k, v, g_raw, beta, segment_ids=SEG, max_num_segments=N, a_log=a_log,
+                       dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=True,
+                       implementation=implementation, interpret=implementation == "pallas_tpu")
+    return o
+  return run
+
+
+NAMES = ("q", "k", "v", "g_raw", "beta", "a_log", "dt_bias")
+
+
+@pytest.mark.parametrize("lower_bound,steep", [(None, True), (-5.0, False)], ids=["softplus_steep", "bounded"])
+def test_gradients_match_float64_oracle(lower_bound, steep):
+  args, wo = _inputs(11, steep)
+  run = _op(lower_bound)
+  f32 = [jnp.asarray(a, jnp.float32) for a in args]
+  ro, _ = _oracle(args, wo, lower_bound)
+  o = jax.jit(run)(*f32)
+  assert np.max(np.abs(np.asarray(o, np.float64) - ro)) <= 2e-5
+  if steep:  # the steep head's decay underflows inside documents
+    assert np.min(gate_f64(args[3], args[5], args[6])[..., 0, :]) < -104.0
+
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(run(*a) * wo), argnums=tuple(range(len(args)))))(*f32)
+  rng = np.random.default_rng(12)
+  for i, (name, x, gr) in enumerate(zip(NAMES, args, grads)):
+    gr = np.asarray(gr, np.float64)
+    assert np.all(np.isfinite(gr)), f"non-finite gradient for {name}"
+    u = rng.normal(size=np.shape(x))
+    step = [a + FD_EPS * u if j == i else a for j, a in enumerate(args)]
+    back = [a - FD_EPS * u if j == i else a for j, a in enumerate(args)]
+    want = (_oracle(step, wo, lower_bound)[1] - _oracle(back, wo, lower_bound)[1]) / (2 * FD_EPS)
+    got = float(np.sum(gr * u))
+    scale = float(np.sum(np.abs(gr * u)))
+    assert abs(got - want) <= REL_TOL * scale, f"{name}: <grad, u> {got} vs float64 {want} (scale {scale})"
+
+
+def test_chunk_states_are_the_open_documents_states():
+  """The kernel's `want_states` output: entering chunk c, the float64 state of the document open
+  across the edge at row 64c (the oracle's final state over rows < 64c), zeros where none is."""
+  args, _ = _inputs(3, False)
+  q, k, v, g_raw, beta, a_log, dt_bias = args
+  g = gate_f64(g_raw, a_log, dt_bias)
+  qn, kn = l2norm_f64(q), l2norm_f64(k)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  _, _, states = inference_tpu._forward(
+      f32(qn), f32(kn), f32(v), f32(g), f32(beta), jnp.asarray(SEG), None, None, num_heads=H,
+      num_segments=N, scale=K ** -0.5, lower_bound=None, use_l2norm=False, want_final=False,
+      want_states=True, interpret=True)
+  nc = -(-T // 64)
+  assert states.shape == (nc, B, H, K, V)
+  for c in range(nc):
+    edge = 64 * c
+    for b in range(B):
+      lab = SEG[b, edge - 1] if edge else 0
+      want = np.zeros((H, K, V))
+      if lab and SEG[b, edge] == lab:
+        _, fin = kda_recurrence_f64(qn[b:b + 1, :edge], kn[b:b + 1, :edge], v[b:b + 1, :edge],
+                                    g[b:b + 1, :edge], beta[b:b + 1, :edge], SEG[b:b + 1, :edge],
+                                    np.zeros((1, N, H, K, V)))
+        want = fin[0, lab - 1]
+      np.testing.assert_allclose(np.asarray(states[c, b], np.float64), want, atol=2e-5,
+                                 err_msg=f"chunk {c}, row {b}")
+  # the row-1 document carried over every edge has a non-zero state there: the check is not vacuous
+  assert float(jnp.max(jnp.abs(states[2, 1]))) > 0.1
+
+
+def test_bf16_lane_dense_matches_the_xla_op():
+  """The model's layout and dtype (lane-dense [B, T, H*K] bfloat16, 8 heads of 128): the value and
+  every gradient equal the XLA op's within bf16 rounding. The kernel's bf16 MXU passes
+  (`pallas_tpu.matmul_precision`) give outputs within 5e-3 relative (tests/kernels/
+  test_inference_numerics.py); the backward reuses the kernel's chunk states, so gradients inherit
+  that rounding once more. Bound: two bf16 ulps (2^-7) of the largest element (observed: at most
+  4.7e-3, for q's gradient; v's gradient does not depend on the states and is equal)."""
+  rng = np.random.default_rng(5)
+  b, t, h, kd = 1, 192, 8, 128
+  seg = np.concatenate([np.full(70, 1), np.full(100, 2), np.zeros(22)]).astype(np.int32)[None]
+  bf = lambda *s: jnp.asarray(rng.normal(size=s), jnp.bfloat16)
+  q, k, v, g_raw = (bf(b, t, h * kd) for _ in range(4))
+  beta = jnp.asarray(rng.uniform(size=(b, t, h)), jnp.float32)
+  a_log = jnp.asarray(np.log(rng.uniform(1, 16, h)), jnp.float32)
+  dt_bias = jnp.asarray(rng.normal(size=(h * kd,)) - 4.0, jnp.float32)
+  wo = jnp.asarray(rng.normal(size=(b, t, h * kd)), jnp.float32)
+
+  def loss(impl):
+    def f(q, k, v, g_raw, beta, a_log, dt_bias):
+      o, _ = kda_chunked(q, k, v, g_raw, beta, segment_ids=seg, max_num_segments=2, a_log=a_log,
+                         dt_bias=dt_bias, use_qk_l2norm=True, num_heads=h, implementation=impl,
+                         interpret=impl == "pallas_tpu")
+      assert o.shape == q.shape and o.dtype == q.dtype
+      return jnp.sum(o.astype(jnp.float32) * wo), o
+    return jax.jit(jax.value_and_grad(f, argnums=tuple(range(7)), has_aux=True))
+
+  args = (q, k, v, g_raw, beta, a_log, dt_bias)
+  (_, o_x), g_x = loss("xla")(*args)
+  (_, o_p), g_p = loss("pallas_tpu")(*args)
+  rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                           / jnp.max(jnp.abs(b.astype(jnp.float32))))
+  tol = 2.0 ** -7
+  assert rel(o_p, o_x) <= tol
+  for name, a, want in zip(NAMES, g_p, g_x):
+    assert a.dtype == want.dtype, name
+    assert rel(a, want) <= tol, f"{name}: relative difference {rel(a, want):.2e}"
+  assert rel(g_p[2], g_x[2]) == 0.0  # dv: a function of do, q, k, g, beta alone
+
+
+def test_refuses_states_and_a_cpu_without_interpret():
+  args, _ = _inputs(1, False)
+  q, k, v, g_raw, beta, a_log, dt_bias = (jnp.asarray(a, jnp.float32) for a in args)
+  kw = dict(segment_ids=SEG, max_num_segments=N, a_log=a_log, dt_bias=dt_bias, use_qk_l2norm=True)
+  with pytest.raises(ValueError, match="initial_state nor output_final_state"):
+    kda_chunked(q, k, v, g_raw, beta, output_final_state=True, implementation="pallas_tpu", interpret=True, **kw)
+  with pytest.raises(ValueError, match="initial_state nor output_final_state"):
+    kda_chunked(q, k, v, g_raw, beta, initial_state=jnp.zeros((B, N, H, K, V)), implementation="pallas_tpu",
+                interpret=True, **kw)
+  with pytest.raises(RuntimeError, match="needs a TPU"):
+    kda_chunked(q, k, v, g_raw, beta, implementation="pallas_tpu", **kw)
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    kda_chunked(q, k, v, g_raw, beta, implementation="pallas_gpu", **kw)
