@@ -94,7 +94,11 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
   assert split["pieces_sum_ms"] == pytest.approx(sum(p["times_count_ms"] for p in pieces.values()), abs=0.01)
   kda = split["kda_op"]
   assert kda["forward_backward"]["median_ms"] > 0 and kda["peer"]["deltanet_tpu_v6e_ms"] == 22.5
-  assert kda["op"].startswith("kda_native")
+  # on a CPU kda_native trains through the XLA scan: one implementation, at both shapes
+  assert kda["op"] == "kda_chunked[xla]" and "kda_op_xla" not in split
+  step_op = split["kda_op_step"]
+  assert step_op["forward_backward"]["median_ms"] > 0 and step_op["documents"] == 4
+  assert (step_op["B"], step_op["T"]) == (split["batch_size"], split["seq_len"])
 
   loss = phases["loss"]["result"]
   assert loss["corpus"]["what"] == ("given" if shakespeare.is_file() else "tinyshakespeare") or \

@@ -441,25 +441,20 @@ def phase_split(args, out: dict) -> None:
   inputs["optimizer"] = (opt_fn, (params, opt_state, grads))
   pieces["optimizer"] = (None, None, (), 1)
 
-  # the KDA training op alone: H=32, T=8192, B=1, K=V=128, bf16, one document
-  kh, kt, kk = (2, 256, 64) if args.smoke else (32, 8192, 128)
+  # the KDA training op alone, by each implementation the backends train with (kda_native's on this
+  # platform, and the XLA chunk scan): the issue's H=32, T=8192, B=1, one document; and the 0.4B
+  # step's shape, B x T of the step, the config's heads, 4 documents a row
   backend = registry.get_backend(cfg.attention)
-  q, k, v, g = (jnp.asarray(rng.normal(size=(1, kt, kh * kk)), dt) for _ in range(4))
-  beta = jnp.asarray(rng.uniform(size=(1, kt, kh)), jnp.float32)
-  a_log = jnp.asarray(np.log(rng.uniform(1, 16, kh)), jnp.float32)
-  dt_bias = jnp.asarray(rng.normal(size=(kh * kk,)) - 4.0, jnp.float32)
-  kseg = jnp.ones((1, kt), jnp.int32)
-  kct = jnp.asarray(rng.normal(size=(1, kt, kh * kk)), dt)
-
-  def kda_loss(q, k, v, g, beta):
-    o, _ = backend.kda(q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, lower_bound=cfg.kda_gate_lower_bound,
-                       mode="train", segment_ids=kseg, initial_state=None, output_final_state=False,
-                       max_num_segments=1, implementation=cfg.kda_implementation, num_heads=kh)
-    return jnp.sum(o.astype(jnp.float32) * kct.astype(jnp.float32))
-
-  kda_fn = jax.jit(jax.value_and_grad(kda_loss, argnums=(0, 1, 2, 3, 4)))
-  progs["kda_op"] = kda_fn.lower(q, k, v, g, beta)
-  inputs["kda_op"] = (kda_fn, (q, k, v, g, beta))
+  main_impl = (backend.chunked_implementation(cfg.kda_implementation)
+               if hasattr(backend, "chunked_implementation") else "xla")
+  op_cases = {}
+  for suffix, (ob, ot, oh, ok, docs) in {
+      "": (1, 256, 2, 64, 1) if args.smoke else (1, 8192, 32, 128, 1),
+      "_step": (b, t_len, cfg.kda_num_heads, cfg.kda_head_dim, 4)}.items():
+    for impl in dict.fromkeys([main_impl, "xla"]):
+      op_cases[f"kda_op{suffix}" + ("_xla" if impl != main_impl else "")] = (ob, ot, oh, ok, docs, impl)
+  for name, (ob, ot, oh, ok, docs, impl) in op_cases.items():
+    progs[name], inputs[name] = kda_op_program(ob, ot, oh, ok, docs, impl, dt, cfg, rng)
 
   out.update({"batch_size": b, "seq_len": t_len, "layers": counts, "device": jax.devices()[0].device_kind,
               "note": ("each piece jitted alone at the step's shapes, forward + backward (gradients of the "
@@ -500,24 +495,54 @@ def phase_split(args, out: dict) -> None:
   for name, row in rows.items():
     if "times_count_ms" in row and total:
       row["share_of_sum"] = round(row["times_count_ms"] / total, 4)
-  exe, _ = compiled["kda_op"]
-  if isinstance(exe, Exception):
-    out["kda_op"] = {"error": f"{type(exe).__name__}: {str(exe).splitlines()[0][:300]}"}
-  else:
-    a = inputs["kda_op"][1]
+  for name, (ob, ot, oh, ok, docs, impl) in op_cases.items():
+    exe, _ = compiled[name]
+    if isinstance(exe, Exception):
+      out[name] = {"implementation": impl, "error": f"{type(exe).__name__}: {str(exe).splitlines()[0][:300]}"}
+      write_json(args.json, out)
+      continue
+    a = inputs[name][1]
     jax.block_until_ready(exe(*a))
-    t = time_calls(lambda: exe(*a), args.repeats, args.steps_per_repeat)
-    flops = 3 * kh * kt * kda_chunk_flops_per_token_head(kk, kk)
-    out["kda_op"] = {"op": backend.describe("train", cfg.kda_implementation), "B": 1, "T": kt, "H": kh, "K": kk,
-                     "V": kk, "dtype": "bfloat16", "documents": 1, "forward_backward": t,
-                     "chunk_flops_estimate": flops, "tflop_s": round(flops / (t["median_ms"] / 1e3) / 1e12, 2),
-                     "memory_analysis": memory_figures(exe),
-                     "peer": {"deltanet_tpu_v6e_ms": DELTANET_TPU_V6E_MS,
-                              "source": "deltanet-tpu's reported forward + backward at H=32, T=8192 on a TPU v6e "
-                                        "(their figure, cited in issue 37; not measured here; v6e has ~4.7x "
-                                        "v5e's bf16 peak)"}}
-    say(f"KDA op {out['kda_op']['op']} H={kh} T={kt}: fwd+bwd {t['median_ms']:.2f} ms "
-        f"(deltanet-tpu on v6e: {DELTANET_TPU_V6E_MS} ms, their figure)")
+    t = time_calls(lambda exe=exe, a=a: exe(*a), args.repeats, args.steps_per_repeat)
+    flops = 3 * ob * oh * ot * kda_chunk_flops_per_token_head(ok, ok)
+    out[name] = {"op": f"kda_chunked[{impl}]", "implementation": impl, "B": ob, "T": ot, "H": oh, "K": ok,
+                 "V": ok, "dtype": "bfloat16", "documents": docs, "forward_backward": t,
+                 "chunk_flops_estimate": flops, "tflop_s": round(flops / (t["median_ms"] / 1e3) / 1e12, 2),
+                 "memory_analysis": memory_figures(exe)}
+    if name == "kda_op":
+      out[name]["peer"] = {"deltanet_tpu_v6e_ms": DELTANET_TPU_V6E_MS,
+                           "source": "deltanet-tpu's reported forward + backward at H=32, T=8192 on a TPU v6e "
+                                     "(their figure, cited in issue 37; not measured here; v6e has ~4.7x "
+                                     "v5e's bf16 peak)"}
+    say(f"KDA op kda_chunked[{impl}] B={ob} T={ot} H={oh}: fwd+bwd {t['median_ms']:.2f} ms"
+        + (f" (deltanet-tpu on v6e: {DELTANET_TPU_V6E_MS} ms, their figure)" if name == "kda_op" else ""))
+    write_json(args.json, out)
+
+
+def kda_op_program(b, t, h, kd, docs, implementation, dt, cfg, rng):
+  """`(lowered, (fn, args))`: the value and input gradients of `kda_chunked(implementation=...)` on
+  lane-dense bf16 `[b, t, h*kd]` inputs with the config's gate, `docs` equal documents a row."""
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
+  import jax
+  import jax.numpy as jnp
+
+  from kda_plugin.ops import kda_chunked
+
+  q, k, v, g = (jnp.asarray(rng.normal(size=(b, t, h * kd)), dt) for _ in range(4))
+  beta = jnp.asarray(rng.uniform(size=(b, t, h)), jnp.float32)
+  a_log = jnp.asarray(np.log(rng.uniform(1, 16, h)), jnp.float32)
+  dt_bias = jnp.asarray(rng.normal(size=(h * kd,)) - 4.0, jnp.float32)
+  seg = jnp.asarray(np.broadcast_to(1 + np.arange(t) * docs // t, (b, t)), jnp.int32)
+  ct = jnp.asarray(rng.normal(size=(b, t, h * kd)), dt)
+
+  def loss(q, k, v, g, beta):
+    o, _ = kda_chunked(q, k, v, g, beta, segment_ids=seg, max_num_segments=docs, a_log=a_log,
+                       dt_bias=dt_bias, lower_bound=cfg.kda_gate_lower_bound, use_qk_l2norm=True,
+                       num_heads=h, implementation=implementation)
+    return jnp.sum(o.astype(jnp.float32) * ct.astype(jnp.float32))
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+  return fn.lower(q, k, v, g, beta), (fn, (q, k, v, g, beta))
 
 
 # --- phase: kda-train on real text, killed and resumed ------------------------------------------------

@@ -236,6 +236,9 @@ headline = {
     "kda_op": (split.get("kda_op") or {}).get("op"),
     "kda_op_fwd_bwd_ms": ((split.get("kda_op") or {}).get("forward_backward") or {}).get("median_ms"),
     "kda_op_peer_deltanet_tpu_v6e_ms": ((split.get("kda_op") or {}).get("peer") or {}).get("deltanet_tpu_v6e_ms"),
+    "kda_op_fwd_bwd_ms_by_shape": {name: {"op": r.get("op"), "B": r.get("B"), "T": r.get("T"), "H": r.get("H"),
+                                          "ms": (r.get("forward_backward") or {}).get("median_ms")}
+                                   for name, r in split.items() if name.startswith("kda_op") and isinstance(r, dict)},
     "loss_run": loss.get("command"),
     "loss_first10_mean": loss.get("loss_first10_mean"), "loss_last10_mean": loss.get("loss_last10_mean"),
     "loss_falls": loss.get("loss_falls"), "resume_equal": (loss.get("resume") or {}).get("equal"),
