@@ -3,13 +3,15 @@
 Forward: the inference kernel (`pallas_tpu.kda_pallas_tpu`) with `want_states`: o, plus the state
 entering every 64-row chunk `[NC, B, H, K, V]` float32, the only residual beyond the inputs.
 
-Backward: one reverse `lax.scan` over the chunks. Step c recomputes chunk c's state-independent
-matrices from its rows (gates, scores, the unit-lower inverse: `chunked._chunk_prep`,
-`_mask_and_inverse`), applies the saved state entering it (`chunked.chunk_with_state`) and takes
-that chunk's vector-Jacobian product with the cotangents of its output rows and of the state leaving
-it; the state's cotangent is the carry. These are the same per-chunk operations as the XLA op
-(`kda_chunk_core`), whose autodiff backward does the same per step, but the states come from the
-kernel instead of a second XLA forward scan: under the model's remat the layer's forward runs twice
+Backward: one reverse `lax.scan` over the chunks. Step c reads chunk c's rows from the operands in
+place (a dynamic slice, made head-major only there), recomputes its state-independent matrices
+(gates, scores, the unit-lower inverse: `chunked._chunk_prep`, `_mask_and_inverse`), applies the
+saved state entering it (`chunked.chunk_with_state`) and takes that chunk's vector-Jacobian product
+with the cotangents of its output rows and of the state leaving it, writing its gradients into
+full-size accumulators in place; the state's cotangent is the carry. Memory beyond the inputs and
+gradients: the states and one chunk's working set. These are the same per-chunk operations as the
+XLA op (`kda_chunk_core`), whose autodiff backward does the same per step, but the states come from
+the kernel instead of an XLA forward scan: under the model's remat the layer's forward runs twice
 (once for the loss, once to rebuild the residuals), both times through the kernel.
 
 Exactness: the gradient is the XLA chunk math's at the kernel's states; the kernel's states equal
@@ -94,39 +96,49 @@ def _train_op_fwd(q, k, v, g, beta, seg, a_log, dt_bias, num_heads, num_segments
 def _train_op_bwd(num_heads, num_segments, scale, lower_bound, use_l2norm, interpret, res, do):
   del num_segments, interpret
   q, k, v, g, beta, seg, a_log, dt_bias, states = res
-  lane_dense = q.ndim == 3
-  heads = lambda x: x.reshape(x.shape[:2] + (num_heads, -1)) if lane_dense else x
-  qh, kh, vh, gh, doh = (heads(x) for x in (q, k, v, g, do))
-  b, t = qh.shape[:2]
+  b, t = q.shape[:2]
   nc = states.shape[0]
-  segb = jnp.broadcast_to(seg, (b, t)) if seg.shape[0] == 1 else seg
-  segc = _layout(segb.astype(jnp.int32), nc)
+  segc = _layout(jnp.broadcast_to(seg, (b, t)).astype(jnp.int32), nc)
   cont_lab, last_is_cont, _ = ch.carry_schedule(segc)
   has_gate = a_log is not None
   local = functools.partial(_chunk_local, scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm,
                             inverse=ch.inverse_form())
+  # Each step reads its chunk's rows from the operands as they are (a dynamic slice, made head-major
+  # there: [B, C, H*D] -> [B, C, H, D]) and writes its gradients into full-size accumulators in place,
+  # so no relaid-out copy of q, k, v, g or do, nor of the gradients, is ever whole in memory.
+  pad = nc * C - t
+  padded = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) if pad else x
+  ops = tuple(padded(x) for x in (q, k, v, g, beta, do))
+
+  def rows(x, c):
+    return lax.dynamic_slice_in_dim(x, c * C, C, axis=1)
 
   def step(carry, xs):
-    ds, d_alog, d_dt = carry
-    s_in, qc, kc, vc, gc, bc, sx, cl, lic, doc = xs
+    ds, d_alog, d_dt, acc = carry
+    c, s_in, sx, cl, lic = xs
+    chunk = [rows(x, c) for x in ops]
+    qc, kc, vc, gc = (x.reshape(x.shape[:2] + (num_heads, -1)) if x.ndim == 3 else x for x in chunk[:4])
     f = lambda s_, q_, k_, v_, g_, b_, a_, d_: local(s_, q_, k_, v_, g_, b_, a_, d_, sx, cl, lic)
-    _, vjp = jax.vjp(f, s_in, qc, kc, vc, gc, bc, a_log, dt_bias)
-    ds_in, dq, dk, dv, dg, db, da, dd = vjp((ds, doc.astype(jnp.float32)))
+    _, vjp = jax.vjp(f, s_in, qc, kc, vc, gc, chunk[4], a_log, dt_bias)
+    doc = chunk[5]
+    doc = doc.reshape(doc.shape[:2] + (num_heads, -1)) if doc.ndim == 3 else doc
+    ds_in, *grads, da, dd = vjp((ds, doc.astype(jnp.float32)))
+    acc = tuple(lax.dynamic_update_slice_in_dim(a, gr.reshape(a.shape[:1] + gr.shape[1:2] + a.shape[2:]),
+                                                c * C, axis=1)
+                for a, gr in zip(acc, grads))
     if has_gate:
       d_alog, d_dt = d_alog + da, d_dt + dd
-    return (ds_in, d_alog, d_dt), (dq, dk, dv, dg, db)
+    return (ds_in, d_alog, d_dt, acc), None
 
   zeros_or_none = lambda x: None if x is None else jnp.zeros(x.shape, jnp.float32)
-  init = (jnp.zeros(states.shape[1:], jnp.float32), zeros_or_none(a_log), zeros_or_none(dt_bias))
-  xs = (states,) + tuple(_layout(x, nc) for x in (qh, kh, vh, gh, beta)) + (
-      segc, cont_lab, last_is_cont, _layout(doh, nc))
-  (_, d_alog, d_dt), grads = lax.scan(step, init, xs, reverse=True)
-  dq, dk, dv, dg, db = (_unlayout(x, t) for x in grads)
-  if lane_dense:
-    dq, dk, dv, dg = (x.reshape(x.shape[:2] + (-1,)) for x in (dq, dk, dv, dg))
+  acc0 = tuple(jnp.zeros(x.shape, x.dtype) for x in ops[:5])
+  init = (jnp.zeros(states.shape[1:], jnp.float32), zeros_or_none(a_log), zeros_or_none(dt_bias), acc0)
+  xs = (jnp.arange(nc), states, segc, cont_lab, last_is_cont)
+  (_, d_alog, d_dt, acc), _ = lax.scan(step, init, xs, reverse=True)
+  dq, dk, dv, dg, db = (a[:, :t] for a in acc)
   cast = lambda d, x: None if x is None else d.astype(x.dtype)
-  return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(db, beta),
-          np.zeros(seg.shape, jax.dtypes.float0), cast(d_alog, a_log), cast(d_dt, dt_bias))
+  return (dq, dk, dv, dg, db, np.zeros(seg.shape, jax.dtypes.float0), cast(d_alog, a_log),
+          cast(d_dt, dt_bias))
 
 
 _train_op.defvjp(_train_op_fwd, _train_op_bwd)

@@ -186,9 +186,13 @@ def test_bf16_kernel_compiles_under_a_highest_precision_context(aot, request):
 # The KDA training op at the 0.4B train step's shape (8 x 2048 packed, 4 documents a row, H=8,
 # K=V=128, lane-dense bf16, Kimi's softplus gate): `kda_chunked(implementation="pallas_tpu")`'s value
 # and gradients compile with the kernel's forward in the program (one Mosaic call; the backward is
-# XLA) and keep no more temporaries than the XLA op at this shape (513 MB at jax 0.12, where the
-# kernel path took 469 MB; 396 MB at jax 0.10.2; the saved chunk states are 134 MB of them).
-XLA_OP_TEMP_BYTES = 513_064_960
+# XLA). Its temporaries are the saved chunk states (NC x B x H x K x V float32: 134 MB) and one
+# chunk's working set: the backward reads its chunk's rows in place and writes gradients in place,
+# so a whole relaid-out copy of an operand (33.5 MB each) would show. Compiled: 207 MB at jax 0.10.2,
+# 199 MB at jax 0.12 (the XLA op: 513 MB there; a first version of this backward that scanned over
+# relaid-out copies took 396 / 469 MB).
+STATE_BYTES = 32 * 8 * 8 * 128 * 128 * 4
+CHUNK_WORKING_SET = 96 * 2**20
 
 
 @pytest.mark.aot
@@ -199,5 +203,6 @@ def test_training_op_compiles_with_the_kernel_forward(aot, request):
   report = runner.run(MODULE, "--chip", chip, "--gate", "softplus", "--batch", "8", "--seq-len", "2048",
                       "--heads", "8", "--docs", "4", "--train", "pallas_tpu", timeout=600)
   assert report["train"] == "pallas_tpu" and report["kernel_calls"] == 1, report
-  assert report["temp_bytes"] <= XLA_OP_TEMP_BYTES, (
-      f"temporaries {report['temp_bytes'] / 1e6:.1f} MB > the XLA op's {XLA_OP_TEMP_BYTES / 1e6:.1f} MB")
+  assert report["temp_bytes"] <= STATE_BYTES + CHUNK_WORKING_SET, (
+      f"temporaries {report['temp_bytes'] / 1e6:.1f} MB > the chunk states' {STATE_BYTES / 1e6:.1f} MB + "
+      f"{CHUNK_WORKING_SET / 1e6:.1f} MB: a whole copy of an operand?")
