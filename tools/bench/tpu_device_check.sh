@@ -5,7 +5,7 @@
 #      index lacks are listed in the report and the kernel checks go on without them;
 #   2. runs the kernel numerics compiled for the chip, not interpreted (tests/kernels: test_tpu_device,
 #      the pallas_tpu_device cases of test_boundary_exact and test_inference_numerics, the decode
-#      kernel's test_decode_tpu_device);
+#      kernel's test_decode_tpu_device, the training op's test_chunked_tpu_device);
 #   3. times the benchmark shapes in device time (tools/bench/kernel_device_time.py: every case
 #      compiled at once in a thread pool, then timed one at a time as a loop inside one jit, median of
 #      7 with min/max, beside the HBM and MXU floors);
@@ -94,7 +94,8 @@ VPY="$VENV/bin/python"
 
 step numerics "$NUMERICS_BUDGET" "$VPY" -m pytest -q -p no:cacheprovider -o addopts="" -rfE \
   tests/kernels/test_tpu_device.py tests/kernels/test_boundary_exact.py \
-  tests/kernels/test_inference_numerics.py tests/kernels/test_decode_tpu_device.py -k "device" --durations=5
+  tests/kernels/test_inference_numerics.py tests/kernels/test_decode_tpu_device.py \
+  tests/kernels/test_chunked_tpu_device.py -k "device" --durations=5
 
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
 step bench "$BENCH_BUDGET" "$VPY" -m tools.bench.kernel_device_time --json "$OUT/kernel_device_time.json" \
