@@ -18,8 +18,10 @@ kda_reference  kda_reference                        kda_reference               
 Anything that needs gradients goes through `kda_chunked` (or the reference): `kda_inference` is a
 forward-only op. kda_native trains through `kda_chunked(implementation="pallas_tpu")` (the Mosaic
 kernel's forward, a chunked backward: `kda_plugin.ops.chunked_tpu`) wherever its kernel choice
-resolves to `pallas_tpu` and the call carries no initial or final state (a training step's packed
-rows); otherwise, and always for the kda_chunked backend, through the XLA chunk scan. Where the op does not fuse them, the gate (`activate_gate`: softplus, or bounded
+resolves to `pallas_tpu`; that op takes no initial state and returns no final state (a training
+step's packed rows), and a train-mode call that passes or asks for one is refused (ValueError)
+rather than served by another op. Otherwise, and always for the kda_chunked backend, training runs
+the XLA chunk scan. Where the op does not fuse them, the gate (`activate_gate`: softplus, or bounded
 when `lower_bound` is set) and the q/k `l2norm` are applied here first. `implementation` (the
 config's `kda_implementation`) is the kernel choice of `kda_inference` ("auto" picks `pallas_tpu`,
 `pallas_gpu` or `xla` by platform); the other ops have one implementation and ignore it.
@@ -86,12 +88,11 @@ class KDABackend:
       label = op
     return f"{self.name} -> {label}"
 
-  def chunked_implementation(self, implementation: str = "auto", *, with_states: bool = False) -> str:
+  def chunked_implementation(self, implementation: str = "auto") -> str:
     """The `kda_chunked` implementation this backend trains with: "pallas_tpu" when it may use the
-    kernel (`train_kernel`), `implementation` resolves to "pallas_tpu" and the call carries no
-    initial or final state (`with_states`), else "xla"."""
+    kernel (`train_kernel`) and `implementation` resolves to "pallas_tpu", else "xla"."""
     kernel = self.train_kernel and resolve_implementation(implementation) == "pallas_tpu"
-    return "pallas_tpu" if kernel and not with_states else "xla"
+    return "pallas_tpu" if kernel else "xla"
 
   @contextlib.contextmanager
   def traced_ops(self) -> Iterator[list[tuple[str, str]]]:
@@ -144,8 +145,10 @@ class KDABackend:
     lane_dense = num_heads is not None
     if lane_dense and q.ndim != 3:
       raise ValueError(f"num_heads={num_heads} means lane-dense [B, T, H*K] inputs, got q of shape {q.shape}")
-    if op == "kda_chunked" and self.chunked_implementation(
-        implementation, with_states=initial_state is not None or bool(output_final_state)) == "pallas_tpu":
+    if op == "kda_chunked" and self.chunked_implementation(implementation) == "pallas_tpu":
+      if initial_state is not None or output_final_state:
+        raise ValueError(f"{self.name} trains through kda_chunked[pallas_tpu], which takes no initial_state "
+                         "and returns no final state; pass neither, or set kda_implementation=xla")
       # the kernel reads the projections' lane-dense layout in place, as in prefill
       o, state = _kda_chunked(q, k, v, g_raw, beta, segment_ids=segment_ids, max_num_segments=max_num_segments,
                               a_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=True,

@@ -75,7 +75,8 @@ def check_kda_inputs(q, k, v, g, beta, *, initial_state=None, segment_ids=None,
   Raises:
     ValueError: mismatched shapes (or a lane-dense width not divisible by num_heads), beta outside [0, 1], g > 0, labels out of range, an
       initial_state whose slot count disagrees, or N missing when it cannot be inferred.
-    TypeError: integer (non-floating) q, k, v, g, beta or non-integer segment_ids.
+    TypeError: integer (non-floating) q, k, v, g, beta, non-integer segment_ids, or a num_heads
+      that is not an int.
   """
   for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
     if x is None:
@@ -93,10 +94,15 @@ def check_kda_inputs(q, k, v, g, beta, *, initial_state=None, segment_ids=None,
       raise ValueError(f"v must have shape [B, T, H, V] = {(b, t, h)} + (V,), got {_shape(v)}")
     vd = _shape(v)[3]
   else:
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)):
+      raise TypeError(f"num_heads must be a Python int (H, static), got {num_heads!r}")
     h = int(num_heads)
     if h < 1:
       raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-    if len(_shape(q)) != 3 or _shape(q)[2] % h:
+    if len(_shape(q)) != 3:
+      raise ValueError(f"num_heads={h} means lane-dense inputs: q must have shape [B, T, H*K], got "
+                       f"{_shape(q)} (pass num_heads=None for [B, T, H, K])")
+    if _shape(q)[2] % h:
       raise ValueError(f"with num_heads={h}, q must have shape [B, T, H*K] (last dim a multiple of "
                        f"{h}), got {_shape(q)}")
     b, t, hk = _shape(q)

@@ -717,7 +717,9 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
       "pallas_tpu" (`chunked_tpu`: the Mosaic kernel's forward, which also returns the state
       entering every chunk, and a reverse chunk scan for the backward; a TPU, or `interpret`; no
       initial_state and no output_final_state).
-    interpret: with "pallas_tpu", simulate the kernel on CPU (True or a `pltpu.InterpretParams`).
+    interpret: with "pallas_tpu", simulate the kernel on CPU: True runs Pallas' generic interpreter
+      (which `jax.checkpoint` can differentiate, as the model's remat does), or pass a
+      `pltpu.InterpretParams` for the TPU interpreter (whose effects remat refuses).
 
   The in-op gate and L2 norm are applied per chunk inside the rematerialised scan step, so training
   keeps only q, k, v and the raw gate in their own dtype (bfloat16 in a bfloat16 model) for the
@@ -725,8 +727,10 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
   those of applying `activate_gate` and `l2norm` first (the same float32 operations per row).
 
   Returns:
-    `(o, final_state)`: o `[B, T, H, V]` in q's dtype (exactly 0 on padding); final_state float32 in
-    initial_state's layout (a label never present keeps its initial state), or None.
+    `(o, final_state)`: o `[B, T, H, V]` (`[B, T, H*V]` with num_heads) in q's dtype (exactly 0 on
+    padding); final_state float32 in initial_state's layout (a label never present keeps its
+    initial state), or None. Differentiable in reverse mode (`jax.grad`, `jax.vjp`) by both
+    implementations; forward mode (`jax.jvp`) by "xla" only ("pallas_tpu" is a custom VJP).
 
   Raises:
     ValueError, TypeError: see `kda_plugin.ops._contract.check_kda_inputs` and `check_gate_args`
@@ -737,6 +741,9 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
   """
   if implementation not in TRAIN_IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {TRAIN_IMPLEMENTATIONS}, got {implementation!r}")
+  if interpret is not False and implementation != "pallas_tpu":
+    raise ValueError(f"interpret simulates the 'pallas_tpu' kernel; implementation={implementation!r} "
+                     "has none (drop interpret)")
   g_is_raw = a_log is not None
   p = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
                        max_num_segments=max_num_segments, scale=scale, g_is_raw=g_is_raw,
@@ -775,9 +782,6 @@ def _kda_chunked_pallas_tpu(p, q, k, v, g, beta, segment_ids, initial_state, out
   call = InferenceCall(p, q, k, v, g, beta, segment_ids, None, False, scale, a_log, dt_bias, lower_bound,
                        bool(use_qk_l2norm), lane_dense=num_heads is not None, interpret=interpret)
   inference_tpu.check(call)
-  if interpret is True:
-    from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
-    interpret = pltpu.InterpretParams()
   seg = call.kernel_segment_ids()
   if seg is None:
     seg = jnp.ones((1, p.seq_len), jnp.int32)

@@ -157,7 +157,7 @@ def test_bf16_lane_dense_matches_the_xla_op():
   assert rel(g_p[2], g_x[2]) == 0.0  # dv: a function of do, q, k, g, beta alone
 
 
-def test_refuses_states_and_a_cpu_without_interpret():
+def test_refusals_name_the_argument():
   args, _ = _inputs(1, False)
   q, k, v, g_raw, beta, a_log, dt_bias = (jnp.asarray(a, jnp.float32) for a in args)
   kw = dict(segment_ids=SEG, max_num_segments=N, a_log=a_log, dt_bias=dt_bias, use_qk_l2norm=True)
@@ -170,3 +170,48 @@ def test_refuses_states_and_a_cpu_without_interpret():
     kda_chunked(q, k, v, g_raw, beta, implementation="pallas_tpu", **kw)
   with pytest.raises(ValueError, match="implementation must be one of"):
     kda_chunked(q, k, v, g_raw, beta, implementation="pallas_gpu", **kw)
+  with pytest.raises(ValueError, match="interpret simulates the 'pallas_tpu' kernel"):
+    kda_chunked(q, k, v, g_raw, beta, implementation="xla", interpret=True, **kw)
+  lane = lambda x: x.reshape(x.shape[:2] + (-1,))
+  with pytest.raises(TypeError, match="num_heads must be a Python int"):
+    kda_chunked(*(lane(x) for x in (q, k, v, g_raw)), beta, num_heads=2.5, implementation="pallas_tpu",
+                interpret=True, **kw)
+  with pytest.raises(ValueError, match="num_heads=2 means lane-dense inputs"):
+    kda_chunked(q, k, v, g_raw, beta, num_heads=2, implementation="pallas_tpu", interpret=True, **kw)
+
+
+def test_kda_native_refuses_states_in_train_mode_on_the_kernel_route():
+  """kda_native trains through kda_chunked[pallas_tpu], which has no states: a train-mode call that
+  passes or asks for one is refused, not served by the XLA op instead."""
+  from kda_plugin.plugin import kda_native
+  args, _ = _inputs(1, False)
+  q, k, v, g_raw, beta, a_log, dt_bias = (jnp.asarray(a, jnp.float32) for a in args)
+  lane = lambda x: x.reshape(x.shape[:2] + (-1,))
+  be = kda_native()
+  assert be.describe("train", "pallas_tpu") == "kda_native -> kda_chunked[pallas_tpu]"
+  with pytest.raises(ValueError, match="takes no initial_state and returns no final state"):
+    be.kda(*(lane(x) for x in (q, k, v, g_raw)), beta, a_log=a_log, dt_bias=dt_bias, lower_bound=None,
+           mode="train", segment_ids=SEG, initial_state=None, output_final_state=True, max_num_segments=N,
+           implementation="pallas_tpu", num_heads=H)
+
+
+def test_gradients_through_remat_in_interpret_mode():
+  """The model trains under `jax.checkpoint` (remat): the op differentiates there too, in interpret
+  mode on CPU (Pallas' generic interpreter), and equals the XLA op's gradients."""
+  rng = np.random.default_rng(2)
+  b, t, h, kd = 1, 96, 2, 16
+  seg = np.concatenate([np.full(40, 1), np.full(56, 2)]).astype(np.int32)[None]
+  q, k, v, g_raw = (jnp.asarray(rng.normal(size=(b, t, h, kd)), jnp.float32) for _ in range(4))
+  beta = jnp.asarray(rng.uniform(size=(b, t, h)), jnp.float32)
+  a_log = jnp.asarray(rng.uniform(-1, 1, h), jnp.float32)
+  wo = jnp.asarray(rng.normal(size=(b, t, h, kd)), jnp.float32)
+
+  def grads(impl):
+    def loss(q, k):
+      o, _ = kda_chunked(q, k, v, g_raw, beta, segment_ids=seg, max_num_segments=2, a_log=a_log,
+                         use_qk_l2norm=True, implementation=impl, interpret=impl == "pallas_tpu")
+      return jnp.sum(o * wo)
+    return jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(q, k)
+
+  for a, want in zip(grads("pallas_tpu"), grads("xla")):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(want), rtol=0, atol=2e-6 * float(jnp.max(jnp.abs(want))))
