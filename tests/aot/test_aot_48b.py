@@ -46,14 +46,16 @@ def test_48b_decode_on_v5p_2x2x1_matches_the_table(tpu_aot, tmp_path):
   assert m["fits"] and report["verdict"].startswith("fits: ")
   # Independent oracle for the arguments: the expert weights [E, ...] split 4 ways, every other
   # parameter whole on each device (data = fsdp = tensor = 1), plus the donated cache, replicated
-  # (model/nn/cache.py): MLA latents [64, 8192, 512 + 64] bf16 per MLA layer; KDA state
+  # (model/nn/cache.py): MLA latents [64, 8192, 640] bf16 per MLA layer (512 + 64 padded); KDA state
   # [64, 32, 128, 128] and three conv windows [64, W - 1, 32 * 128] float32 per KDA layer.
   cfg = load_config(["kimi_linear_48b_a3b"])
   params = 0
   for path, leaf in jax.tree_util.tree_leaves_with_path(loading.abstract_model(cfg)):
     n = math.prod(leaf.shape) * leaf.dtype.itemsize
     params += n // 4 if "experts" in jax.tree_util.keystr(path) and leaf.shape[0] == cfg.num_experts else n
-  mla = len(cfg.full_attn_layers) * 64 * 8192 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+  lanes = 128  # the latent's columns padded to whole 128-lane tiles (`MultiHeadLatentAttention.latent_width`)
+  width = -(-(cfg.kv_lora_rank + cfg.qk_rope_head_dim) // lanes) * lanes
+  mla = len(cfg.full_attn_layers) * 64 * 8192 * width * 2
   hk = cfg.kda_num_heads * cfg.kda_head_dim
   kda = len(cfg.kda_layers) * 64 * (hk * cfg.kda_head_dim + 3 * (cfg.kda_conv_kernel_size - 1) * hk) * 4
   want = params + mla + kda
