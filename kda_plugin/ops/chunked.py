@@ -381,6 +381,19 @@ def _mask_and_inverse(cp, aqk, akk, inverse):
   return aqk, _unit_lower_inverse(jnp.eye(c, dtype=jnp.float32) + cp.bh * akk, inverse)
 
 
+def chunk_matrices(q, k, v, g, beta, seg, *, scale, prep=None, diag_mode="auto", inverse="loop"):
+  """A chunk's state-independent quantities, as the chunk scan computes them: `(cp, Aqk, L^-1)`.
+
+  Args: as `_chunk_prep` (q, k, g `[..., C, H, K]`, v `[..., C, H, V]`, beta `[..., C, H]`, seg int32
+  `[..., C]`); inverse: `INVERSE_FORMS`.
+
+  Returns: `_ChunkPrep`, the masked `Aqk` and `(I + Diag(beta) Akk)^-1` `[..., H, C, C]` float32.
+  """
+  cp, aqk, akk = _chunk_prep(q, k, v, g, beta, seg, scale=scale, prep=prep, diag_mode=diag_mode)
+  aqk, linv = _mask_and_inverse(cp, aqk, akk, inverse)
+  return cp, aqk, linv
+
+
 def _decay_to_end(tb, ce):
   """exp(sum_{z > i} g_z) over the chunk for every row i, `[..., C, K]`: the row's own sub-block suffix
   `ce` plus the totals of the later sub-blocks (direct sums)."""
@@ -573,8 +586,8 @@ def kda_chunk_core(q, k, v, g, beta, seg, h0, *, scale, n_slots, want_final, dia
       corr = jnp.zeros((nc, b, h, 2 * c, vd), jnp.float32).at[c_s, bidx[:, None]].add(x)
 
   def step(carry, xs):
-    cp_all, aqk_all, akk_all = chunk_prep(*xs[:6])
-    aqk_all, linv_all = _mask_and_inverse(cp_all, aqk_all, akk_all, inverse)
+    cp_all, aqk_all, linv_all = chunk_matrices(*xs[:6], scale=scale, prep=prep, diag_mode=diag_mode,
+                                               inverse=inverse)
     outs = []
     for j in range(group):  # the state recurrence, one chunk after the other
       at = lambda x: x[j]

@@ -5,7 +5,7 @@ entering every 64-row chunk `[NC, B, H, K, V]` float32, the only residual beyond
 
 Backward: one reverse `lax.scan` over the chunks. Step c reads chunk c's rows from the operands in
 place (a dynamic slice, made head-major only there), recomputes its state-independent matrices
-(gates, scores, the unit-lower inverse: `chunked._chunk_prep`, `_mask_and_inverse`), applies the
+(gates, scores, the unit-lower inverse: `chunked.chunk_matrices`), applies the
 saved state entering it (`chunked.chunk_with_state`) and takes that chunk's vector-Jacobian product
 with the cotangents of its output rows and of the state leaving it, writing its gradients into
 full-size accumulators in place; the state's cotangent is the carry. Memory beyond the inputs and
@@ -45,12 +45,6 @@ def _layout(x, nc):
   return jnp.moveaxis(x.reshape((b, nc, C) + x.shape[2:]), 1, 0)
 
 
-def _unlayout(x, t):
-  """`[NC, B, C, ...]` -> `[B, T, ...]` (the padding rows dropped)."""
-  nc, b = x.shape[:2]
-  return jnp.moveaxis(x, 0, 1).reshape((b, nc * C) + x.shape[3:])[:, :t]
-
-
 def _chunk_local(s, q, k, v, g, beta, a_log, dt_bias, seg, cont_lab, last_is_cont, *, scale,
                  lower_bound, use_l2norm, inverse):
   """One chunk as the XLA op computes it from the state `s` entering it: `(s_next, o [B, C, H, V])`.
@@ -61,8 +55,7 @@ def _chunk_local(s, q, k, v, g, beta, a_log, dt_bias, seg, cont_lab, last_is_con
   """
   gate = None if a_log is None else (a_log, dt_bias)
   prep = ch.chunk_prep(gate, lower_bound, use_l2norm)
-  cp, aqk, akk = ch._chunk_prep(q, k, v, g, beta, seg, scale=scale, prep=prep, diag_mode="auto")
-  aqk, linv = ch._mask_and_inverse(cp, aqk, akk, inverse)
+  cp, aqk, linv = ch.chunk_matrices(q, k, v, g, beta, seg, scale=scale, prep=prep, inverse=inverse)
   s_next, o, _, _ = ch.chunk_with_state(cp, aqk, linv, s, seg, cont_lab, last_is_cont, None,
                                         lax.Precision.HIGHEST)
   return s_next, jnp.swapaxes(o, 1, 2)
@@ -71,7 +64,7 @@ def _chunk_local(s, q, k, v, g, beta, a_log, dt_bias, seg, cont_lab, last_is_con
 def _forward(q, k, v, g, beta, seg, a_log, dt_bias, *, num_heads, num_segments, scale, lower_bound,
              use_l2norm, interpret):
   gate = None if a_log is None else (a_log, dt_bias)
-  o, _, states = inference_tpu._forward(
+  o, _, states = inference_tpu.forward(
       q, k, v, g, beta, seg, None, gate, num_heads=num_heads, num_segments=num_segments, scale=scale,
       lower_bound=lower_bound, use_l2norm=use_l2norm, want_final=False, want_states=True,
       interpret=interpret)

@@ -8,7 +8,8 @@ map to lane-dense 128-token rows, `[B, T, H, D]` operands read in place when the
 (`pallas_tpu.heads_layout_ok`), else relaid to `[B, T, H*D]`; o leaves in the caller's layout.
 
 Entry points of the dispatch table (`kda_plugin.ops.inference`): `check(call)`, `run(call)`,
-`peak_memory_bytes(...)`; `call` is the validated `_contract.InferenceCall`.
+`peak_memory_bytes(...)`; `forward` (the padded layout around the kernel) also serves the training
+op's forward (`chunked_tpu`); `call` is the validated `_contract.InferenceCall`.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def run(call):
   if interpret is True:
     from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
     interpret = pltpu.InterpretParams()
-  o, final, _ = _forward(call.q, call.k, call.v, call.g, call.beta, call.kernel_segment_ids(),
+  o, final, _ = forward(call.q, call.k, call.v, call.g, call.beta, call.kernel_segment_ids(),
                       call.slot_states(), call.kernel_gate(), num_heads=call.problem.num_heads,
                       num_segments=call.num_slots, scale=call.kernel_scale(),
                       lower_bound=call.lower_bound, use_l2norm=bool(call.use_qk_l2norm),
@@ -116,8 +117,8 @@ def run(call):
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_segments", "scale", "lower_bound",
                                              "use_l2norm", "want_final", "want_states", "interpret"))
-def _forward(q, k, v, g, beta, seg, h0, gate, *, num_heads, num_segments, scale, lower_bound,
-             use_l2norm, want_final, interpret, want_states=False):
+def forward(q, k, v, g, beta, seg, h0, gate, *, num_heads, num_segments, scale, lower_bound,
+            use_l2norm, want_final, interpret, want_states=False):
   """Pads and lays out the operands, runs the kernel (which builds its chunk tables), unpads.
 
   q, k, v, g come as `[B, T, H, D]` or lane-dense `[B, T, H*D]`; o leaves in the same layout.

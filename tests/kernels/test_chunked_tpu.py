@@ -96,7 +96,7 @@ def test_chunk_states_are_the_open_documents_states():
   g = gate_f64(g_raw, a_log, dt_bias)
   qn, kn = l2norm_f64(q), l2norm_f64(k)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  _, _, states = inference_tpu._forward(
+  _, _, states = inference_tpu.forward(
       f32(qn), f32(kn), f32(v), f32(g), f32(beta), jnp.asarray(SEG), None, None, num_heads=H,
       num_segments=N, scale=K ** -0.5, lower_bound=None, use_l2norm=False, want_final=False,
       want_states=True, interpret=True)
