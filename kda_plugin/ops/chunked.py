@@ -40,6 +40,7 @@ most 8 |lower_bound| in size). Outputs and gradients stay finite under any decay
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import NamedTuple
 
 import jax
@@ -687,7 +688,10 @@ def _chunked_jit(q, k, v, g, beta, seg, h0, gate, *, scale, n_slots, want_final,
                         out_dtype=jnp.float32 if use_l2norm else None, inverse=inverse)
 
 
-TRAIN_IMPLEMENTATIONS = ("xla", "pallas_tpu")
+# kda_chunked's implementations besides this module's XLA chunk scan: name -> module, imported only
+# when chosen (as `kda_inference`'s table): the TPU one runs the Mosaic kernel's wrapper.
+TRAIN_IMPLEMENTATION_MODULES = {"pallas_tpu": "kda_plugin.ops.chunked_tpu"}
+TRAIN_IMPLEMENTATIONS = ("xla", *TRAIN_IMPLEMENTATION_MODULES)
 
 
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -762,9 +766,10 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
                        max_num_segments=max_num_segments, scale=scale, g_is_raw=g_is_raw,
                        num_heads=num_heads)
   lb = check_gate_args(g_is_raw, a_log, dt_bias, lower_bound, p.num_heads, p.key_dim)
-  if implementation == "pallas_tpu":
-    return _kda_chunked_pallas_tpu(p, q, k, v, g, beta, segment_ids, initial_state, output_final_state,
-                                   scale, a_log, dt_bias, lb, use_qk_l2norm, num_heads, interpret)
+  if implementation != "xla":
+    impl = importlib.import_module(TRAIN_IMPLEMENTATION_MODULES[implementation])
+    return impl.run_validated(p, q, k, v, g, beta, segment_ids, initial_state, output_final_state, scale,
+                              a_log, dt_bias, lb, use_qk_l2norm, num_heads, interpret)
   if num_heads is not None:  # the chunk scan works head-major
     o, final = kda_chunked(*(x.reshape(x.shape[:2] + (num_heads, -1)) for x in (q, k, v, g)), beta,
                            scale=scale, initial_state=initial_state,
@@ -781,27 +786,6 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
                                              lower_bound=lb, use_l2norm=bool(use_qk_l2norm),
                                              inverse=inverse_form())
   return run_with_slots(p, q, initial_state, scale, output_final_state, core)
-
-
-def _kda_chunked_pallas_tpu(p, q, k, v, g, beta, segment_ids, initial_state, output_final_state, scale,
-                            a_log, dt_bias, lower_bound, use_qk_l2norm, num_heads, interpret):
-  """`kda_chunked(implementation="pallas_tpu")` on validated arguments (`chunked_tpu`)."""
-  from kda_plugin.ops import chunked_tpu, inference_tpu  # noqa: PLC0415 (a TPU implementation, imported when chosen)
-  from kda_plugin.ops._contract import InferenceCall  # noqa: PLC0415
-
-  if initial_state is not None or output_final_state:
-    raise ValueError("kda_chunked(implementation='pallas_tpu') trains without states: pass neither "
-                     "initial_state nor output_final_state (or use implementation='xla')")
-  call = InferenceCall(p, q, k, v, g, beta, segment_ids, None, False, scale, a_log, dt_bias, lower_bound,
-                       bool(use_qk_l2norm), lane_dense=num_heads is not None, interpret=interpret)
-  inference_tpu.check(call)
-  seg = call.kernel_segment_ids()
-  if seg is None:
-    seg = jnp.ones((1, p.seq_len), jnp.int32)
-  o = chunked_tpu.run(q, k, v, g, beta, seg, call.kernel_gate(), num_heads=p.num_heads,
-                      num_segments=call.num_slots, scale=call.kernel_scale(), lower_bound=lower_bound,
-                      use_l2norm=bool(use_qk_l2norm), interpret=interpret)
-  return o, None
 
 
 def run_with_slots(p, q, initial_state, scale, output_final_state, core):

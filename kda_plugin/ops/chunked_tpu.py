@@ -34,6 +34,7 @@ from jax import lax
 from kda_plugin.ops import chunked as ch
 from kda_plugin.ops import inference_tpu
 from kda_plugin.ops._chunk_common import CHUNK as C
+from kda_plugin.ops._contract import InferenceCall
 
 
 def _layout(x, nc):
@@ -156,3 +157,27 @@ def run(q, k, v, g, beta, seg, gate, *, num_heads, num_segments, scale, lower_bo
   a_log, dt_bias = (None, None) if gate is None else gate
   return _train_op(q, k, v, g, beta, seg, a_log, dt_bias, num_heads, num_segments, scale, lower_bound,
                    use_l2norm, interpret)
+
+
+def run_validated(p, q, k, v, g, beta, segment_ids, initial_state, output_final_state, scale, a_log, dt_bias,
+                  lower_bound, use_qk_l2norm, num_heads, interpret):
+  """`kda_chunked(implementation="pallas_tpu")` on arguments `kda_chunked` validated into the
+  `KDAProblem` p: `(o, None)`.
+
+  Raises:
+    ValueError: initial_state or output_final_state given; the kernel's limits (`inference_tpu.check`).
+    RuntimeError: a target that is not a TPU, without interpret.
+  """
+  if initial_state is not None or output_final_state:
+    raise ValueError("kda_chunked(implementation='pallas_tpu') trains without states: pass neither "
+                     "initial_state nor output_final_state (or use implementation='xla')")
+  call = InferenceCall(p, q, k, v, g, beta, segment_ids, None, False, scale, a_log, dt_bias, lower_bound,
+                       bool(use_qk_l2norm), lane_dense=num_heads is not None, interpret=interpret)
+  inference_tpu.check(call)
+  seg = call.kernel_segment_ids()
+  if seg is None:
+    seg = jnp.ones((1, p.seq_len), jnp.int32)
+  o = run(q, k, v, g, beta, seg, call.kernel_gate(), num_heads=p.num_heads, num_segments=call.num_slots,
+          scale=call.kernel_scale(), lower_bound=lower_bound, use_l2norm=bool(use_qk_l2norm),
+          interpret=interpret)
+  return o, None

@@ -525,7 +525,6 @@ def kda_op_program(b, t, h, kd, docs, implementation, dt, cfg, rng):
   # imported in the phase that needs it: a missing package fails that phase alone, by name
   import jax
   import jax.numpy as jnp
-
   from kda_plugin.ops import kda_chunked
 
   q, k, v, g = (jnp.asarray(rng.normal(size=(b, t, h * kd)), dt) for _ in range(4))
