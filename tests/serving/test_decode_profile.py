@@ -120,6 +120,22 @@ def test_device_plane_times_sum_the_program_s_own_instructions():
   assert [r["name"] for r in s["top"]] == ["scores_fusion.7"] and s["top"][0]["count_per_step"] == 1
 
 
+def test_device_events_named_by_their_whole_instruction_text():
+  # as libtpu 0.0.42 (jax 0.10.2) names the "XLA Ops" events on the v5e: the instruction's text
+  ins = dp.hlo_instructions(HLO)
+  text = ('%custom-call.9 = (bf16[64,32,128]{2,1,0}, f32[64,32,128,128]{3,2,1,0}) custom-call(%a, %b), '
+          'custom_call_target="tpu_custom_call"')
+  profile = ProfileData.from_text_proto(f"""
+planes {{ name: "/device:TPU:0"
+  lines {{ name: "XLA Ops" events {{ metadata_id: 1 duration_ps: 4000000 }} events {{ metadata_id: 2 duration_ps: 1000 }} }}
+  event_metadata {{ key: 1 value {{ id: 1 name: {json.dumps(text)} }} }}
+  event_metadata {{ key: 2 value {{ id: 2 name: "%while.3 = (s32[], f32[4]) while(%t), condition=%c" }} }} }}
+""")
+  assert dp.instruction_times(profile, ins) == ("/device:TPU:0", {"custom-call.9": [4000, 1]})
+  assert dp.event_instruction("%fusion.3 = f32[8]{0} fusion(%p), kind=kLoop") == "fusion.3"
+  assert dp.event_instruction("scores_fusion.7") == "scores_fusion.7"
+
+
 def test_host_plane_when_no_device_plane_has_the_program():
   ins = dp.hlo_instructions(HLO)
   profile = ProfileData.from_text_proto("""

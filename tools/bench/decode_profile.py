@@ -171,6 +171,15 @@ def hlo_instructions(hlo_text: str) -> dict[str, dict]:
 CONTAINERS = ("while", "conditional", "call", "async-start", "async-done")
 
 
+def event_instruction(event_name: str) -> str:
+  """The instruction an event of the trace is named after. XLA:CPU names an event by the instruction
+  ("fusion.3"); XLA:TPU (libtpu 0.0.42, jax 0.10.2) by its whole text ("%fusion.3 = f32[8]{0} fusion(...),
+  kind=kLoop, ..."), whose name is the part before " = "."""
+  if event_name.startswith("%"):
+    return event_name[1:].split(" = ", 1)[0]
+  return event_name
+
+
 def instruction_times(profile, instructions: dict) -> tuple[str | None, dict[str, list[int]]]:
   """`(plane name, {instruction: [total ns, count]})`: the events of the device plane (the first
   "/device:" plane with any event named like an instruction, else "/host:CPU") whose names are
@@ -182,8 +191,9 @@ def instruction_times(profile, instructions: dict) -> tuple[str | None, dict[str
     times: dict[str, list[int]] = {}
     for line in plane.lines:
       for ev in line.events:
-        if ev.name in instructions and instructions[ev.name]["opcode"] not in CONTAINERS:
-          slot = times.setdefault(ev.name, [0, 0])
+        name = event_instruction(ev.name)
+        if name in instructions and instructions[name]["opcode"] not in CONTAINERS:
+          slot = times.setdefault(name, [0, 0])
           slot[0] += int(ev.duration_ns)
           slot[1] += 1
     if times:
@@ -263,6 +273,10 @@ def run(args) -> dict:
     profile = ProfileData.from_file(files[0])
     plane, times = instruction_times(profile, instructions)
     lines_seen = {p.name: sorted({line.name for line in p.lines}) for p in profile.planes}
+    if not times:   # what the device's events are called, so a mismatch can be read from the JSON
+      lines_seen["event_samples"] = {
+          f"{p.name}|{line.name}": sorted({ev.name for _, ev in zip(range(400), line.events)})[:25]
+          for p in profile.planes if p.name.startswith("/device:") for line in p.lines}
   summary = summarize(times, instructions, steps, args.top)
   print(f"profile ({plane}): {summary['instructions_seen']} instructions, "
         f"{summary['sum_ms_per_step']:.3f} ms a step in all", flush=True)
