@@ -132,8 +132,8 @@ def part_of(chain: list[tuple[str, str, int]]) -> str:
 def hlo_instructions(hlo_text: str) -> dict[str, dict]:
   """Every instruction of an HLO module's text by name: opcode, output shape (layout dropped), the
   custom-call target (a Mosaic kernel's name where the backend config gives it), the fusion kind and
-  jax's op_name, and where its stack says it comes from: the innermost frame ("source") and the model
-  part (`part_of`)."""
+  jax's op_name, and where its stack says it comes from: the innermost frame ("source"), the frame
+  that called it ("caller", where there is one) and the model part (`part_of`)."""
   frames = stack_frames(hlo_text)
   out = {}
   for line in hlo_text.splitlines():
@@ -163,6 +163,9 @@ def hlo_instructions(hlo_text: str) -> dict[str, dict]:
     if chain:
       file, function, lineno = chain[0]
       info["source"] = f"{'/'.join(file.split('/')[-2:])}:{lineno} {function}"
+      if len(chain) > 1:   # the line that called it (a helper such as a matmul wrapper says little alone)
+        file, function, lineno = chain[1]
+        info["caller"] = f"{'/'.join(file.split('/')[-2:])}:{lineno} {function}"
     out[name] = info
   return out
 
@@ -296,6 +299,37 @@ def run(args) -> dict:
           "plane": plane, **({} if times else {"trace_planes": lines_seen}), **summary}
 
 
+def json_output_path(p: argparse.ArgumentParser, given: str) -> pathlib.Path:
+  """`--json`'s path, checked before minutes of building and compiling: a directory or a path that
+  cannot be written is a usage error now (`p.error`, exit 2), and nothing is created until
+  `write_json`."""
+  out = pathlib.Path(given)
+  if out.is_dir():
+    p.error(f"--json {given!r} is a directory; expected a file path")
+  ancestor = out.parent
+  while not ancestor.exists() and ancestor != ancestor.parent:
+    ancestor = ancestor.parent
+  if (out.exists() and not os.access(out, os.W_OK)) or not ancestor.is_dir() \
+      or not os.access(ancestor, os.W_OK | os.X_OK):
+    p.error(f"--json {given!r} cannot be written ({ancestor} is not a writable directory)")
+  return out
+
+
+def write_json(out: pathlib.Path, result: dict, given: str) -> bool:
+  """Writes `result` to `out` whole or not at all (a temporary file renamed); False, with the reason
+  on stderr, when it cannot."""
+  try:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    os.replace(tmp, out)
+  except OSError as e:
+    print(f"error: --json {given!r}: cannot write the figures: {e.strerror or e}", file=sys.stderr, flush=True)
+    return False
+  print(f"wrote {out}", flush=True)
+  return True
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m tools.bench.decode_profile", description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -325,17 +359,7 @@ def main(argv=None) -> int:
       args.config = e2e_device.SMOKE_CONFIG
     else:
       args.config, args.set = REAL_CONFIG[0], [*REAL_CONFIG[1:], *args.set]
-  out = pathlib.Path(args.json)
-  if out.is_dir():
-    p.error(f"--json {args.json!r} is a directory; expected a file path")
-  # before minutes of model building and compiling: a path that cannot be written fails now (and
-  # nothing is created until the figures are written)
-  ancestor = out.parent
-  while not ancestor.exists() and ancestor != ancestor.parent:
-    ancestor = ancestor.parent
-  if (out.exists() and not os.access(out, os.W_OK)) or not ancestor.is_dir() \
-      or not os.access(ancestor, os.W_OK | os.X_OK):
-    p.error(f"--json {args.json!r} cannot be written ({ancestor} is not a writable directory)")
+  out = json_output_path(p, args.json)
   try:   # an unknown --config or a bad --set names itself before anything is built
     e2e_device.build_config(argparse.Namespace(config=args.config, set=args.set), "bfloat16")
   except ConfigError as e:
@@ -345,15 +369,8 @@ def main(argv=None) -> int:
   except UsageError as e:
     p.error(f"--compilation-cache-dir: {e}")
   result = run(args)
-  try:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")   # whole or not at all
-    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    os.replace(tmp, out)
-  except OSError as e:
-    print(f"error: --json {args.json!r}: cannot write the figures: {e.strerror or e}", file=sys.stderr, flush=True)
+  if not write_json(out, result, args.json):
     return 1
-  print(f"wrote {out}", flush=True)
   if result["plane"] is None:   # the step time stands; the breakdown is missing, and the JSON lists what the trace had
     print("error: the trace has no event named like an instruction of the compiled loop (its planes and lines "
           f"are in {out} under trace_planes): no per-instruction figures", file=sys.stderr, flush=True)

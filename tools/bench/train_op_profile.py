@@ -1,0 +1,150 @@
+r"""Where the KDA training op's device time goes: one forward + backward of `kda_chunked` traced with
+jax's profiler, the compiled program's instructions summed by the source line they come from.
+
+    python -m tools.bench.train_op_profile --json FILE [--implementation pallas_tpu|xla]
+        [--batch 8] [--seq-len 2048] [--heads 8] [--docs 4] [--top 60] [--smoke]
+
+What it does, in order:
+  1. builds the value and input gradients of `kda_chunked(implementation=...)` on lane-dense bf16
+     inputs with Kimi's in-op softplus gate and q/k L2 norm, `--docs` equal documents a row (as the
+     train check's split phase times it: `tools/bench/train_device.py`, `kda_op_program`);
+  2. times it: `--repeats` runs of `--calls` calls dispatched together, blocked once (device time),
+     the median and the spread of ms a call;
+  3. traces one call with `jax.profiler.trace` and sums every device event named like an instruction
+     of the compiled program (`decode_profile.instruction_times`; a loop's own time is its body's);
+  4. writes JSON (whole, or nothing): `call_ms`, `runs_ms`; `by_source_ms` (the innermost frame XLA
+     records for each instruction and the frame that called it, `file:line function < file:line
+     function`: which line of the chunk math costs what);
+     `by_opcode_ms` (custom-calls by kernel); `top`: the `--top` largest instructions with their
+     count a call, shape, fusion kind and source; `sum_ms` (above `call_ms` where instructions
+     overlap, e.g. asynchronous copies beside compute).
+A trace in which no event is named like an instruction still writes the time and exits 1.
+
+On a CPU, `--smoke` (tiny shapes, the XLA implementation) is the test; the figures are for the chip:
+the pallas_tpu implementation needs a TPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+
+import jax
+import numpy as np
+from jax.profiler import ProfileData
+
+from model.engine import compilation_cache
+from model.errors import UsageError
+from tools.bench import decode_profile as dp
+from tools.bench.train_device import kda_op_program
+
+
+def by_source(times: dict[str, list[int]], instructions: dict) -> dict[str, float]:
+  """Milliseconds by the instruction's innermost source frame and its caller (`source < caller`; "?"
+  where XLA records no frame)."""
+  total: dict[str, int] = collections.Counter()
+  for name, (ns, _) in times.items():
+    info = instructions[name]
+    total[" < ".join(filter(None, (info.get("source", "?"), info.get("caller"))))] += ns
+  return {k: round(v / 1e6, 5) for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
+
+
+def run(args) -> dict:
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  cfg = types.SimpleNamespace(kda_gate_lower_bound=None)   # Kimi's softplus gate
+  lowered, (_, operands) = kda_op_program(args.batch, args.seq_len, args.heads, args.key_dim, args.docs,
+                                          args.implementation, jnp.bfloat16, cfg, np.random.default_rng(0))
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - t0
+  call = lambda: compiled(*operands)
+  jax.block_until_ready(call())
+  runs = []
+  for _ in range(args.repeats):
+    t0 = time.perf_counter()
+    outs = [call() for _ in range(args.calls)]
+    jax.block_until_ready(outs)
+    runs.append((time.perf_counter() - t0) / args.calls * 1e3)
+  call_ms = statistics.median(runs)
+  print(f"kda_chunked[{args.implementation}] B={args.batch} T={args.seq_len} H={args.heads}: {call_ms:.3f} ms "
+        f"forward + backward [{min(runs):.3f}, {max(runs):.3f}]; compiled in {compile_s:.1f} s", flush=True)
+  instructions = dp.hlo_instructions(compiled.as_text())
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      jax.block_until_ready(call())
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+      raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
+    profile = ProfileData.from_file(files[0])
+    plane, times = dp.instruction_times(profile, instructions)
+  summary = dp.summarize(times, instructions, 1, args.top)
+  sources = by_source(times, instructions)
+  print(f"profile ({plane}): {summary['instructions_seen']} instructions, {summary['sum_ms_per_step']:.3f} ms",
+        flush=True)
+  for src, ms in list(sources.items())[:args.top]:
+    print(f"  {ms:9.4f} ms  {src}", flush=True)
+  return {"what": "tools/bench/train_op_profile.py", "args": {k: v for k, v in vars(args).items() if k != "json"},
+          "jax": jax.__version__, "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
+          "call_ms": round(call_ms, 4), "runs_ms": [round(r, 4) for r in runs], "plane": plane,
+          "sum_ms": summary["sum_ms_per_step"], "by_source_ms": sources,
+          "by_opcode_ms": summary["by_opcode_ms_per_step"], "top": summary["top"],
+          "instructions_seen": summary["instructions_seen"]}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m tools.bench.train_op_profile", description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog=__doc__.split("\n\n", 1)[1])
+  p.add_argument("--json", required=True, help="where the profile's figures are written")
+  p.add_argument("--smoke", action="store_true", help="tiny shapes, the XLA implementation (the CPU test)")
+  p.add_argument("--implementation", choices=("pallas_tpu", "xla"), default=None,
+                 help="kda_chunked's implementation (default pallas_tpu; --smoke: xla)")
+  p.add_argument("--batch", type=int, default=0, help="rows (0 or absent: 8; --smoke: 1)")
+  p.add_argument("--seq-len", type=int, default=0, help="tokens a row (0 or absent: 2048; --smoke: 128)")
+  p.add_argument("--heads", type=int, default=0, help="KDA heads (0 or absent: 8; --smoke: 2)")
+  p.add_argument("--key-dim", type=int, default=0, help="K = V (0 or absent: 128; --smoke: 16)")
+  p.add_argument("--docs", type=int, default=4, help="equal documents a row (default: %(default)s)")
+  p.add_argument("--repeats", type=int, default=5, help="timed runs (default: %(default)s)")
+  p.add_argument("--calls", type=int, default=3, help="calls a timed run (default: %(default)s)")
+  p.add_argument("--top", type=int, default=60, help="instructions and source lines listed (default: %(default)s)")
+  p.add_argument("--compilation-cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
+  args = p.parse_args(argv)
+  for name, smoke, full in (("batch", 1, 8), ("seq_len", 128, 2048), ("heads", 2, 8), ("key_dim", 16, 128)):
+    value = getattr(args, name)
+    if value < 0:
+      p.error(f"--{name.replace('_', '-')} must be >= 1 (0 = the default), got {value}")
+    setattr(args, name, value or (smoke if args.smoke else full))
+  for name in ("docs", "repeats", "calls", "top"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+  if args.docs > args.seq_len:
+    p.error(f"--docs must be at most --seq-len ({args.seq_len}), got {args.docs}")
+  args.implementation = args.implementation or ("xla" if args.smoke else "pallas_tpu")
+  if args.implementation == "pallas_tpu" and jax.default_backend() != "tpu":
+    p.error(f"--implementation pallas_tpu needs a TPU (this backend: {jax.default_backend()}); "
+            "use --implementation xla or --smoke here")
+  out = dp.json_output_path(p, args.json)
+  try:
+    print(compilation_cache.enable(args.compilation_cache_dir), flush=True)
+  except UsageError as e:
+    p.error(f"--compilation-cache-dir: {e}")
+  result = run(args)
+  if not dp.write_json(out, result, args.json):
+    return 1
+  if result["plane"] is None:
+    print("error: the trace has no event named like an instruction of the compiled program: no per-instruction "
+          "figures", file=sys.stderr, flush=True)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
