@@ -204,6 +204,28 @@ def instruction_times(profile, instructions: dict) -> tuple[str | None, dict[str
   return None, {}
 
 
+def traced_instruction_times(fn, compiled):
+  """Runs `fn()` (a call of `compiled`) once under `jax.profiler.trace` and reads the trace back:
+  `(instructions, plane, times, lines_seen)` (`hlo_instructions` of the compiled program,
+  `instruction_times`' plane and times, and the trace's planes and lines with, when no event matched,
+  samples of the device's event names, so that a mismatch can be read from the JSON)."""
+  instructions = hlo_instructions(compiled.as_text())
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      jax.block_until_ready(fn())
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+      raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
+    profile = ProfileData.from_file(files[0])
+    plane, times = instruction_times(profile, instructions)
+    lines_seen = {p.name: sorted({line.name for line in p.lines}) for p in profile.planes}
+    if not times:
+      lines_seen["event_samples"] = {
+          f"{p.name}|{line.name}": sorted({ev.name for _, ev in zip(range(400), line.events)})[:25]
+          for p in profile.planes if p.name.startswith("/device:") for line in p.lines}
+  return instructions, plane, times, lines_seen
+
+
 def summarize(times: dict[str, list[int]], instructions: dict, steps: int, top: int) -> dict:
   """Per-step times: the `top` largest instructions, and sums by model part and by opcode (custom-call
   by target)."""
@@ -266,20 +288,7 @@ def run(args) -> dict:
   floor_ms = floor["total"] / e2e_device.HBM_BYTES_PER_S * 1e3
   print(f"decode B={b}: {step_ms:.3f} ms/step (v5e HBM floor {floor_ms:.2f} ms, {step_ms / floor_ms:.2f}x); "
         f"compiled in {compile_s:.1f} s", flush=True)
-  instructions = hlo_instructions(compiled.as_text())
-  with tempfile.TemporaryDirectory() as trace_dir:
-    with jax.profiler.trace(trace_dir):
-      jax.block_until_ready(loop())
-    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    if not files:
-      raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
-    profile = ProfileData.from_file(files[0])
-    plane, times = instruction_times(profile, instructions)
-    lines_seen = {p.name: sorted({line.name for line in p.lines}) for p in profile.planes}
-    if not times:   # what the device's events are called, so a mismatch can be read from the JSON
-      lines_seen["event_samples"] = {
-          f"{p.name}|{line.name}": sorted({ev.name for _, ev in zip(range(400), line.events)})[:25]
-          for p in profile.planes if p.name.startswith("/device:") for line in p.lines}
+  instructions, plane, times, lines_seen = traced_instruction_times(loop, compiled)
   summary = summarize(times, instructions, steps, args.top)
   print(f"profile ({plane}): {summary['instructions_seen']} instructions, "
         f"{summary['sum_ms_per_step']:.3f} ms a step in all", flush=True)

@@ -28,17 +28,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import os
 import statistics
 import sys
-import tempfile
 import time
 import types
 
 import jax
 import numpy as np
-from jax.profiler import ProfileData
 
 from model.engine import compilation_cache
 from model.errors import UsageError
@@ -76,15 +72,7 @@ def run(args) -> dict:
   call_ms = statistics.median(runs)
   print(f"kda_chunked[{args.implementation}] B={args.batch} T={args.seq_len} H={args.heads}: {call_ms:.3f} ms "
         f"forward + backward [{min(runs):.3f}, {max(runs):.3f}]; compiled in {compile_s:.1f} s", flush=True)
-  instructions = dp.hlo_instructions(compiled.as_text())
-  with tempfile.TemporaryDirectory() as trace_dir:
-    with jax.profiler.trace(trace_dir):
-      jax.block_until_ready(call())
-    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    if not files:
-      raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
-    profile = ProfileData.from_file(files[0])
-    plane, times = dp.instruction_times(profile, instructions)
+  instructions, plane, times, lines_seen = dp.traced_instruction_times(call, compiled)
   summary = dp.summarize(times, instructions, 1, args.top)
   sources = by_source(times, instructions)
   print(f"profile ({plane}): {summary['instructions_seen']} instructions, {summary['sum_ms_per_step']:.3f} ms",
@@ -94,6 +82,7 @@ def run(args) -> dict:
   return {"what": "tools/bench/train_op_profile.py", "args": {k: v for k, v in vars(args).items() if k != "json"},
           "jax": jax.__version__, "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
           "call_ms": round(call_ms, 4), "runs_ms": [round(r, 4) for r in runs], "plane": plane,
+          **({} if times else {"trace_planes": lines_seen}),
           "sum_ms": summary["sum_ms_per_step"], "by_source_ms": sources,
           "by_opcode_ms": summary["by_opcode_ms_per_step"], "top": summary["top"],
           "instructions_seen": summary["instructions_seen"]}
