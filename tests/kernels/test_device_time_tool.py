@@ -58,8 +58,8 @@ def test_device_check_script_smoke(tmp_path):
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   rep = json.loads((tmp_path / "tpu_device_check.json").read_text())
   assert rep["smoke"] and all(s["rc"] == 0 for s in rep["steps"].values())
-  assert {k: s["budget_s"] for k, s in rep["steps"].items()} == {"install": 85, "numerics": 205, "bench": 190}
-  assert rep["budget_total_s"] <= 8 * 60 and rep["numerics"].endswith("deselected")
+  assert {k: s["budget_s"] for k, s in rep["steps"].items()} == {"install": 85, "numerics": 330, "bench": 160}
+  assert rep["budget_total_s"] <= 600 - 20 and rep["numerics"].endswith("deselected")   # one device command
   bench = json.loads((tmp_path / "kernel_device_time.json").read_text())
   assert [c["name"] for c in bench["cases"]] == ["seed_bf16", "decode_h24_b32"]
   assert all("median_ms" in c for c in bench["cases"])
