@@ -70,7 +70,7 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
   assert report["commit"] == "testcommit" and report["smoke"] is True
   assert report["total_budget_s"] >= report["total_s"]
   phases = report["phases"]
-  for name in ("step", "loss", "split"):
+  for name in ("step", "loss", "split", "profile"):
     assert phases[name]["status"] == "ok", (name, phases[name])
 
   step = phases["step"]["result"]
@@ -127,19 +127,26 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
   head = report["headline"]
   assert head["resume_equal"] is True and head["loss_falls"] is True and head["step_ms_median"] > 0
 
+  # the training op's profile: on a CPU the XLA implementation only (the kernel needs a TPU)
+  prof = phases["profile"]["result"]
+  assert list(prof) == ["xla"] and prof["xla"]["call_ms"] > 0 and prof["xla"]["instructions_seen"] > 20
+  assert sum(prof["xla"]["by_source_ms"].values()) == pytest.approx(prof["xla"]["sum_ms"], abs=1e-3)
+  top10 = head["kda_op_profile"]["xla"]["by_source_ms_top10"]
+  assert len(top10) == 10 and list(top10.items()) == list(prof["xla"]["by_source_ms"].items())[:10]
+
 
 @pytest.mark.parametrize("env, message", [
-    ({"TRAIN_PHASES": "step lossx"}, "error: TRAIN_PHASES: unknown phase 'lossx' (expected some of: step loss split)"),
+    ({"TRAIN_PHASES": "step lossx"}, "error: TRAIN_PHASES: unknown phase 'lossx' (expected some of: step loss split profile)"),
     ({"TRAIN_BUDGET_step": "abc"}, "error: TRAIN_BUDGET_step='abc': expected whole seconds from 1 to 1200"),
     # empty was taken for the default, and a budget above the whole check's time reached `[` as text
     ({"TRAIN_BUDGET_loss": ""}, "error: TRAIN_BUDGET_loss='': expected whole seconds from 1 to 1200"),
     ({"TRAIN_BUDGET_loss": "99999999999999999999"}, "error: TRAIN_BUDGET_loss='99999999999999999999': expected "
                                                     "whole seconds from 1 to 1200"),
     ({"TRAIN_BATCHES": "8 x"}, "error: TRAIN_BATCHES='8 x': expected batch sizes >= 1 separated by spaces"),
-    ({"TRAIN_PHASES": " "}, "error: TRAIN_PHASES=' ': expected some of: step loss split"),
+    ({"TRAIN_PHASES": " "}, "error: TRAIN_PHASES=' ': expected some of: step loss split profile"),
     # a misspelt budget name was silently ignored (the phase then ran under its default budget)
     ({"TRAIN_BUDGET_stpe": "400"}, "error: TRAIN_BUDGET_stpe: unknown phase 'stpe' (expected TRAIN_BUDGET_<phase> "
-                                   "with a phase of: install step loss split)"),
+                                   "with a phase of: install step loss split profile)"),
     ({"TRAIN_BUDGET_": "400"}, "error: TRAIN_BUDGET_: unknown phase ''"),
     # the 0/1 switches: any other value passed silently for one of them
     ({"TRAIN_SMOKE": "yes"}, "error: TRAIN_SMOKE='yes': expected 0 or 1 (empty: the default)"),

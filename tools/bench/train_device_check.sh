@@ -30,7 +30,8 @@
 #   the device tool carries; without it the repository's docs are used and the JSON says so), TRAIN_SMOKE=1 (tiny model and shapes on the CPU: the test), TRAIN_PHASES (default
 #   "loss split": the 0.4B step's cold compile took more than 470 s on the lent v5e at 2febcb2, beyond
 #   one device command with the other phases; TRAIN_PHASES=step asks for it alone; with TRAIN_SMOKE=1
-#   "step loss split"), TRAIN_MODEL_SET (model overrides of the step and split phases, e.g.
+#   "step loss split profile"; TRAIN_PHASES=profile traces the KDA training op of both implementations at
+#   the step's shape, tools/bench/train_op_profile, its device time by source line), TRAIN_MODEL_SET (model overrides of the step and split phases, e.g.
 #   "scan_layers=true remat_policy=none"), TRAIN_BATCHES (default "8 4 1"), TRAIN_DONATE=0 (the step phase
 #   then does not donate the train state, as train_step_fn's own jit runs it now; default 1: donated, as
 #   model/aot.py compiles it), TRAIN_COMPILED_STEP=FILE (the step phase runs the step in FILE, written on a
@@ -39,11 +40,11 @@
 #   compiled_trainstep_file=FILE` under this chip's jax and libtpu, instead of compiling it: seconds, not
 #   the cold compile; a relative path is taken from the checkout),
 #   CACHE_DIR (default /tmp/kda_train_jax_cache), TRAIN_BUDGET_<phase>=SECONDS (e.g. TRAIN_BUDGET_loss=400 with
-#   TRAIN_PHASES=loss when its cold compile needs longer; phases: install step loss split; whole seconds
+#   TRAIN_PHASES=loss when its cold compile needs longer; phases: install step loss split profile; whole seconds
 #   up to the total, which stays 570 s, 1200 s with TRAIN_SMOKE=1).
 # Bad settings exit 2 with one `error:` line naming the variable, before anything is created or cleared:
 # TRAIN_SMOKE, TRAIN_DONATE and SKIP_INSTALL other than 0, 1 or empty; a TRAIN_BUDGET_<name> whose name is
-# not a phase (install step loss split); an unknown phase, a bad batch list; a TRAIN_MODEL_SET key (or
+# not a phase (install step loss split profile); an unknown phase, a bad batch list; a TRAIN_MODEL_SET key (or
 # value) the model config refuses (checked with PY and the checkout; when PY lacks the project's packages,
 # before the install, the key names alone, and the step phase checks the values).
 set -uo pipefail
@@ -70,7 +71,7 @@ WHEELS=${WHEELS:-$ROOT/.whl-tpu}
 VENV=${VENV:-/tmp/kda-train-venv}
 SMOKE=${TRAIN_SMOKE:-0}
 DEFAULT_PHASES="loss split"
-[ "$SMOKE" = 1 ] && DEFAULT_PHASES="step loss split"   # the CPU smoke test runs every phase
+[ "$SMOKE" = 1 ] && DEFAULT_PHASES="step loss split profile"   # the CPU smoke test runs every phase
 PHASES=${TRAIN_PHASES:-$DEFAULT_PHASES}
 CACHE_DIR=${CACHE_DIR:-/tmp/kda_train_jax_cache}
 BATCHES=${TRAIN_BATCHES:-8 4 1}
@@ -80,19 +81,19 @@ DEVICE_PLATFORMS=cpu
 export JAX_PLATFORMS=$DEVICE_PLATFORMS
 SECONDS=0
 TOTAL_BUDGET=570
-declare -A BUDGET=([install]=40 [step]=500 [loss]=350 [split]=180)
+declare -A BUDGET=([install]=40 [step]=500 [loss]=350 [split]=180 [profile]=240)
 if [ "$SMOKE" = 1 ]; then   # a slow shared CPU: the figures do not matter, every phase must run
   TOTAL_BUDGET=1200
-  BUDGET=([install]=60 [step]=300 [loss]=500 [split]=300)
+  BUDGET=([install]=60 [step]=300 [loss]=500 [split]=300 [profile]=200)
 fi
-[ -n "${PHASES//[[:space:]]/}" ] || { echo "error: TRAIN_PHASES='$PHASES': expected some of: step loss split" >&2; exit 2; }
+[ -n "${PHASES//[[:space:]]/}" ] || { echo "error: TRAIN_PHASES='$PHASES': expected some of: step loss split profile" >&2; exit 2; }
 for p in $PHASES; do   # a typo must not silently drop a phase
-  case " step loss split " in *" $p "*) ;; *) echo "error: TRAIN_PHASES: unknown phase '$p' (expected some of: step loss split)" >&2; exit 2;; esac
+  case " step loss split profile " in *" $p "*) ;; *) echo "error: TRAIN_PHASES: unknown phase '$p' (expected some of: step loss split profile)" >&2; exit 2;; esac
 done
 [[ "$BATCHES" =~ ^[[:space:]]*[1-9][0-9]*([[:space:]]+[1-9][0-9]*)*[[:space:]]*$ ]] \
   || { echo "error: TRAIN_BATCHES='$BATCHES': expected batch sizes >= 1 separated by spaces, e.g. '8 4 1'" >&2; exit 2; }
 . "$ROOT/tools/bench/device_budgets.sh"   # TRAIN_BUDGET_<phase>=SECONDS overrides a phase's budget
-apply_budget_overrides TRAIN_ install step loss split
+apply_budget_overrides TRAIN_ install step loss split profile
 read -r -d '' -a MODEL_KV <<< "${TRAIN_MODEL_SET:-}"   # split on blanks, no glob: kda_layers=[1] stays as written
 MODEL_SET=(); for kv in "${MODEL_KV[@]}"; do MODEL_SET+=(--set "$kv"); done
 if [ ${#MODEL_SET[@]} -gt 0 ]; then   # a bad key: one line now, not a traceback inside the step phase
@@ -200,6 +201,21 @@ if wants split; then
     --json "$WORK/split.json"
 fi
 
+# --- profile: the KDA training op's device time by source line, each implementation ---------------------------
+profile_op() {   # tools/bench/train_op_profile at the step's shape (tiny with TRAIN_SMOKE=1), one JSON each
+  local impl args=()
+  [ "$SMOKE" = 1 ] && args=(--smoke --repeats 2 --calls 1)
+  for impl in $PROFILE_IMPLS; do
+    "$VPY" -m tools.bench.train_op_profile "${args[@]}" --implementation "$impl" --top 40 \
+      --compilation-cache-dir "$CACHE_DIR" --json "$WORK/profile_$impl.json" || return $?
+  done
+}
+if wants profile; then
+  PROFILE_IMPLS="pallas_tpu xla"; [ "$SMOKE" = 1 ] && PROFILE_IMPLS=xla   # the kernel needs a TPU
+  export VPY SMOKE CACHE_DIR PROFILE_IMPLS
+  run_phase profile profile_op
+fi
+
 # --- the report --------------------------------------------------------------------------------------------
 "$VPY" - "$WORK" "$OUT" "$SECONDS" "$TOTAL_BUDGET" "$SMOKE" "$ROOT" <<'PYEOF'
 import json, os, pathlib, re, subprocess, sys
@@ -212,6 +228,9 @@ for line in (work / "status.tsv").read_text().splitlines():
   f = work / f"{name}.json"
   if f.exists():   # written as the phase went: also what a phase stopped at its limit measured
     phases[name]["result"] = json.loads(f.read_text())
+  if name == "profile":   # one JSON per implementation
+    phases[name]["result"] = {f.stem[len("profile_"):]: json.loads(f.read_text())
+                              for f in sorted(work.glob("profile_*.json"))}
 log = (work / "install.log").read_text() if (work / "install.log").exists() else ""
 missing = re.findall(r"^MISSING from .*?: (.*)$", log, re.M)
 commit = os.environ.get("KDA_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -243,6 +262,9 @@ headline = {
     "loss_first10_mean": loss.get("loss_first10_mean"), "loss_last10_mean": loss.get("loss_last10_mean"),
     "loss_falls": loss.get("loss_falls"), "resume_equal": (loss.get("resume") or {}).get("equal"),
     "checkpoints_read_on_cpu": (loss.get("checkpoints") or {}).get("exported_params_equal_uninterrupted"),
+    "kda_op_profile": {impl: {"call_ms": r.get("call_ms"), "sum_ms": r.get("sum_ms"),
+                              "by_source_ms_top10": dict(list((r.get("by_source_ms") or {}).items())[:10])}
+                       for impl, r in (phases.get("profile", {}).get("result") or {}).items()},
 }
 report = {"what": "tools/bench/train_device_check.sh", "commit": commit or "unknown", "smoke": smoke,
           "python": sys.version.split()[0], "jax": jax.__version__, "device": step.get("device"),
