@@ -308,6 +308,20 @@ def run(args) -> dict:
           "plane": plane, **({} if times else {"trace_planes": lines_seen}), **summary}
 
 
+def check_counts(p: argparse.ArgumentParser, args, sizes: dict[str, tuple[int, int]], counts=()) -> None:
+  """Fills and checks the command's whole-number arguments in place: each of `sizes` (`name: (smoke
+  default, default)`) may be 0 or absent for its default (`--smoke`'s when args.smoke) and is >= 1
+  after; each of `counts` must be >= 1. A bad one is a usage error naming the flag (`p.error`, exit 2)."""
+  for name, (smoke, full) in sizes.items():
+    value = getattr(args, name)
+    if value < 0:
+      p.error(f"--{name.replace('_', '-')} must be >= 1 (0 = the default), got {value}")
+    setattr(args, name, value or (smoke if args.smoke else full))
+  for name in counts:
+    if getattr(args, name) < 1:
+      p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
 def json_output_path(p: argparse.ArgumentParser, given: str) -> pathlib.Path:
   """`--json`'s path, checked before minutes of building and compiling: a directory or a path that
   cannot be written is a usage error now (`p.error`, exit 2), and nothing is created until
@@ -355,14 +369,7 @@ def main(argv=None) -> int:
   p.add_argument("--top", type=int, default=40, help="instructions listed, largest first (default: %(default)s)")
   p.add_argument("--compilation-cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
   args = p.parse_args(argv)
-  for name, smoke, full in (("batch", 2, 64), ("context", 16, 1024), ("steps", 2, 32)):
-    value = getattr(args, name)
-    if value < 0:
-      p.error(f"--{name} must be >= 1 (0 = the default), got {value}")
-    setattr(args, name, value or (smoke if args.smoke else full))
-  for name in ("repeats", "top"):
-    if getattr(args, name) < 1:
-      p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+  check_counts(p, args, {"batch": (2, 64), "context": (16, 1024), "steps": (2, 32)}, ("repeats", "top"))
   if not args.config:
     if args.smoke:
       args.config = e2e_device.SMOKE_CONFIG

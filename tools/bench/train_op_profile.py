@@ -106,14 +106,8 @@ def main(argv=None) -> int:
   p.add_argument("--top", type=int, default=60, help="instructions and source lines listed (default: %(default)s)")
   p.add_argument("--compilation-cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
   args = p.parse_args(argv)
-  for name, smoke, full in (("batch", 1, 8), ("seq_len", 128, 2048), ("heads", 2, 8), ("key_dim", 16, 128)):
-    value = getattr(args, name)
-    if value < 0:
-      p.error(f"--{name.replace('_', '-')} must be >= 1 (0 = the default), got {value}")
-    setattr(args, name, value or (smoke if args.smoke else full))
-  for name in ("docs", "repeats", "calls", "top"):
-    if getattr(args, name) < 1:
-      p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+  dp.check_counts(p, args, {"batch": (1, 8), "seq_len": (128, 2048), "heads": (2, 8), "key_dim": (16, 128)},
+                  ("docs", "repeats", "calls", "top"))
   if args.docs > args.seq_len:
     p.error(f"--docs must be at most --seq-len ({args.seq_len}), got {args.docs}")
   args.implementation = args.implementation or ("xla" if args.smoke else "pallas_tpu")
