@@ -82,6 +82,7 @@ def test_checkpoint_from_a_mesh_restores_on_one_device(saved):
   _assert_identical(_flat(restored), _flat(model))
 
 
+@pytest.mark.slow
 def test_converted_hf_checkpoint_restores_sharded(tmp_path):
   """tools.convert_checkpoint output, restored on fsdp2 x expert2 x tensor2 (2 heads, 4 experts):
   the same parameters as the one-device load, and the same logits."""
@@ -104,6 +105,7 @@ def test_converted_hf_checkpoint_restores_sharded(tmp_path):
   c.assert_close(got, want, "converted checkpoint logits")
 
 
+@pytest.mark.slow   # the tools on the mesh: `make test-slow` (tests/sharding/test_multidevice.py)
 def test_generate_tool_serves_on_the_mesh(saved, tmp_path, capsys):
   """tools.generate on 8 devices (default mesh: data=-1 -> 8, the checkpoint's own mesh keys are
   ignored): restored sharded, the same greedy ids as a one-device Generator."""
@@ -135,6 +137,7 @@ def _ids_file(tmp_path):
   return f
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", ["fsdp2_tensor2_data2", "data8"])
 def test_perplexity_tool_scores_on_the_mesh(saved, tmp_path, capsys, mesh_name):
   """tools.perplexity under the job's mesh keys: parameters restored sharded, windows of 4 rows split

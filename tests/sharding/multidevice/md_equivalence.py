@@ -169,6 +169,7 @@ def _train_two_steps(cfg, ids, seg, mesh=None):
   return tstate, losses
 
 
+@pytest.mark.slow   # two AdamW steps compiled for the mesh and for one device: `make test-slow`
 def test_train_lib_step_on_a_mesh_matches_one_device(model_and_batch):
   """model.training.steps.train_step_fn traced in the mesh context on sharded parameters: the same
   losses and updated parameters as on one device, and the parameters keep their shardings.
