@@ -170,6 +170,8 @@ def test_smoke_run_on_this_host(tmp_path, capsys):
     (["--set", "nope=1"], "--config 'tiny' / --set: unknown config key 'nope'"),
     (["--config", "nosuch"], "--config 'nosuch' / --set: unknown model config 'nosuch'"),
     (["--json", "{tmp}"], "is a directory; expected a file path"),
+    (["--json", "/proc/p.json"], "cannot be written (/proc is not a writable directory)"),
+    (["--config", ""], "--config: expected a model config name or file, got an empty value"),
     (["--compilation-cache-dir", "{tmp}/file/cache"], "--compilation-cache-dir: compilation_cache_dir="),
     (["--json", "{tmp}/file/p.json"], "cannot be written ({tmp}/file is not a writable directory)"),
 ])
@@ -180,3 +182,12 @@ def test_bad_arguments_exit_2_naming_them_before_anything_is_written(tmp_path, c
     dp.main(["--smoke", "--json", str(tmp_path / "out" / "p.json"), *argv])
   assert e.value.code == 2 and message.replace("{tmp}", str(tmp_path)) in capsys.readouterr().err
   assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]   # nothing created
+
+
+def test_the_real_width_default_is_refused_off_a_tpu(tmp_path, capsys):
+  # without --smoke or --config the model is the ~9.9 GB real-width shard: a CPU would build it for minutes
+  with pytest.raises(SystemExit) as e:
+    dp.main(["--json", str(tmp_path / "p.json")])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and "a model for the chip; this backend is cpu: use --smoke or --config" in err
+  assert list(tmp_path.iterdir()) == []

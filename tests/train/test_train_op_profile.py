@@ -21,7 +21,7 @@ def test_smoke_run_sums_the_op_s_instructions_by_source_line(tmp_path, capsys):
   # a matmul wrapper's instructions name the line that called it
   assert any(re.match(r"ops/chunked\.py:\d+ _mm < ops/chunked\.py:\d+ ", src) for src in r["by_source_ms"])
   rows = r["top"]
-  assert rows and rows[0]["ms_per_step"] >= rows[-1]["ms_per_step"]
+  assert rows and rows[0]["ms"] >= rows[-1]["ms"] and all("part" not in row and row["count"] >= 1 for row in rows)
   assert "kda_chunked[xla] B=1 T=128 H=2" in capsys.readouterr().out
 
 
@@ -40,6 +40,9 @@ def test_by_source_groups_instructions_without_a_frame_as_unknown():
     (["--docs", "200"], "--docs must be at most --seq-len (128), got 200"),
     (["--implementation", "pallas_tpu"], "--implementation pallas_tpu needs a TPU (this backend: cpu)"),
     (["--json", "{tmp}"], "is a directory; expected a file path"),
+    (["--json", ""], "--json: expected a file path, got an empty value"),
+    (["--json", "/proc/p.json"], "cannot be written (/proc is not a writable directory)"),
+    (["--batch", "100000", "--seq-len", "100000"], "the op's inputs and gradients alone need"),
     (["--json", "{tmp}/file/p.json"], "cannot be written ({tmp}/file is not a writable directory)"),
 ])
 def test_bad_arguments_exit_2_naming_them_before_anything_is_written(tmp_path, capsys, argv, message):

@@ -326,14 +326,22 @@ def json_output_path(p: argparse.ArgumentParser, given: str) -> pathlib.Path:
   """`--json`'s path, checked before minutes of building and compiling: a directory or a path that
   cannot be written is a usage error now (`p.error`, exit 2), and nothing is created until
   `write_json`."""
+  if not given.strip():
+    p.error("--json: expected a file path, got an empty value")
   out = pathlib.Path(given)
   if out.is_dir():
     p.error(f"--json {given!r} is a directory; expected a file path")
   ancestor = out.parent
   while not ancestor.exists() and ancestor != ancestor.parent:
     ancestor = ancestor.parent
-  if (out.exists() and not os.access(out, os.W_OK)) or not ancestor.is_dir() \
-      or not os.access(ancestor, os.W_OK | os.X_OK):
+  writable = ancestor.is_dir() and not (out.exists() and not os.access(out, os.W_OK))
+  if writable:   # a trial file, removed at once: permission bits do not stop root, a read-only mount does
+    try:
+      with tempfile.NamedTemporaryFile(dir=ancestor, prefix=".write-check-"):
+        pass
+    except OSError:
+      writable = False
+  if not writable:
     p.error(f"--json {given!r} cannot be written ({ancestor} is not a writable directory)")
   return out
 
@@ -359,8 +367,8 @@ def main(argv=None) -> int:
                               epilog=__doc__.split("\n\n", 1)[1])
   p.add_argument("--json", required=True, help="where the profile's figures are written")
   p.add_argument("--smoke", action="store_true", help="the tiny config at tiny shapes (the CPU test)")
-  p.add_argument("--config", default="", help="model config (default: the real-width shard, kimi_linear_48b_a3b "
-                                              "with num_experts=16, ~9.9 GB of weights: for the chip; --smoke: tiny)")
+  p.add_argument("--config", default=None, help="model config (default: the real-width shard, kimi_linear_48b_a3b "
+                                              "with num_experts=16, ~9.9 GB of weights: for the chip, refused on another backend; --smoke: tiny)")
   p.add_argument("--set", action="append", default=[], help="key=value config override (repeatable)")
   p.add_argument("--batch", type=int, default=0, help="sequences decoded together (0 or absent: 64; --smoke: 2)")
   p.add_argument("--context", type=int, default=0, help="tokens each sequence holds (0 or absent: 1024; --smoke: 16)")
@@ -370,6 +378,11 @@ def main(argv=None) -> int:
   p.add_argument("--compilation-cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
   args = p.parse_args(argv)
   check_counts(p, args, {"batch": (2, 64), "context": (16, 1024), "steps": (2, 32)}, ("repeats", "top"))
+  if args.config is not None and not args.config.strip():
+    p.error("--config: expected a model config name or file, got an empty value")
+  if args.config is None and not args.smoke and jax.default_backend() != "tpu":
+    p.error(f"without --config the model is the real-width shard ({' '.join(REAL_CONFIG)}: ~9.9 GB of bf16 "
+            f"weights), a model for the chip; this backend is {jax.default_backend()}: use --smoke or --config")
   if not args.config:
     if args.smoke:
       args.config = e2e_device.SMOKE_CONFIG

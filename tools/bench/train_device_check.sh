@@ -27,7 +27,7 @@
 #   tools/bench/device_wheels.sh fills it), VENV (default /tmp/kda-train-venv), SKIP_INSTALL=1 (use PY as it
 #   is, the checkout on PYTHONPATH), KDA_COMMIT (the commit measured: the device copy has no .git),
 #   TRAIN_CORPUS (the text of the loss phase; default .train-data/tinyshakespeare.txt in the checkout, which
-#   the device tool carries; without it the repository's docs are used and the JSON says so), TRAIN_SMOKE=1 (tiny model and shapes on the CPU: the test), TRAIN_PHASES (default
+#   the device tool carries; without it the repository's docs are used and the JSON says so), TRAIN_SMOKE=1 (tiny model and shapes on the CPU: the test), TRAIN_PHASES (empty or unset: the default,
 #   "loss split": the 0.4B step's cold compile took more than 470 s on the lent v5e at 2febcb2, beyond
 #   one device command with the other phases; TRAIN_PHASES=step asks for it alone; with TRAIN_SMOKE=1
 #   "step loss split profile"; TRAIN_PHASES=profile traces the KDA training op of both implementations at

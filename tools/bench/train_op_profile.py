@@ -16,8 +16,9 @@ What it does, in order:
      records for each instruction and the frame that called it, `file:line function < file:line
      function`: which line of the chunk math costs what);
      `by_opcode_ms` (custom-calls by kernel); `top`: the `--top` largest instructions with their
-     count a call, shape, fusion kind and source; `sum_ms` (above `call_ms` where instructions
-     overlap, e.g. asynchronous copies beside compute).
+     `ms` and `count` in the call, shape, fusion kind and source; `sum_ms` (above `call_ms` where
+     instructions overlap, e.g. asynchronous copies beside compute). On a CPU, XLA's XNNPACK
+     fusions carry no source frame: their time is under "?".
 A trace in which no event is named like an instruction still writes the time and exits 1.
 
 On a CPU, `--smoke` (tiny shapes, the XLA implementation) is the test; the figures are for the chip:
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
 import sys
 import time
@@ -50,6 +52,15 @@ def by_source(times: dict[str, list[int]], instructions: dict) -> dict[str, floa
     info = instructions[name]
     total[" < ".join(filter(None, (info.get("source", "?"), info.get("caller"))))] += ns
   return {k: round(v / 1e6, 5) for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
+
+
+def per_call(row: dict) -> dict:
+  """A `decode_profile.summarize` row for one traced call: `ms` and `count` (its `*_per_step` for one
+  step), without the model part (an op has none)."""
+  row = dict(row)
+  row["ms"], row["count"] = row.pop("ms_per_step"), row.pop("count_per_step")
+  row.pop("part", None)
+  return row
 
 
 def run(args) -> dict:
@@ -84,7 +95,7 @@ def run(args) -> dict:
           "call_ms": round(call_ms, 4), "runs_ms": [round(r, 4) for r in runs], "plane": plane,
           **({} if times else {"trace_planes": lines_seen}),
           "sum_ms": summary["sum_ms_per_step"], "by_source_ms": sources,
-          "by_opcode_ms": summary["by_opcode_ms_per_step"], "top": summary["top"],
+          "by_opcode_ms": summary["by_opcode_ms_per_step"], "top": [per_call(row) for row in summary["top"]],
           "instructions_seen": summary["instructions_seen"]}
 
 
@@ -100,7 +111,8 @@ def main(argv=None) -> int:
   p.add_argument("--seq-len", type=int, default=0, help="tokens a row (0 or absent: 2048; --smoke: 128)")
   p.add_argument("--heads", type=int, default=0, help="KDA heads (0 or absent: 8; --smoke: 2)")
   p.add_argument("--key-dim", type=int, default=0, help="K = V (0 or absent: 128; --smoke: 16)")
-  p.add_argument("--docs", type=int, default=4, help="equal documents a row (default: %(default)s)")
+  p.add_argument("--docs", type=int, default=4,
+                 help="documents a row, of equal length to a token (default: %(default)s)")
   p.add_argument("--repeats", type=int, default=5, help="timed runs (default: %(default)s)")
   p.add_argument("--calls", type=int, default=3, help="calls a timed run (default: %(default)s)")
   p.add_argument("--top", type=int, default=60, help="instructions and source lines listed (default: %(default)s)")
@@ -110,6 +122,14 @@ def main(argv=None) -> int:
                   ("docs", "repeats", "calls", "top"))
   if args.docs > args.seq_len:
     p.error(f"--docs must be at most --seq-len ({args.seq_len}), got {args.docs}")
+  elements = args.batch * args.seq_len * args.heads * args.key_dim
+  need = 5 * elements * 2 + 5 * elements * 2   # q, k, v, g and the cotangent in bf16, and their gradients
+  limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit") or \
+      os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+  if need > limit:
+    p.error(f"--batch {args.batch} x --seq-len {args.seq_len} x --heads {args.heads} x --key-dim {args.key_dim}: "
+            f"the op's inputs and gradients alone need {need / 2**30:.1f} GiB, more than the "
+            f"{limit / 2**30:.1f} GiB this device can hold; lower them")
   args.implementation = args.implementation or ("xla" if args.smoke else "pallas_tpu")
   if args.implementation == "pallas_tpu" and jax.default_backend() != "tpu":
     p.error(f"--implementation pallas_tpu needs a TPU (this backend: {jax.default_backend()}); "
