@@ -433,49 +433,6 @@ def carry_schedule(segc):
   return cont_lab, last_is_cont, cont_closes
 
 
-def _carried_rows(sx, cl):
-  """`(cont, last)` `[B, 1, C, 1]`: the rows of the document carried into the chunk, and of the one
-  open at its end (`chunk_with_state`'s sx, cl)."""
-  cont = ((sx == cl[:, None]) & (cl[:, None] > 0))[:, None, :, None]
-  last = ((sx == sx[:, -1:]) & (sx[:, -1:] > 0))[:, None, :, None]
-  return cont, last
-
-
-def state_cotangent_map(cp, aqk, linv, sx, cl, lic, do):
-  """The chunk's state-entering cotangent as a linear function of the leaving one: `(M, R)` with
-  `ds_in = M^T ds_next + R` for `chunk_with_state` (corr None).
-
-  `chunk_with_state` is affine in its state s: `s_next = M s + ...` with
-  `M = Diag(kept * dec) - Kd^T L^-1 A` (A the carried rows' `beta k exp(gc)`, Kd the last document's
-  `k exp(dte)`), and `o = (Qd - Aqk L^-1 A) s + ...` (Qd the carried rows' `q exp(gc)`). So
-  `R = Qd^T do - A^T L^-T Aqk^T do` is the output's share, independent of the later chunks, and the
-  backward recurrence over chunks is one `[K, K] x [K, V]` product a step once M and R are formed for
-  every chunk at once.
-
-  Args: cp, aqk, linv, sx, cl, lic: as `chunk_with_state`; do: float32 `[B, H, C, V]` the cotangent of
-  the chunk's output rows.
-
-  Returns: `(M [B, H, K, K], R [B, H, K, V])` float32.
-  """
-  c = cp.qh.shape[-2]
-  cont, last = _carried_rows(sx, cl)
-  a = jnp.where(cont, cp.bh * cp.kh * cp.egl, 0.0)                              # [B, H, C, K]
-  qd = jnp.where(cont, cp.qh * cp.egl, 0.0)
-  kd_last = jnp.where(last, cp.kh * cp.dte, 0.0)
-  kept_dec = jnp.where(lic[:, None, None], cp.egl[..., c - 1, :], 0.0)          # [B, H, K]
-  linv_a = _mm("bhri,bhik->bhrk", linv, a)
-  m = (kept_dec[..., :, None] * jnp.eye(kept_dec.shape[-1], dtype=jnp.float32)
-       - _mm("bhik,bhij->bhkj", kd_last, linv_a))
-  y = _mm("bhri,bhrv->bhiv", aqk, do)                                           # Aqk^T do
-  r = _mm("bhrk,bhrv->bhkv", qd, do) - _mm("bhik,bhiv->bhkv", linv_a, y)
-  return m, r
-
-
-def mm(spec, a, b):
-  """`einsum` at HIGHEST precision with a float32 result (the chunk math's products)."""
-  return _mm(spec, a, b)
-
-
 def chunk_with_state(cp, aqk, linv, s, sx, cl, lic, corr, out_precision):
   """One chunk's state-dependent work: the carried state `s` applied to the rows of the document it
   continues, the per-token deltas, the output and the state leaving the chunk.
@@ -496,7 +453,8 @@ def chunk_with_state(cp, aqk, linv, s, sx, cl, lic, corr, out_precision):
     (the caller adds `dec` times it).
   """
   c = cp.qh.shape[-2]
-  cont, last = _carried_rows(sx, cl)
+  cont = ((sx == cl[:, None]) & (cl[:, None] > 0))[:, None, :, None]
+  last = ((sx == sx[:, -1:]) & (sx[:, -1:] > 0))[:, None, :, None]
   qk = jnp.concatenate([jnp.where(cont, cp.bh * cp.kh * cp.egl, 0.0),
                         jnp.where(cont, cp.qh * cp.egl, 0.0)], axis=-2)            # [B, H, 2C, K]
   xw = _mm("bhrk,bhkv->bhrv", qk, s)                                             # kgb S, qd S

@@ -46,6 +46,22 @@ def _layout(x, nc):
   return jnp.moveaxis(x.reshape((b, nc, C) + x.shape[2:]), 1, 0)
 
 
+def _chunk_local(s, q, k, v, g, beta, a_log, dt_bias, seg, cont_lab, last_is_cont, *, scale,
+                 lower_bound, use_l2norm, inverse):
+  """One chunk as the XLA op computes it from the state `s` entering it: `(s_next, o [B, C, H, V])`.
+
+  q, k, g `[B, C, H, K]`, v `[B, C, H, V]`, beta `[B, C, H]` (the caller's dtypes); a_log `[H]` and
+  dt_bias `[H, K]` float32 or both None (g already activated); seg `[B, C]`; cont_lab, last_is_cont
+  `[B]` (`chunked.carry_schedule`).
+  """
+  gate = None if a_log is None else (a_log, dt_bias)
+  prep = ch.chunk_prep(gate, lower_bound, use_l2norm)
+  cp, aqk, linv = ch.chunk_matrices(q, k, v, g, beta, seg, scale=scale, prep=prep, inverse=inverse)
+  s_next, o, _, _ = ch.chunk_with_state(cp, aqk, linv, s, seg, cont_lab, last_is_cont, None,
+                                        lax.Precision.HIGHEST)
+  return s_next, jnp.swapaxes(o, 1, 2)
+
+
 def _forward(q, k, v, g, beta, seg, a_log, dt_bias, *, num_heads, num_segments, scale, lower_bound,
              use_l2norm, interpret):
   gate = None if a_log is None else (a_log, dt_bias)
@@ -71,84 +87,49 @@ def _train_op_fwd(q, k, v, g, beta, seg, a_log, dt_bias, num_heads, num_segments
   return o, (q, k, v, g, beta, seg, a_log, dt_bias, states)
 
 
-# Chunk-heads (chunks x batch rows x heads) one backward step works on at once: the step's working set
-# is ~2.8 MB per chunk-head (compiled for v5e: 5.7 GiB for 2048), so groups of 256 keep a layer's
-# backward near 0.7 GiB beyond its inputs, while each step's operations stay large.
-GROUP_CHUNK_HEADS = 256
-
-
-def chunks_per_group(nc, b, h, budget=None):
-  """The largest divisor W of NC with `W * B * H <= budget` (`GROUP_CHUNK_HEADS`), at least 1."""
-  budget = GROUP_CHUNK_HEADS if budget is None else budget
-  return max([w for w in range(1, nc + 1) if nc % w == 0 and w * b * h <= budget] or [1])
-
-
 def _train_op_bwd(num_heads, num_segments, scale, lower_bound, use_l2norm, interpret, res, do):
   del num_segments, interpret
   q, k, v, g, beta, seg, a_log, dt_bias, states = res
   b, t = q.shape[:2]
   nc = states.shape[0]
-  w = chunks_per_group(nc, b, num_heads)
-  ng = nc // w
   segc = _layout(jnp.broadcast_to(seg, (b, t)).astype(jnp.int32), nc)
   cont_lab, last_is_cont, _ = ch.carry_schedule(segc)
   has_gate = a_log is not None
-  inverse = ch.inverse_form()
+  local = functools.partial(_chunk_local, scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm,
+                            inverse=ch.inverse_form())
+  # Each step reads its chunk's rows from the operands as they are (a dynamic slice, made head-major
+  # there: [B, C, H*D] -> [B, C, H, D]) and writes its gradients into full-size accumulators in place,
+  # so no relaid-out copy of q, k, v, g or do, nor of the gradients, is ever whole in memory.
+  pad = nc * C - t
+  padded = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) if pad else x
+  ops = tuple(padded(x) for x in (q, k, v, g, beta, do))
 
-  def grouped(x):  # [NC, B, ...] -> [NG, W * B, ...]: group i holds chunks i*W .. i*W+W-1 of every row
-    return x.reshape((ng, w * b) + x.shape[2:])
+  def rows(x, c):
+    return lax.dynamic_slice_in_dim(x, c * C, C, axis=1)
 
-  def chunks(x):  # q, k, v, g, do: [B, T, H*D] or [B, T, H, D] -> [NG, W * B, C, H, D]
-    x = grouped(_layout(x, nc))
-    return x.reshape(x.shape[:3] + (num_heads, -1)) if x.ndim == 4 else x
-
-  ins = tuple(chunks(x) for x in (q, k, v, g, do)) + (grouped(_layout(beta, nc)),)
-  sched = (grouped(segc), grouped(cont_lab), grouped(last_is_cont))
-
-  def group_fn(q_, k_, v_, g_, b_, a_, d_, sx, cl, lic):
-    """`s -> (s_next, o)` of a group's chunks, and their matrices (`chunked.chunk_matrices`)."""
-    p = ch.chunk_prep(None if a_ is None else (a_, d_), lower_bound, use_l2norm)
-    mats = ch.chunk_matrices(q_, k_, v_, g_, b_, sx, scale=scale, prep=p, inverse=inverse)
-    def apply(s):
-      s_next, o, _, _ = ch.chunk_with_state(*mats, s, sx, cl, lic, None, lax.Precision.HIGHEST)
-      return s_next, jnp.swapaxes(o, 1, 2)
-    return mats, apply
-
-  # 1. Every chunk's share of the state's cotangent, `ds_in = M^T ds_next + R`, group by group.
-  def cotangent_map(xs):
-    (qg, kg, vg, gg, dog, bg), (sx, cl, lic) = xs
-    mats, _ = group_fn(qg, kg, vg, gg, bg, a_log, dt_bias, sx, cl, lic)
-    return ch.state_cotangent_map(*mats, sx, cl, lic, jnp.swapaxes(dog, 1, 2).astype(jnp.float32))
-
-  m, r = (x.reshape((nc, b) + x.shape[2:]) for x in lax.map(cotangent_map, (ins, sched)))
-
-  # 2. The state's cotangent leaving every chunk: one [K, K] x [K, V] product a chunk, last to first.
-  def back(ds, xs):
-    m_c, r_c = xs
-    return ch.mm("bhkj,bhkv->bhjv", m_c, ds) + r_c, ds
-
-  _, ds_next = lax.scan(back, jnp.zeros(states.shape[1:], jnp.float32), (m, r), reverse=True)
-
-  # 3. Each group's vector-Jacobian product from the states entering and the cotangents leaving it.
-  def group_grads(carry, xs):
-    (qg, kg, vg, gg, dog, bg), (sx, cl, lic), s_in, dsg = xs
-    def f(s, q_, k_, v_, g_, b_, a_, d_):
-      return group_fn(q_, k_, v_, g_, b_, a_, d_, sx, cl, lic)[1](s)
-    _, vjp = jax.vjp(f, s_in, qg, kg, vg, gg, bg, a_log, dt_bias)
-    _, *grads, da, dd = vjp((dsg, dog.astype(jnp.float32)))
+  def step(carry, xs):
+    ds, d_alog, d_dt, acc = carry
+    c, s_in, sx, cl, lic = xs
+    chunk = [rows(x, c) for x in ops]
+    qc, kc, vc, gc = (x.reshape(x.shape[:2] + (num_heads, -1)) if x.ndim == 3 else x for x in chunk[:4])
+    f = lambda s_, q_, k_, v_, g_, b_, a_, d_: local(s_, q_, k_, v_, g_, b_, a_, d_, sx, cl, lic)
+    _, vjp = jax.vjp(f, s_in, qc, kc, vc, gc, chunk[4], a_log, dt_bias)
+    doc = chunk[5]
+    doc = doc.reshape(doc.shape[:2] + (num_heads, -1)) if doc.ndim == 3 else doc
+    ds_in, *grads, da, dd = vjp((ds, doc.astype(jnp.float32)))
+    acc = tuple(lax.dynamic_update_slice_in_dim(a, gr.reshape(a.shape[:1] + gr.shape[1:2] + a.shape[2:]),
+                                                c * C, axis=1)
+                for a, gr in zip(acc, grads))
     if has_gate:
-      carry = (carry[0] + da, carry[1] + dd)
-    return carry, tuple(grads)
+      d_alog, d_dt = d_alog + da, d_dt + dd
+    return (ds_in, d_alog, d_dt, acc), None
 
   zeros_or_none = lambda x: None if x is None else jnp.zeros(x.shape, jnp.float32)
-  (d_alog, d_dt), grads = lax.scan(group_grads, (zeros_or_none(a_log), zeros_or_none(dt_bias)),
-                                   (ins, sched, grouped(states), grouped(ds_next)))
-
-  def unchunk(gr, x):  # [NG, W * B, C, ...] -> x's layout [B, T, ...]
-    gr = jnp.moveaxis(gr.reshape((nc, b, C) + gr.shape[3:]), 0, 1).reshape((b, nc * C) + gr.shape[3:])
-    return gr[:, :t].reshape(x.shape).astype(x.dtype)
-
-  dq, dk, dv, dg, db = (unchunk(gr, x) for gr, x in zip(grads, (q, k, v, g, beta)))
+  acc0 = tuple(jnp.zeros(x.shape, x.dtype) for x in ops[:5])
+  init = (jnp.zeros(states.shape[1:], jnp.float32), zeros_or_none(a_log), zeros_or_none(dt_bias), acc0)
+  xs = (jnp.arange(nc), states, segc, cont_lab, last_is_cont)
+  (_, d_alog, d_dt, acc), _ = lax.scan(step, init, xs, reverse=True)
+  dq, dk, dv, dg, db = (a[:, :t] for a in acc)
   cast = lambda d, x: None if x is None else d.astype(x.dtype)
   return (dq, dk, dv, dg, db, np.zeros(seg.shape, jax.dtypes.float0), cast(d_alog, a_log),
           cast(d_dt, dt_bias))

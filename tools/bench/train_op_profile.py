@@ -38,7 +38,6 @@ import types
 import jax
 import numpy as np
 
-from kda_plugin.ops import chunked_tpu
 from model.engine import compilation_cache
 from model.errors import UsageError
 from tools.bench import decode_profile as dp
@@ -68,9 +67,6 @@ def run(args) -> dict:
   import jax.numpy as jnp  # noqa: PLC0415
 
   cfg = types.SimpleNamespace(kda_gate_lower_bound=None)   # Kimi's softplus gate
-  if args.group_chunk_heads:
-    chunked_tpu.GROUP_CHUNK_HEADS = args.group_chunk_heads   # read when the backward is traced
-  args.group_chunk_heads = chunked_tpu.GROUP_CHUNK_HEADS
   lowered, (_, operands) = kda_op_program(args.batch, args.seq_len, args.heads, args.key_dim, args.docs,
                                           args.implementation, jnp.bfloat16, cfg, np.random.default_rng(0))
   t0 = time.perf_counter()
@@ -121,14 +117,9 @@ def main(argv=None) -> int:
   p.add_argument("--calls", type=int, default=3, help="calls a timed run (default: %(default)s)")
   p.add_argument("--top", type=int, default=60, help="instructions and source lines listed (default: %(default)s)")
   p.add_argument("--compilation-cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
-  p.add_argument("--group-chunk-heads", type=int, default=0,
-                 help="pallas_tpu only: chunk-heads (chunks x rows x heads) a step of the backward works on "
-                      "(0 or absent: chunked_tpu.GROUP_CHUNK_HEADS, the op's default)")
   args = p.parse_args(argv)
   dp.check_counts(p, args, {"batch": (1, 8), "seq_len": (128, 2048), "heads": (2, 8), "key_dim": (16, 128)},
                   ("docs", "repeats", "calls", "top"))
-  if args.group_chunk_heads < 0:
-    p.error(f"--group-chunk-heads must be 0 (the default) or positive, got {args.group_chunk_heads}")
   if args.docs > args.seq_len:
     p.error(f"--docs must be at most --seq-len ({args.seq_len}), got {args.docs}")
   elements = args.batch * args.seq_len * args.heads * args.key_dim
@@ -140,8 +131,6 @@ def main(argv=None) -> int:
             f"the op's inputs and gradients alone need {need / 2**30:.1f} GiB, more than the "
             f"{limit / 2**30:.1f} GiB this device can hold; lower them")
   args.implementation = args.implementation or ("xla" if args.smoke else "pallas_tpu")
-  if args.group_chunk_heads and args.implementation != "pallas_tpu":
-    p.error("--group-chunk-heads sizes the pallas_tpu backward's steps: pass --implementation pallas_tpu")
   if args.implementation == "pallas_tpu" and jax.default_backend() != "tpu":
     p.error(f"--implementation pallas_tpu needs a TPU (this backend: {jax.default_backend()}); "
             "use --implementation xla or --smoke here")
