@@ -212,7 +212,7 @@ profile_op() {   # tools/bench/train_op_profile at the step's shape (tiny with T
 }
 if wants profile; then
   PROFILE_IMPLS="pallas_tpu xla"; [ "$SMOKE" = 1 ] && PROFILE_IMPLS=xla   # the kernel needs a TPU
-  export VPY SMOKE CACHE_DIR PROFILE_IMPLS
+  export VPY SMOKE CACHE_DIR PROFILE_IMPLS WORK
   run_phase profile profile_op
 fi
 
