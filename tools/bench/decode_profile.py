@@ -21,10 +21,13 @@ What it does, in order:
      `floor_bytes`; `by_part_ms_per_step` (the model part each instruction comes from, by the stack
      XLA records for it: kda, mla, moe, ffn (a dense or shared-expert SwiGLU outside them), norm,
      embed, model (the rest of the decoder layer and the LM head), other); `by_opcode_ms_per_step`
-     (custom-calls by target and kernel name); `top`: the `--top` largest instructions, each with
-     its time and count a step, opcode, fusion kind or kernel, output shape, jax's op_name, source
-     line and part; `sum_ms_per_step`. Instructions that run at once (asynchronous copies beside
-     compute on a TPU, XLA:CPU's threads) make the sum exceed the step.
+     (custom-calls by target and kernel name); `top`: the `--top` largest instructions that run in
+     the program's order, each with its time and count a step, opcode, fusion kind or kernel, output
+     shape, jax's op_name, source line and part, and `in_order_ms_per_step` their sum (near the step:
+     what to cut); `top_async` and `async_span_ms_per_step`: the asynchronous starts (`copy-start`,
+     `slice-start`: their events span a transfer while the others run, so they overlap the step;
+     the exposed wait is the `-done`'s); `sum_ms_per_step`, every event (XLA:CPU's threads overlap
+     too).
 A trace in which no event is named like an instruction of the program still writes the step time
 (and the trace's planes and lines, `trace_planes`) and exits 1.
 
@@ -226,9 +229,17 @@ def traced_instruction_times(fn, compiled):
   return instructions, plane, times, lines_seen
 
 
+def is_async_start(info: dict) -> bool:
+  """An asynchronous operation's start (`copy-start`, `slice-start`, ...): its event spans the transfer
+  while other instructions run beside it, so its time overlaps theirs; the wait is its `-done`."""
+  return info["opcode"].endswith("-start")
+
+
 def summarize(times: dict[str, list[int]], instructions: dict, steps: int, top: int) -> dict:
-  """Per-step times: the `top` largest instructions, and sums by model part and by opcode (custom-call
-  by target)."""
+  """Per-step times: the `top` largest instructions that run in the program's order (`top`; the
+  asynchronous starts, whose spans overlap them, apart in `top_async`), and sums by model part and by
+  opcode (custom-call by target). `in_order_ms_per_step` sums the former: near the step time when the
+  trace holds the whole step."""
   per_step = lambda ns: round(ns / steps / 1e6, 5)   # milliseconds a step
   rows = sorted(times.items(), key=lambda kv: -kv[1][0])
   by_kind: dict[str, int] = collections.Counter()
@@ -237,12 +248,18 @@ def summarize(times: dict[str, list[int]], instructions: dict, steps: int, top: 
     info = instructions[name]
     by_part[info["part"]] += ns
     by_kind[info.get("target", info["opcode"]) if info["opcode"] == "custom-call" else info["opcode"]] += ns
+  row = lambda name, ns, n: {"name": name, "ms_per_step": per_step(ns), "count_per_step": round(n / steps, 3),
+                             **instructions[name]}
+  in_order = [(name, t) for name, t in rows if not is_async_start(instructions[name])]
+  spans = [(name, t) for name, t in rows if is_async_start(instructions[name])]
   return {
       "sum_ms_per_step": per_step(sum(ns for ns, _ in times.values())),
+      "in_order_ms_per_step": per_step(sum(ns for _, (ns, _) in in_order)),
+      "async_span_ms_per_step": per_step(sum(ns for _, (ns, _) in spans)),
       "by_part_ms_per_step": {k: per_step(v) for k, v in sorted(by_part.items(), key=lambda kv: -kv[1])},
       "by_opcode_ms_per_step": {k: per_step(v) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-      "top": [{"name": name, "ms_per_step": per_step(ns), "count_per_step": round(n / steps, 3),
-               **instructions[name]} for name, (ns, n) in rows[:top]],
+      "top": [row(name, ns, n) for name, (ns, n) in in_order[:top]],
+      "top_async": [row(name, ns, n) for name, (ns, n) in spans[:max(1, top // 4)]],
       "instructions_seen": len(times),
   }
 
@@ -291,7 +308,8 @@ def run(args) -> dict:
   instructions, plane, times, lines_seen = traced_instruction_times(loop, compiled)
   summary = summarize(times, instructions, steps, args.top)
   print(f"profile ({plane}): {summary['instructions_seen']} instructions, "
-        f"{summary['sum_ms_per_step']:.3f} ms a step in all", flush=True)
+        f"{summary['in_order_ms_per_step']:.3f} ms a step in order (asynchronous spans beside them: "
+        f"{summary['async_span_ms_per_step']:.3f} ms)", flush=True)
   for part, ms in summary["by_part_ms_per_step"].items():
     print(f"  part {part:43s} {ms:9.4f} ms/step", flush=True)
   for kind, ms in list(summary["by_opcode_ms_per_step"].items())[:12]:

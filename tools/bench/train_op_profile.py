@@ -86,7 +86,8 @@ def run(args) -> dict:
   instructions, plane, times, lines_seen = dp.traced_instruction_times(call, compiled)
   summary = dp.summarize(times, instructions, 1, args.top)
   sources = by_source(times, instructions)
-  print(f"profile ({plane}): {summary['instructions_seen']} instructions, {summary['sum_ms_per_step']:.3f} ms",
+  print(f"profile ({plane}): {summary['instructions_seen']} instructions, {summary['in_order_ms_per_step']:.3f} ms "
+        f"in order (asynchronous spans beside them: {summary['async_span_ms_per_step']:.3f} ms)",
         flush=True)
   for src, ms in list(sources.items())[:args.top]:
     print(f"  {ms:9.4f} ms  {src}", flush=True)
@@ -94,8 +95,10 @@ def run(args) -> dict:
           "jax": jax.__version__, "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
           "call_ms": round(call_ms, 4), "runs_ms": [round(r, 4) for r in runs], "plane": plane,
           **({} if times else {"trace_planes": lines_seen}),
-          "sum_ms": summary["sum_ms_per_step"], "by_source_ms": sources,
+          "sum_ms": summary["sum_ms_per_step"], "in_order_ms": summary["in_order_ms_per_step"],
+          "async_span_ms": summary["async_span_ms_per_step"], "by_source_ms": sources,
           "by_opcode_ms": summary["by_opcode_ms_per_step"], "top": [per_call(row) for row in summary["top"]],
+          "top_async": [per_call(row) for row in summary["top_async"]],
           "instructions_seen": summary["instructions_seen"]}
 
 
