@@ -181,6 +181,10 @@ def test_smoke_run_on_this_host(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--batch", "-1"], "--batch must be >= 1"),
     (["--top", "0"], "--top must be >= 1"),
+    # a number past what any host holds or any profile needs: a traceback or hours before, one line now
+    (["--batch", "99999999999999999999"], "--batch must be at most 512, got 99999999999999999999"),
+    (["--steps", "5000"], "--steps must be at most 4096"),
+    (["--repeats", "1001"], "--repeats must be at most 1000"),
     (["--set", "nope=1"], "--config 'tiny' / --set: unknown config key 'nope'"),
     (["--config", "nosuch"], "--config 'nosuch' / --set: unknown model config 'nosuch'"),
     (["--json", "{tmp}"], "is a directory; expected a file path"),

@@ -302,3 +302,22 @@ def test_the_step_phase_runs_a_step_compiled_ahead_of_time(tmp_path):
   assert report["compile"]["loaded_from"] == str(path) and report["compile"]["file_bytes"] == path.stat().st_size
   assert report["batch_size"] == 2 and report["timed"]["step"]["median_ms"] > 0
   assert np.isfinite(report["timed"]["first_loss"])
+
+
+@pytest.mark.parametrize("script, var", [("train_device_check.sh", "OUT"), ("train_device_check.sh", "WORK"),
+                                         ("e2e_device_check.sh", "OUT"), ("e2e_device_check.sh", "WORK"),
+                                         ("tpu_device_check.sh", "OUT")])
+def test_an_output_directory_that_is_a_file_is_refused(tmp_path, script, var):
+  """OUT or WORK naming an existing file: before the fix the check ran its phases into errors, printed a
+  traceback where the report was to be written and exited 0 with no JSON."""
+  afile = tmp_path / "afile"
+  afile.write_text("keep me\n")
+  env = {**os.environ, "TRAIN_SMOKE": "1", "E2E_SMOKE": "1", "SMOKE": "1", "SKIP_INSTALL": "1", "PY": sys.executable,
+         "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), var: str(afile)}
+  run = subprocess.run(["bash", str(SCRIPT.parent / script)], capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path, env=env)
+  assert run.returncode == 2, run.stdout + run.stderr
+  assert run.stderr.strip().splitlines() == [f"error: {var}='{afile}' exists and is not a directory: expected a "
+                                             "directory path (it is created if missing)"] or \
+      run.stderr.strip() == f"error: {var}='{afile}': expected a directory path (it is created if missing)", run.stderr
+  assert afile.read_text() == "keep me\n" and not (tmp_path / "out").exists() and not (tmp_path / "work").exists()

@@ -37,6 +37,7 @@ def test_by_source_groups_instructions_without_a_frame_as_unknown():
     (["--batch", "-1"], "--batch must be >= 1"),
     (["--seq-len", "-2"], "--seq-len must be >= 1"),
     (["--calls", "0"], "--calls must be >= 1"),
+    (["--calls", "99999999999999999999"], "--calls must be at most 1000"),   # ran until killed before
     (["--docs", "200"], "--docs must be at most --seq-len (128), got 200"),
     (["--implementation", "pallas_tpu"], "--implementation pallas_tpu needs a TPU (this backend: cpu)"),
     (["--json", "{tmp}"], "is a directory; expected a file path"),

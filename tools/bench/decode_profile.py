@@ -23,11 +23,13 @@ What it does, in order:
      embed, model (the rest of the decoder layer and the LM head), other); `by_opcode_ms_per_step`
      (custom-calls by target and kernel name); `top`: the `--top` largest instructions that run in
      the program's order, each with its time and count a step, opcode, fusion kind or kernel, output
-     shape, jax's op_name, source line and part, and `in_order_ms_per_step` their sum (near the step:
-     what to cut); `top_async` and `async_span_ms_per_step`: the asynchronous starts (`copy-start`,
-     `slice-start`: their events span a transfer while the others run, so they overlap the step;
-     the exposed wait is the `-done`'s); `sum_ms_per_step`, every event (XLA:CPU's threads overlap
-     too).
+     shape, jax's op_name, source line, caller and part; `in_order_ms_per_step`: the time of every
+     instruction that runs in order, listed or not (near the step: what to cut); `top_async` and
+     `async_span_ms_per_step`: the asynchronous starts (`copy-start`, `slice-start`: their events
+     span a transfer while the others run, so they overlap the step; the exposed wait is the
+     `-done`'s); `sum_ms_per_step`: every event, both kinds (XLA:CPU's threads overlap too);
+     `compile_s`, `plane` (the trace's device plane), `instructions_seen`, `device`, `jax`, `config`
+     and `args` say how it ran.
 A trace in which no event is named like an instruction of the program still writes the step time
 (and the trace's planes and lines, `trace_planes`) and exits 1.
 
@@ -326,18 +328,31 @@ def run(args) -> dict:
           "plane": plane, **({} if times else {"trace_planes": lines_seen}), **summary}
 
 
-def check_counts(p: argparse.ArgumentParser, args, sizes: dict[str, tuple[int, int]], counts=()) -> None:
+# The most each whole-number flag takes: 512 sequences already hold ~21 GB of KDA states at real width
+# (more than a v5e's HBM); a 256k-token context, 4096 steps a loop and 1000 timed loops are far past any
+# profile's need.
+LIMITS = {"batch": 512, "context": 262_144, "steps": 4096, "repeats": 1000}
+
+
+def check_counts(p: argparse.ArgumentParser, args, sizes: dict[str, tuple[int, int]], counts=(),
+                 limits: dict[str, int] | None = None) -> None:
   """Fills and checks the command's whole-number arguments in place: each of `sizes` (`name: (smoke
   default, default)`) may be 0 or absent for its default (`--smoke`'s when args.smoke) and is >= 1
-  after; each of `counts` must be >= 1. A bad one is a usage error naming the flag (`p.error`, exit 2)."""
+  after; each of `counts` must be >= 1; each of `limits` (`name: most`) at most that (a value past it
+  would run for hours or ask more memory than a host has, before any error of its own). A bad one is
+  a usage error naming the flag (`p.error`, exit 2)."""
+  flag = lambda name: f"--{name.replace('_', '-')}"
   for name, (smoke, full) in sizes.items():
     value = getattr(args, name)
     if value < 0:
-      p.error(f"--{name.replace('_', '-')} must be >= 1 (0 = the default), got {value}")
+      p.error(f"{flag(name)} must be >= 1 (0 = the default), got {value}")
     setattr(args, name, value or (smoke if args.smoke else full))
   for name in counts:
     if getattr(args, name) < 1:
-      p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+      p.error(f"{flag(name)} must be >= 1, got {getattr(args, name)}")
+  for name, most in (limits or {}).items():
+    if getattr(args, name) > most:
+      p.error(f"{flag(name)} must be at most {most}, got {getattr(args, name)}")
 
 
 def json_output_path(p: argparse.ArgumentParser, given: str) -> pathlib.Path:
@@ -395,7 +410,7 @@ def main(argv=None) -> int:
   p.add_argument("--top", type=int, default=40, help="instructions listed, largest first (default: %(default)s)")
   p.add_argument("--compilation-cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
   args = p.parse_args(argv)
-  check_counts(p, args, {"batch": (2, 64), "context": (16, 1024), "steps": (2, 32)}, ("repeats", "top"))
+  check_counts(p, args, {"batch": (2, 64), "context": (16, 1024), "steps": (2, 32)}, ("repeats", "top"), LIMITS)
   if args.config is not None and not args.config.strip():
     p.error("--config: expected a model config name or file, got an empty value")
   if args.config is None and not args.smoke and jax.default_backend() != "tpu":

@@ -1,5 +1,19 @@
 # Sourced by the device checks before anything is created: <PREFIX>BUDGET_<phase>=SECONDS environment
-# variables override the BUDGET associative array (phase -> seconds) of the sourcing script.
+# variables override the BUDGET associative array (phase -> seconds) of the sourcing script, and
+# check_dirs refuses output directories that cannot be.
+#
+# check_dirs VAR...: each variable names a directory the check creates or reuses (OUT, WORK); a value
+# that exists and is not a directory, or is empty, exits 2 with one `error:` line naming the variable.
+check_dirs() {
+  local v
+  for v in "$@"; do
+    [ -n "${!v}" ] || { echo "error: $v is empty: expected a directory path" >&2; exit 2; }
+    if [ -e "${!v}" ] && [ ! -d "${!v}" ]; then
+      echo "error: $v='${!v}' exists and is not a directory: expected a directory path (it is created if missing)" >&2
+      exit 2
+    fi
+  done
+}
 #
 # apply_budget_overrides PREFIX PHASE...: e.g. `apply_budget_overrides E2E_ install model serving` reads
 # E2E_BUDGET_model=400. A value that is not whole seconds from 1 to the check's TOTAL_BUDGET (an empty

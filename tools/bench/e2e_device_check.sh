@@ -112,6 +112,7 @@ done
 PY_INFO=$(cd / && "$PY" -c "import jax, sys; print(sys.version.split()[0], 'jax', jax.__version__)" 2>&1) \
   || { echo "error: PY='$PY': not a Python with jax (${PY_INFO##*$'\n'}); set PY to the machine's Python with JAX" >&2; exit 2; }
 LOGS="$OUT/e2e_logs.txt"
+check_dirs OUT WORK
 mkdir -p "$OUT" "$WORK"   # after the checks: a refused run leaves nothing behind
 . "$ROOT/tools/bench/device_phases.sh"   # record, left, run_phase; clears $LOGS and the last run's figures
 
@@ -307,7 +308,9 @@ print(json.dumps({k: report[k] for k in ("commit", "total_s", "headline")}, inde
 for name, p in phases.items():
   print(f"{name:9s} {p['status']} ({p['seconds']} s of {p['budget_s']})")
 PYEOF
+report_rc=$?
 echo "== done in ${SECONDS} s"
 status=0
 grep -q $'\tfailed\|\ttimeout' "$STATUS_FILE" && status=1
+[ "$report_rc" -eq 0 ] || { echo "error: the report could not be written (exit $report_rc)" >&2; status=1; }
 exit $status

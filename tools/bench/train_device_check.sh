@@ -122,6 +122,7 @@ fi
 PY_INFO=$(cd / && "$PY" -c "import jax, sys; print(sys.version.split()[0], 'jax', jax.__version__)" 2>&1) \
   || { echo "error: PY='$PY': not a Python with jax (${PY_INFO##*$'\n'}); set PY to the machine's Python with JAX" >&2; exit 2; }
 LOGS="$OUT/train_device_logs.txt"
+check_dirs OUT WORK
 mkdir -p "$OUT" "$WORK"   # after the checks: a refused run leaves nothing behind
 . "$ROOT/tools/bench/device_phases.sh"   # record, left, run_phase; clears $LOGS and the last run's figures
 
@@ -262,7 +263,8 @@ headline = {
     "loss_first10_mean": loss.get("loss_first10_mean"), "loss_last10_mean": loss.get("loss_last10_mean"),
     "loss_falls": loss.get("loss_falls"), "resume_equal": (loss.get("resume") or {}).get("equal"),
     "checkpoints_read_on_cpu": (loss.get("checkpoints") or {}).get("exported_params_equal_uninterrupted"),
-    "kda_op_profile": {impl: {"call_ms": r.get("call_ms"), "sum_ms": r.get("sum_ms"),
+    "kda_op_profile": {impl: {"call_ms": r.get("call_ms"), "in_order_ms": r.get("in_order_ms"),
+                              "async_span_ms": r.get("async_span_ms"), "sum_ms": r.get("sum_ms"),
                               "by_source_ms_top10": dict(list((r.get("by_source_ms") or {}).items())[:10])}
                        for impl, r in (phases.get("profile", {}).get("result") or {}).items()},
 }
@@ -275,7 +277,9 @@ print(json.dumps({k: report[k] for k in ("commit", "total_s", "headline")}, inde
 for name, p in phases.items():
   print(f"{name:8s} {p['status']} ({p['seconds']} s of {p['budget_s']})")
 PYEOF
+report_rc=$?
 echo "== done in ${SECONDS} s"
 status=0
 grep -q $'\tfailed\|\ttimeout' "$STATUS_FILE" && status=1
+[ "$report_rc" -eq 0 ] || { echo "error: the report could not be written (exit $report_rc)" >&2; status=1; }
 exit $status

@@ -15,9 +15,14 @@ What it does, in order:
   4. writes JSON (whole, or nothing): `call_ms`, `runs_ms`; `by_source_ms` (the innermost frame XLA
      records for each instruction and the frame that called it, `file:line function < file:line
      function`: which line of the chunk math costs what);
-     `by_opcode_ms` (custom-calls by kernel); `top`: the `--top` largest instructions with their
-     `ms` and `count` in the call, shape, fusion kind and source; `sum_ms` (above `call_ms` where
-     instructions overlap, e.g. asynchronous copies beside compute). On a CPU, XLA's XNNPACK
+     `by_opcode_ms` (custom-calls by kernel); `top`: the `--top` largest instructions that run in the
+     program's order, with their `ms` and `count` in the call, shape, fusion kind and source;
+     `in_order_ms`: the time of every such instruction (near `call_ms` when the trace holds the
+     whole call); `top_async` and `async_span_ms`: the asynchronous starts (`copy-start`,
+     `slice-start`), whose events span a transfer while the others run, so they overlap the call
+     (the exposed wait is the matching `-done`'s); `sum_ms`: every event, both kinds (above
+     `call_ms` where they overlap); `compile_s`, `plane` (the trace's device plane),
+     `instructions_seen`, `device`, `jax` and `args` say how it ran. On a CPU, XLA's XNNPACK
      fusions carry no source frame: their time is under "?".
 A trace in which no event is named like an instruction still writes the time and exits 1.
 
@@ -122,7 +127,7 @@ def main(argv=None) -> int:
   p.add_argument("--compilation-cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
   args = p.parse_args(argv)
   dp.check_counts(p, args, {"batch": (1, 8), "seq_len": (128, 2048), "heads": (2, 8), "key_dim": (16, 128)},
-                  ("docs", "repeats", "calls", "top"))
+                  ("docs", "repeats", "calls", "top"), {"repeats": 1000, "calls": 1000})
   if args.docs > args.seq_len:
     p.error(f"--docs must be at most --seq-len ({args.seq_len}), got {args.docs}")
   elements = args.batch * args.seq_len * args.heads * args.key_dim
