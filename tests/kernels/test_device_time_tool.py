@@ -110,3 +110,21 @@ def test_kda_layer_split_refuses_bad_arguments_in_one_line(argv, msg, capsys):
   with pytest.raises(SystemExit) as e:
     kda_layer_split.main(argv)
   assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_the_train_step_shape_cases_time_the_inference_kernel_and_the_training_forward(tmp_path):
+  """The 0.4B step's shape twice: kda_inference, and kda_chunked's forward (the training op's kernel with
+  the chunk states written): both with Kimi's gate; the latter's bytes count the states."""
+  out = tmp_path / "t.json"
+  names = ["b8_t2048_h8_4docs_softplus", "b8_t2048_h8_4docs_train_fwd"]
+  rc = kdt.main(["--smoke", "--implementation", "xla", "--cases", *names,
+                 "--repeats", "2", "--loop-ms", "1", "--compile-workers", "1", "--json", str(out)])
+  assert rc == 0
+  cases = json.loads(out.read_text())["cases"]
+  assert [c["op"] for c in cases] == ["kda_inference", "kda_chunked forward (chunk states written)"]
+  assert all(c["gate"] == "softplus (no lower bound)" and c["batch"] == 2 and "median_ms" in c for c in cases)
+  small = (2, 192, 2, "bfloat16", "lane_dense", [192])
+  _, _, _, hbm_states, _ = kdt.prefill_case(*small, kd=16, vd=16, train_forward=True)
+  _, _, _, hbm_final, _ = kdt.prefill_case(*small, kd=16, vd=16)
+  # 3 chunks' float32 states of every row and head instead of one final state a row and head
+  assert hbm_states - hbm_final == (3 - 1) * 2 * 2 * 16 * 16 * 4

@@ -77,8 +77,17 @@ PREFILL = {
     # default). Every case above uses the bounded gate (LOWER_BOUND), whose diagonal score blocks factor
     # into one matmul; the unbounded gate builds them elementwise (_chunk_math.intra_chunk_scores).
     "seed_bf16_softplus_gate": (1, 8192, 8, "bfloat16", "lane_dense", [4079, 4113], 0.35),
+    # The 0.4B train step's shape (8 rows of 2048 tokens, 4 documents a row, H=8) with Kimi's gate: the
+    # inference kernel, and the training op's forward (`kda_chunked(implementation="pallas_tpu")`: the
+    # same kernel writing the state entering every chunk, `want_states`). In the op's profile at
+    # 2c9b44e the latter took 15.84 ms, where b16_t2048_h8_4docs (twice the rows) took 3.07 ms at
+    # 5c05c73: these two rows tell the states' output from the shape and the gate.
+    "b8_t2048_h8_4docs_softplus": (8, 2048, 8, "bfloat16", "lane_dense", [500, 530, 490, 528], 0.6),
+    "b8_t2048_h8_4docs_train_fwd": (8, 2048, 8, "bfloat16", "lane_dense", [500, 530, 490, 528], 0.6),
 }
-SOFTPLUS_GATE = {"seed_bf16_softplus_gate"}   # PREFILL cases run with lower_bound=None
+# PREFILL cases run with lower_bound=None (the softplus gate)
+SOFTPLUS_GATE = {"seed_bf16_softplus_gate", "b8_t2048_h8_4docs_softplus", "b8_t2048_h8_4docs_train_fwd"}
+TRAIN_FORWARD = {"b8_t2048_h8_4docs_train_fwd"}   # kda_chunked's forward instead of kda_inference
 # name: (B, H, target ms, implementation). B=1's target is the XLA step's measured 0.056 ms (not to
 # regress); the `_xla` rows time the XLA step beside the kernel.
 DECODE = {"decode_h24_b1": (1, 24, 0.056, "auto"), "decode_h24_b32": (32, 24, 0.14, "auto"),
@@ -92,11 +101,14 @@ DECODE = {"decode_h24_b1": (1, 24, 0.056, "auto"), "decode_h24_b32": (32, 24, 0.
 DECODE_COMPILER_OPTIONS = {"xla_vf_vmem_memory_space_assignment": False}
 
 def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation="pallas_tpu",
-                 lower_bound=LOWER_BOUND):
+                 lower_bound=LOWER_BOUND, train_forward=False):
   """(fn(v, consts) -> (o, final), v, consts, hbm_bytes, flops) for one kda_inference call (in-kernel
   gate, bounded by `lower_bound` or the softplus gate for None; q/k L2 norm, final states: the seed's
-  options)."""
-  from kda_plugin.ops.inference import kda_inference  # noqa: PLC0415  (after jax is configured)
+  options). train_forward: the training op's forward instead, `kda_chunked` (implementation
+  "pallas_tpu" for the kernel, else "xla"; no final states; with the kernel, the state entering every
+  chunk is written, and counted in hbm_bytes)."""
+  from kda_plugin.ops.chunked import kda_chunked  # noqa: PLC0415  (after jax is configured)
+  from kda_plugin.ops.inference import kda_inference  # noqa: PLC0415
   rng = np.random.default_rng(0)
   dt = jnp.dtype(dtype)
   heads = layout == "heads"
@@ -110,13 +122,20 @@ def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation
   dt_bias = jnp.full((h * kd,), DT_BIAS, jnp.float32)
 
   def fn(v_, c):
+    if train_forward:
+      return kda_chunked(c["q"], c["k"], v_, c["g"], c["beta"], segment_ids=c["seg"], max_num_segments=n,
+                         use_qk_l2norm=True, a_log=c["a_log"], dt_bias=c["dt_bias"], lower_bound=lower_bound,
+                         num_heads=None if heads else h,
+                         implementation="pallas_tpu" if implementation == "pallas_tpu" else "xla")
     return kda_inference(c["q"], c["k"], v_, c["g"], c["beta"], segment_ids=c["seg"],
                          output_final_state=True, max_num_segments=n, use_qk_l2norm=True,
                          a_log=c["a_log"], dt_bias=c["dt_bias"], lower_bound=lower_bound,
                          num_heads=None if heads else h, implementation=implementation)
 
   item = dt.itemsize
-  hbm = b * t * h * (3 * kd + 2 * vd) * item + b * t * h * item + t * 4 + b * n * h * kd * vd * 4
+  hbm = b * t * h * (3 * kd + 2 * vd) * item + b * t * h * item + t * 4
+  hbm += (-(-t // C) * b * h * kd * vd * 4 if train_forward and implementation == "pallas_tpu"
+          else 0 if train_forward else b * n * h * kd * vd * 4)
   flops = b * t * h * (6 * C * kd + 4 * C * vd + 2 * C * C / 3 + 6 * kd * vd)
   consts = dict(q=q, k=k, g=g, beta=beta, seg=seg, a_log=a_log, dt_bias=dt_bias)
   return fn, v, consts, hbm, flops
@@ -248,9 +267,11 @@ def _build(name, *, smoke, implementation):
       lengths = _smoke_lengths(t, lengths)
     lower_bound = None if name in SOFTPLUS_GATE else LOWER_BOUND
     fn, x, consts, hbm, flops = prefill_case(b, t, h, dtype, layout, lengths,
-                                             implementation=implementation, lower_bound=lower_bound)
+                                             implementation=implementation, lower_bound=lower_bound,
+                                             train_forward=name in TRAIN_FORWARD)
     shape = dict(batch=b, seq_len=t, heads=h, dtype=dtype, layout=layout, documents=len(lengths),
-                 gate="softplus (no lower bound)" if lower_bound is None else f"bounded ({lower_bound})")
+                 gate="softplus (no lower bound)" if lower_bound is None else f"bounded ({lower_bound})",
+                 op="kda_chunked forward (chunk states written)" if name in TRAIN_FORWARD else "kda_inference")
   else:
     b, h, target, impl = DECODE[name]
     if smoke:
@@ -269,7 +290,8 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--cases", nargs="+", default=None,
                   help=f"case names (default: all but the `_xla` comparison rows): {', '.join([*PREFILL, *DECODE])}; "
-                       "the prefill cases use the bounded gate except seed_bf16_softplus_gate (Kimi's softplus gate)")
+                       "the prefill cases use the bounded gate except those named *softplus* and "
+                       "b8_t2048_h8_4docs_train_fwd (Kimi's softplus gate; the latter times kda_chunked's forward)")
   ap.add_argument("--repeats", type=int, default=7, help="timed loops per case (median and spread; default 7)")
   ap.add_argument("--loop-ms", type=float, default=60.0, help="about how long one timed loop runs (ms, default 60)")
   ap.add_argument("--json", default=None, help="write the results here (rewritten after every case)")
