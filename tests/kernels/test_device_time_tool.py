@@ -116,12 +116,13 @@ def test_the_train_step_shape_cases_time_the_inference_kernel_and_the_training_f
   """The 0.4B step's shape twice: kda_inference, and kda_chunked's forward (the training op's kernel with
   the chunk states written): both with Kimi's gate; the latter's bytes count the states."""
   out = tmp_path / "t.json"
-  names = ["b8_t2048_h8_4docs_softplus", "b8_t2048_h8_4docs_train_fwd"]
+  names = ["b8_t2048_h8_4docs_softplus", "b8_t2048_h8_4docs_softplus_rows", "b8_t2048_h8_4docs_train_fwd"]
   rc = kdt.main(["--smoke", "--implementation", "xla", "--cases", *names,
                  "--repeats", "2", "--loop-ms", "1", "--compile-workers", "1", "--json", str(out)])
   assert rc == 0
   cases = json.loads(out.read_text())["cases"]
-  assert [c["op"] for c in cases] == ["kda_inference", "kda_chunked forward (chunk states written)"]
+  assert [c["op"] for c in cases] == ["kda_inference", "kda_inference", "kda_chunked forward (chunk states written)"]
+  assert [c["labels"] for c in cases] == ["[T], shared", "[B, T]", "[B, T]"]
   assert all(c["gate"] == "softplus (no lower bound)" and c["batch"] == 2 and "median_ms" in c for c in cases)
   small = (2, 192, 2, "bfloat16", "lane_dense", [192])
   _, _, _, hbm_states, _ = kdt.prefill_case(*small, kd=16, vd=16, train_forward=True)

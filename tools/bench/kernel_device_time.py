@@ -81,13 +81,17 @@ PREFILL = {
     # inference kernel, and the training op's forward (`kda_chunked(implementation="pallas_tpu")`: the
     # same kernel writing the state entering every chunk, `want_states`). In the op's profile at
     # 2c9b44e the latter took 15.84 ms, where b16_t2048_h8_4docs (twice the rows) took 3.07 ms at
-    # 5c05c73: these two rows tell the states' output from the shape and the gate.
+    # 5c05c73: these rows tell the states' output from the shape, the gate and the per-row labels (the
+    # step's batch gives every row its own `[B, T]` segment_ids; the other cases share one row's).
     "b8_t2048_h8_4docs_softplus": (8, 2048, 8, "bfloat16", "lane_dense", [500, 530, 490, 528], 0.6),
+    "b8_t2048_h8_4docs_softplus_rows": (8, 2048, 8, "bfloat16", "lane_dense", [500, 530, 490, 528], 0.6),
     "b8_t2048_h8_4docs_train_fwd": (8, 2048, 8, "bfloat16", "lane_dense", [500, 530, 490, 528], 0.6),
 }
 # PREFILL cases run with lower_bound=None (the softplus gate)
-SOFTPLUS_GATE = {"seed_bf16_softplus_gate", "b8_t2048_h8_4docs_softplus", "b8_t2048_h8_4docs_train_fwd"}
+SOFTPLUS_GATE = {"seed_bf16_softplus_gate", "b8_t2048_h8_4docs_softplus", "b8_t2048_h8_4docs_softplus_rows",
+                 "b8_t2048_h8_4docs_train_fwd"}
 TRAIN_FORWARD = {"b8_t2048_h8_4docs_train_fwd"}   # kda_chunked's forward instead of kda_inference
+PER_ROW_LABELS = {"b8_t2048_h8_4docs_softplus_rows", "b8_t2048_h8_4docs_train_fwd"}   # [B, T] segment_ids
 # name: (B, H, target ms, implementation). B=1's target is the XLA step's measured 0.056 ms (not to
 # regress); the `_xla` rows time the XLA step beside the kernel.
 DECODE = {"decode_h24_b1": (1, 24, 0.056, "auto"), "decode_h24_b32": (32, 24, 0.14, "auto"),
@@ -101,12 +105,13 @@ DECODE = {"decode_h24_b1": (1, 24, 0.056, "auto"), "decode_h24_b32": (32, 24, 0.
 DECODE_COMPILER_OPTIONS = {"xla_vf_vmem_memory_space_assignment": False}
 
 def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation="pallas_tpu",
-                 lower_bound=LOWER_BOUND, train_forward=False):
+                 lower_bound=LOWER_BOUND, train_forward=False, per_row_labels=False):
   """(fn(v, consts) -> (o, final), v, consts, hbm_bytes, flops) for one kda_inference call (in-kernel
   gate, bounded by `lower_bound` or the softplus gate for None; q/k L2 norm, final states: the seed's
   options). train_forward: the training op's forward instead, `kda_chunked` (implementation
   "pallas_tpu" for the kernel, else "xla"; no final states; with the kernel, the state entering every
-  chunk is written, and counted in hbm_bytes)."""
+  chunk is written, and counted in hbm_bytes). per_row_labels: segment_ids `[B, T]` (every row its
+  own copy of the labels, as a training batch has them) instead of one `[T]` row shared by all."""
   from kda_plugin.ops.chunked import kda_chunked  # noqa: PLC0415  (after jax is configured)
   from kda_plugin.ops.inference import kda_inference  # noqa: PLC0415
   rng = np.random.default_rng(0)
@@ -116,7 +121,7 @@ def prefill_case(b, t, h, dtype, layout, lengths, kd=128, vd=128, implementation
   mk = lambda d: jnp.asarray(rng.standard_normal(shape(d)), dt)
   q, k, v, g = mk(kd), mk(kd), mk(vd), mk(kd)
   beta = jnp.asarray(rng.uniform(0, 1, (b, t, h)), dt)
-  seg = jnp.asarray(_docs(t, lengths))
+  seg = jnp.asarray(np.broadcast_to(_docs(t, lengths), (b, t)) if per_row_labels else _docs(t, lengths))
   n = len(lengths)
   a_log = jnp.full((h,), A_LOG, jnp.float32)
   dt_bias = jnp.full((h * kd,), DT_BIAS, jnp.float32)
@@ -268,10 +273,12 @@ def _build(name, *, smoke, implementation):
     lower_bound = None if name in SOFTPLUS_GATE else LOWER_BOUND
     fn, x, consts, hbm, flops = prefill_case(b, t, h, dtype, layout, lengths,
                                              implementation=implementation, lower_bound=lower_bound,
-                                             train_forward=name in TRAIN_FORWARD)
+                                             train_forward=name in TRAIN_FORWARD,
+                                             per_row_labels=name in PER_ROW_LABELS)
     shape = dict(batch=b, seq_len=t, heads=h, dtype=dtype, layout=layout, documents=len(lengths),
                  gate="softplus (no lower bound)" if lower_bound is None else f"bounded ({lower_bound})",
-                 op="kda_chunked forward (chunk states written)" if name in TRAIN_FORWARD else "kda_inference")
+                 op="kda_chunked forward (chunk states written)" if name in TRAIN_FORWARD else "kda_inference",
+                 labels="[B, T]" if name in PER_ROW_LABELS else "[T], shared")
   else:
     b, h, target, impl = DECODE[name]
     if smoke:
