@@ -65,15 +65,29 @@ def test_device_check_script_smoke(tmp_path):
   assert all("median_ms" in c for c in bench["cases"])
 
 
-def test_the_softplus_gate_case_runs_the_unbounded_gate(tmp_path):
-  """Kimi-Linear's gate (kda_gate_lower_bound None) is its own case: every other prefill case passes the
-  bounded gate, whose kernel path is much cheaper, so the model's own path must be timed too."""
+def test_the_softplus_gate_and_the_train_step_shape_cases(tmp_path):
+  """Kimi-Linear's gate (kda_gate_lower_bound None) is its own case: every other prefill case but the train
+  step's passes the bounded gate, whose kernel path is much cheaper, so the model's own path must be timed
+  too. The 0.4B step's shape three times with Kimi's gate: kda_inference with shared and per-row labels,
+  and kda_chunked's forward (the training op's kernel with the chunk states written), whose bytes count
+  the states."""
   out = tmp_path / "t.json"
-  rc = kdt.main(["--smoke", "--implementation", "xla", "--cases", "seed_bf16_softplus_gate", "seed_bf16",
+  names = ["seed_bf16_softplus_gate", "seed_bf16", "b8_t2048_h8_4docs_softplus", "b8_t2048_h8_4docs_softplus_rows",
+           "b8_t2048_h8_4docs_train_fwd"]
+  rc = kdt.main(["--smoke", "--implementation", "xla", "--cases", *names,
                  "--repeats", "2", "--loop-ms", "1", "--compile-workers", "1", "--json", str(out)])
   assert rc == 0
-  gates = [c["gate"] for c in json.loads(out.read_text())["cases"]]
-  assert gates == ["softplus (no lower bound)", f"bounded ({kdt.LOWER_BOUND})"]
+  cases = json.loads(out.read_text())["cases"]
+  assert [c["gate"] for c in cases] == ["softplus (no lower bound)", f"bounded ({kdt.LOWER_BOUND})"] + \
+      ["softplus (no lower bound)"] * 3
+  assert [c["op"] for c in cases[2:]] == ["kda_inference", "kda_inference", "kda_chunked forward (chunk states written)"]
+  assert [c["labels"] for c in cases[2:]] == ["[T], shared", "[B, T]", "[B, T]"]
+  assert all(c["batch"] == 2 and "median_ms" in c for c in cases[2:])
+  small = (2, 192, 2, "bfloat16", "lane_dense", [192])
+  _, _, _, hbm_states, _ = kdt.prefill_case(*small, kd=16, vd=16, train_forward=True)
+  _, _, _, hbm_final, _ = kdt.prefill_case(*small, kd=16, vd=16)
+  # 3 chunks' float32 states of every row and head instead of one final state a row and head
+  assert hbm_states - hbm_final == (3 - 1) * 2 * 2 * 16 * 16 * 4
 
 
 @pytest.mark.parametrize("argv, msg", [
@@ -110,22 +124,3 @@ def test_kda_layer_split_refuses_bad_arguments_in_one_line(argv, msg, capsys):
   with pytest.raises(SystemExit) as e:
     kda_layer_split.main(argv)
   assert e.value.code == 2 and msg in capsys.readouterr().err
-
-
-def test_the_train_step_shape_cases_time_the_inference_kernel_and_the_training_forward(tmp_path):
-  """The 0.4B step's shape twice: kda_inference, and kda_chunked's forward (the training op's kernel with
-  the chunk states written): both with Kimi's gate; the latter's bytes count the states."""
-  out = tmp_path / "t.json"
-  names = ["b8_t2048_h8_4docs_softplus", "b8_t2048_h8_4docs_softplus_rows", "b8_t2048_h8_4docs_train_fwd"]
-  rc = kdt.main(["--smoke", "--implementation", "xla", "--cases", *names,
-                 "--repeats", "2", "--loop-ms", "1", "--compile-workers", "1", "--json", str(out)])
-  assert rc == 0
-  cases = json.loads(out.read_text())["cases"]
-  assert [c["op"] for c in cases] == ["kda_inference", "kda_inference", "kda_chunked forward (chunk states written)"]
-  assert [c["labels"] for c in cases] == ["[T], shared", "[B, T]", "[B, T]"]
-  assert all(c["gate"] == "softplus (no lower bound)" and c["batch"] == 2 and "median_ms" in c for c in cases)
-  small = (2, 192, 2, "bfloat16", "lane_dense", [192])
-  _, _, _, hbm_states, _ = kdt.prefill_case(*small, kd=16, vd=16, train_forward=True)
-  _, _, _, hbm_final, _ = kdt.prefill_case(*small, kd=16, vd=16)
-  # 3 chunks' float32 states of every row and head instead of one final state a row and head
-  assert hbm_states - hbm_final == (3 - 1) * 2 * 2 * 16 * 16 * 4
