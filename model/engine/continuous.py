@@ -15,6 +15,8 @@ The engine holds no device code: the runner owns the parameters, the slot pool a
 from __future__ import annotations
 
 import collections
+import dataclasses
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -46,6 +48,28 @@ def check_prefix_cache_fits(budget_bytes: int, devices) -> None:
     raise UsageError(f"prefix_cache_bytes={budget_bytes} does not fit: snapshots live in device memory and "
                      f"{free} bytes are free after the weights and the slot pool ({len(devices)} device(s)); "
                      f"lower prefix_cache_bytes (0 turns the prefix cache off)")
+
+
+@dataclasses.dataclass
+class StepTiming:
+  """Host-clock seconds of the last `ContinuousEngine.step`'s stages, and what it did.
+
+  admit_s: admission (prefix-cache lookups, restores dispatched: their device copies run before the
+  step's executable); execute_s: the runner's plan run and sampled tokens back on the host (device time
+  of the step and of what was queued before it, dispatch included); events_s: token bookkeeping and
+  `emit`; saves_s: snapshot copies dispatched. prompts: prompt chunks in the plan; decodes: decode
+  tokens; restores, saves: prefix-cache copies. Zeros (and executed False) for a step with no plan.
+  """
+
+  admit_s: float = 0.0
+  execute_s: float = 0.0
+  events_s: float = 0.0
+  saves_s: float = 0.0
+  prompts: int = 0
+  decodes: int = 0
+  restores: int = 0
+  saves: int = 0
+  executed: bool = False
 
 
 class ContinuousEngine:
@@ -84,6 +108,7 @@ class ContinuousEngine:
     self._live: dict[str, Sequence] = {}
     self._cancelled: list[str] = []
     self._stats = EngineStats()
+    self.last_step_timing = StepTiming()   # the last step's stages (benchmarks read it)
 
   # --- the Engine protocol ----------------------------------------------------------------------------
   def add_request(self, request: Request) -> None:
@@ -154,18 +179,24 @@ class ContinuousEngine:
   def step(self, emit: Callable[[TokenEvent], None]) -> None:
     """One engine step (see the module docstring); `emit` gets every event in order: cancellations,
     then one token per emitting request in slot order."""
+    timing = self.last_step_timing = StepTiming()
+    t0 = time.perf_counter()
     for rid in self._cancelled:
       emit(TokenEvent(rid, None, None, "cancelled"))
     self._cancelled.clear()
-    self._admit()
+    timing.restores = self._admit()
     split = self.runner.split
     plan = scheduler.plan_step(self._running, self.config.max_num_batched_tokens, self.runner.buckets,
                                max_prefills=self.max_num_partial_prefills if split else None,
                                decodes_in_row=not split, tails=split and self.prefix_cache.enabled)
+    t1 = time.perf_counter()
+    timing.admit_s = t1 - t0
     if plan is None:
       return
     out = self.runner.execute(plan)
     tok, logprob, top2 = out.tokens, out.logprobs, out.top2
+    t2 = time.perf_counter()
+    timing.execute_s, timing.executed = t2 - t1, True
     self.last_top2 = {}
     # Snapshots are copied after the step's events are out (device copies, dispatched, not waited for).
     # The pool is not touched until the next step, so the slots still hold the states the snapshots
@@ -175,6 +206,7 @@ class ContinuousEngine:
       seq = chunk.seq
       seq.fresh = False   # the step reset its slot (or continued a restored one)
       if chunk.tokens and seq.prefilling:
+        timing.prompts += 1
         seq.num_computed += len(chunk.tokens)
         if chunk.snapshot_at is not None:
           # After a tail the slot is past the boundary: its state there is the step's `mid` output.
@@ -185,6 +217,8 @@ class ContinuousEngine:
         if not seq.prefilling:
           self._stats.prompt_tokens += seq.prompt_length
           self._stats.cached_prompt_tokens += seq.cached_tokens
+      elif chunk.tokens:
+        timing.decodes += 1
       if not chunk.emits:
         continue
       s = seq.slot
@@ -200,11 +234,15 @@ class ContinuousEngine:
       if reason is not None:
         self._finish(seq)
       emit(TokenEvent(seq.request.request_id, t, lp, reason, seq.cached_tokens))
+    t3 = time.perf_counter()
     for seq, slot, num_tokens, entry in saves:
       self._save(seq, slot, num_tokens, entry)
+    timing.events_s, timing.saves_s, timing.saves = t3 - t2, time.perf_counter() - t3, len(saves)
 
   # --- internals ---------------------------------------------------------------------------------
-  def _admit(self):
+  def _admit(self) -> int:
+    """Admits waiting requests into free slots; returns how many prefix-cache restores it dispatched."""
+    restores = 0
     while self._waiting and self.pool.num_free:
       seq = self._waiting.popleft()
       seq.slot = self.pool.acquire()
@@ -213,10 +251,12 @@ class ContinuousEngine:
         snap = self.prefix_cache.lookup(seq.keys, seq.prompt_length)
         if snap is not None:
           self.runner.restore(seq.slot, snap)
+          restores += 1
           seq.cached_tokens = seq.num_computed = snap.num_tokens
           seq.fresh = False
         seq.splits = self.prefix_cache.boundaries(seq.keys, seq.num_computed)
       self._running.append(seq)
+    return restores
 
   def _finish(self, seq: Sequence):
     self._running.remove(seq)

@@ -382,3 +382,42 @@ def test_in_process_replay_times_each_token_when_it_is_emitted():
   done, _ = rep.run([([3, 4], 4)], 1)
   assert len(done) == 1 and done[0]["output_tokens"] == 4
   assert done[0]["tpot_s"] >= 0.05 / 3 * 0.9   # (last - first) / (4 - 1), the 50 ms between the chunks
+
+
+def test_the_replay_sums_the_continuous_engine_s_steps():
+  """The in-process replay keeps each executed step's `StepTiming` (a step without a plan is left out)
+  and the row sums them: stages in seconds, counts, the steps with prompt chunks apart from decode-only
+  ones, and the arrival wave step by step in ms."""
+  from model.engine.api import TokenEvent
+  from model.engine.continuous import StepTiming
+
+  plan = [StepTiming(0.002, 0.050, 0.001, 0.004, prompts=8, restores=8, saves=3, executed=True),
+          StepTiming(0.001, 0.030, 0.001, 0.0, prompts=2, decodes=8, executed=True),
+          StepTiming(0.0005, 0.0, 0.0, 0.0),   # nothing to run: not counted
+          StepTiming(0.0, 0.010, 0.001, 0.0, decodes=10, executed=True)]
+
+  class TimedEngine:   # one request, one token a step, the next planned timing each step
+    def __init__(self):
+      self.left, self.last_step_timing = list(plan), None
+
+    def add_request(self, request):
+      self.rid = request.request_id
+
+    def has_unfinished(self):
+      return bool(self.left)
+
+    def step(self, emit):
+      self.last_step_timing = self.left.pop(0)
+      emit(TokenEvent(self.rid, 5, None, None if self.left else "length", 0))
+
+  rep = object.__new__(serving_load._Replay)
+  rep.engine, rep._n = TimedEngine(), 0
+  rep.run([([3, 4], 4)], 1)
+  s = serving_load.step_summary(rep.steps)
+  assert s["steps"] == 3 and (s["prompts"], s["decodes"], s["restores"], s["saves"]) == (10, 18, 8, 3)
+  assert s["admit_s"] == pytest.approx(0.003) and s["execute_s"] == pytest.approx(0.09)
+  assert s["with_prompts"] == {"steps": 2, "s": pytest.approx(0.089)}
+  assert s["decode_only"] == {"steps": 1, "s": pytest.approx(0.011)}
+  assert s["step_ms_p50"] == pytest.approx(32.0)
+  assert s["first_steps"][0] == {"admit_ms": 2.0, "execute_ms": 50.0, "events_ms": 1.0, "saves_ms": 4.0,
+                                 "prompts": 8, "decodes": 0, "restores": 8, "saves": 3}

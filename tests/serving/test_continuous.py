@@ -288,8 +288,14 @@ def test_prefix_cache_hit_equals_cache_off(model, engine):
   assert all(isinstance(a, jax.Array) and a.devices() == on.pool.cache.lengths.devices() for a in leaves)
   assert {layer["latent"].shape[0] for layer in snap.layers if "latent" in layer} == {128}
   assert on.stats().prefix_cache_bytes == sum(a.nbytes for a in leaves)
-  hit, _ = run(on, [Request("second", second, 10)])
+  timings = []
+  hit, _ = run(on, [Request("second", second, 10)], during=lambda i: timings.append(on.last_step_timing))
   assert all(e.cached_tokens == 128 for e in hit["second"])
+  # Each step's stages and counts (`StepTiming`, what the serving benchmark sums): the restore is
+  # dispatched in the first step's admission, whose plan prefills the 51 uncached tokens in one chunk;
+  # then one decode token a step (10 tokens: 9 decode steps); nothing is saved (no new full block).
+  assert [(t.prompts, t.decodes, t.restores, t.saves) for t in timings] == [(1, 0, 1, 0)] + [(0, 1, 0, 0)] * 9
+  assert all(t.executed and min(t.admit_s, t.execute_s, t.events_s, t.saves_s) >= 0 for t in timings)
   assert on.stats().cached_prompt_tokens == 128
   off, _ = run(engine, [Request("second", second, 10)])
   assert all(e.cached_tokens == 0 for e in off["second"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import json
 import os
 import pathlib
@@ -281,6 +282,29 @@ def summarize(results: list[dict], wall: float, prefix_len: int | None = None) -
           "tpot_p99_s": _pct(tpot, 99), "ttft_mean_s": statistics.fmean(ttft), **split}
 
 
+STEP_FIELDS = ("admit_s", "execute_s", "events_s", "saves_s")
+FIRST_STEPS = 8   # steps listed one by one in `step_summary` (a workload's arrival wave)
+
+
+def step_summary(steps: list[dict]) -> dict:
+  """The measured run's engine steps (`ContinuousEngine.last_step_timing` each, executed steps only):
+  their count; each stage's total seconds and each count's total (`prompts`, `decodes`, `restores`,
+  `saves`); the step's median wall ms; the seconds of steps with prompt chunks and of decode-only
+  steps, with their counts; and the first FIRST_STEPS steps as they ran, their stages in ms
+  (`admit_ms`, ...; the arrival wave: where a per-prompt cost of a step shows)."""
+  wall = [sum(st[f] for f in STEP_FIELDS) for st in steps]
+  with_prompts = [w for w, st in zip(wall, steps) if st["prompts"]]
+  decode_only = [w for w, st in zip(wall, steps) if not st["prompts"]]
+  keep = ("prompts", "decodes", "restores", "saves")
+  return {"steps": len(steps), **{f: round(sum(st[f] for st in steps), 6) for f in STEP_FIELDS},
+          **{k: sum(st[k] for st in steps) for k in keep},
+          "step_ms_p50": round(statistics.median(wall) * 1e3, 3),
+          "with_prompts": {"steps": len(with_prompts), "s": round(sum(with_prompts), 6)},
+          "decode_only": {"steps": len(decode_only), "s": round(sum(decode_only), 6)},
+          "first_steps": [{**{f[:-2] + "_ms": round(st[f] * 1e3, 3) for f in STEP_FIELDS}, **{k: st[k] for k in keep}}
+                          for st in steps[:FIRST_STEPS]]}
+
+
 def startup_figures(log: str) -> dict:
   """The start-up figures a `tools.serve` log states: compile_s and the executables (the
   `model.engine.warmup` summary line), startup_s (the server's own, load included)."""
@@ -449,9 +473,13 @@ class _Replay:
     t0 = time.perf_counter()
     for _ in range(min(concurrency, len(pending))):
       add()
+    self.steps = []   # the continuous engine's per-step stages (`ContinuousEngine.last_step_timing`)
     while self.engine.has_unfinished():
       events = []
       self.engine.step(lambda e: events.append((e, time.perf_counter())))
+      timing = getattr(self.engine, "last_step_timing", None)
+      if timing is not None and timing.executed:
+        self.steps.append(dataclasses.asdict(timing))
       for e, now in events:
         r = live[e.request_id]
         if e.token_id is not None:
@@ -480,7 +508,8 @@ def replay(args, label, keys, requests, warmup, max_len, prefix_len=None) -> dic
   warmup_s = time.perf_counter() - t0   # engine=static compiles here, at its first group of each shape
   results, wall = rep.run(requests, args.concurrency)
   row = {"config": label + " (in-process replay, no HTTP)", **summarize(results, wall, prefix_len),
-         "load_after": os.getloadavg(), "compile": rep.compile_report.as_dict(), "warmup_s": warmup_s}
+         "load_after": os.getloadavg(), "compile": rep.compile_report.as_dict(), "warmup_s": warmup_s,
+         **({"engine_steps": step_summary(rep.steps)} if rep.steps else {})}
   print(f"[{row['config']}] start-up: {rep.compile_report.summary()}; warm-up requests {warmup_s:.1f} s", flush=True)
   print(f"[{row['config']}] {row['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {_fmt(row['ttft_p50_s'])} s, "
         f"TPOT p50 {_fmt(row['tpot_p50_s'], '.1f', 1e3)} ms; load {row['load_after'][0]:.1f}", flush=True)
