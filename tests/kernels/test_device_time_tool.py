@@ -92,8 +92,10 @@ def test_the_softplus_gate_and_the_train_step_shape_cases(tmp_path):
 
 @pytest.mark.parametrize("argv, msg", [
     (["--json", "/nonexistent-dir/x.json"], "--json='/nonexistent-dir/x.json': directory '/nonexistent-dir' does not exist"),
-    (["--loop-ms", "0"], "--loop-ms must be > 0"),
-    (["--budget-s", "-1"], "--budget-s must be >= 0"),
+    (["--loop-ms", "0"], "--loop-ms must be a finite number > 0"),
+    (["--loop-ms", "nan"], "--loop-ms must be a finite number > 0, got nan"),   # timed normally before
+    (["--budget-s", "-1"], "--budget-s must be a finite number >= 0"),
+    (["--budget-s", "inf"], "--budget-s must be a finite number >= 0, got inf"),
     (["--cases"], "expected at least one argument"),
 ])
 def test_bad_arguments_fail_before_any_work(argv, msg, capsys):

@@ -304,20 +304,26 @@ def test_the_step_phase_runs_a_step_compiled_ahead_of_time(tmp_path):
   assert np.isfinite(report["timed"]["first_loss"])
 
 
-# one case a script (train and e2e share device_budgets.sh's check_dirs for OUT and WORK alike)
-@pytest.mark.parametrize("script, var", [("train_device_check.sh", "OUT"), ("e2e_device_check.sh", "WORK"),
-                                         ("tpu_device_check.sh", "OUT")])
-def test_an_output_directory_that_is_a_file_is_refused(tmp_path, script, var):
-  """OUT or WORK naming an existing file: before the fix the check ran its phases into errors, printed a
-  traceback where the report was to be written and exited 0 with no JSON."""
+# one case a script and way (the scripts share device_budgets.sh's check_dirs for OUT, WORK, CACHE_DIR)
+@pytest.mark.parametrize("script, var, under", [
+    ("train_device_check.sh", "OUT", False), ("e2e_device_check.sh", "WORK", False),
+    ("tpu_device_check.sh", "OUT", False), ("e2e_device_check.sh", "OUT", True),
+    ("train_device_check.sh", "CACHE_DIR", False)])
+def test_an_output_directory_that_cannot_be_is_refused(tmp_path, script, var, under):
+  """OUT, WORK or CACHE_DIR naming an existing file, or a path under one: before the fix the check ran its
+  phases into errors (a traceback in each, where the report or the cache was to be written) and, for
+  OUT and WORK, exited 0 with no JSON."""
   afile = tmp_path / "afile"
   afile.write_text("keep me\n")
+  value = afile / "sub" if under else afile
   env = {**os.environ, "TRAIN_SMOKE": "1", "E2E_SMOKE": "1", "SMOKE": "1", "SKIP_INSTALL": "1", "PY": sys.executable,
-         "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), var: str(afile)}
+         "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "CACHE_DIR": str(tmp_path / "cache"),
+         var: str(value)}
   run = subprocess.run(["bash", str(SCRIPT.parent / script)], capture_output=True, text=True, timeout=60,
                        cwd=tmp_path, env=env)
   assert run.returncode == 2, run.stdout + run.stderr
-  assert run.stderr.strip().splitlines() == [f"error: {var}='{afile}' exists and is not a directory: expected a "
-                                             "directory path (it is created if missing)"] or \
-      run.stderr.strip() == f"error: {var}='{afile}': expected a directory path (it is created if missing)", run.stderr
-  assert afile.read_text() == "keep me\n" and not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+  want = (f"error: {var}='{value}' cannot be created: '{afile}' is not a directory" if under else
+          f"error: {var}='{afile}' exists and is not a directory: expected a directory path (it is created if missing)")
+  assert run.stderr.strip().splitlines() == [want], run.stderr
+  assert afile.read_text() == "keep me\n"
+  assert not any((tmp_path / d).exists() for d in ("out", "work", "cache"))   # nothing made

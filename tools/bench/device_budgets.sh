@@ -2,14 +2,21 @@
 # variables override the BUDGET associative array (phase -> seconds) of the sourcing script, and
 # check_dirs refuses output directories that cannot be.
 #
-# check_dirs VAR...: each variable names a directory the check creates or reuses (OUT, WORK); a value
-# that exists and is not a directory, or is empty, exits 2 with one `error:` line naming the variable.
+# check_dirs VAR...: each variable names a directory the check creates or reuses (OUT, WORK, CACHE_DIR);
+# a value that is empty, exists and is not a directory, or lies under a path that is not a directory
+# (so it cannot be created) exits 2 with one `error:` line naming the variable.
 check_dirs() {
-  local v
+  local v up
   for v in "$@"; do
     [ -n "${!v}" ] || { echo "error: $v is empty: expected a directory path" >&2; exit 2; }
     if [ -e "${!v}" ] && [ ! -d "${!v}" ]; then
       echo "error: $v='${!v}' exists and is not a directory: expected a directory path (it is created if missing)" >&2
+      exit 2
+    fi
+    up=$(dirname -- "${!v}")
+    while [ ! -e "$up" ] && [ "$up" != "$(dirname -- "$up")" ]; do up=$(dirname -- "$up"); done
+    if [ ! -d "$up" ]; then
+      echo "error: $v='${!v}' cannot be created: '$up' is not a directory" >&2
       exit 2
     fi
   done

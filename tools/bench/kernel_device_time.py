@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -320,10 +321,10 @@ def main(argv=None) -> int:
     ap.error(f"--cases: unknown {unknown}; expected names from {[*PREFILL, *DECODE]}")
   if args.repeats < 1:
     ap.error("--repeats must be at least 1")
-  if args.loop_ms <= 0:
-    ap.error(f"--loop-ms must be > 0, got {args.loop_ms}")
-  if args.budget_s is not None and args.budget_s < 0:
-    ap.error(f"--budget-s must be >= 0, got {args.budget_s}")
+  if not math.isfinite(args.loop_ms) or args.loop_ms <= 0:
+    ap.error(f"--loop-ms must be a finite number > 0, got {args.loop_ms}")
+  if args.budget_s is not None and (not math.isfinite(args.budget_s) or args.budget_s < 0):
+    ap.error(f"--budget-s must be a finite number >= 0, got {args.budget_s}")
   if args.json:  # a bad path fails now, not after every case has compiled
     from model.errors import UsageError  # noqa: PLC0415
     from tools.cli import check_output_path  # noqa: PLC0415

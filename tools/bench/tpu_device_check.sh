@@ -33,9 +33,8 @@ esac
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/kda_tpu_check}
-if [ -z "$OUT" ] || { [ -e "$OUT" ] && [ ! -d "$OUT" ]; }; then
-  echo "error: OUT='$OUT': expected a directory path (it is created if missing)" >&2; exit 2
-fi
+. "$ROOT/tools/bench/device_budgets.sh"   # check_dirs
+check_dirs OUT
 mkdir -p "$OUT"
 PY=${PY:-$(cd /tmp && python3 -c 'import sys; print(sys.executable)')}
 INDEX=${INDEX:-file:///opt/pypi/simple}
