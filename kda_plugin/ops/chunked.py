@@ -32,9 +32,9 @@ factorisation per chunk around the midpoint of its documents' decay when no docu
 than `FACTOR_LIMIT` nats in any channel (checked per chunk at run time; each factor's exponent is then
 at most FACTOR_LIMIT / 2 in size, so a score's relative rounding stays below ~FACTOR_LIMIT * 2^-24),
 else 16-row sub-blocks whose off-diagonal blocks are factored at their boundary into three direct
-sums (factors <= 1) and whose diagonal blocks are built elementwise from direct sums (any decay) or,
-for a bounded gate (`diag_mode="factor"`), factored around the sub-block's midpoint (exponents at
-most 8 |lower_bound| in size). Outputs and gradients stay finite under any decay.
+sums (factors <= 1) and whose diagonal blocks are factored around the sub-block's midpoint when no
+sub-block decays by more than SUB_FACTOR_LIMIT nats (checked at run time; or by FACTOR_LIMIT, known
+for a bounded gate: `diag_mode="factor"`), else built elementwise from direct sums (any decay). Outputs and gradients stay finite under any decay.
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ from kda_plugin.ops.gates import activate_gate, l2norm
 # factored around its midpoint: each factor is then at most exp(FACTOR_LIMIT / 2) and every product,
 # masked entries included, at most exp(FACTOR_LIMIT) < float32 max (exp(88.7)).
 FACTOR_LIMIT = 88.0
+# Largest |decay| of a 16-row sub-block for which a chunk too steep for one factorisation still takes
+# factored diagonal sub-blocks (`score_level` 1) rather than elementwise ones: half of FACTOR_LIMIT,
+# so each factor's exponent is at most 22 and a score's relative rounding below ~44 * 2^-24 (the
+# training op's gradients stay within tests/kernels/test_chunked_tpu.py's 5e-6 of float64; at 88 they
+# did not). It covers a model's gates at initialisation (sub-blocks of at most ~42 nats).
+SUB_FACTOR_LIMIT = 44.0
 DIAG_MODES = ("auto", "factor", "exact")
 _HI = lax.Precision.HIGHEST
 
@@ -257,17 +263,36 @@ def _chunk_cumsum(gb, tb):
 def _scores(q, k, gt, diag_mode):
   """Score construction, chosen per chunk at run time from the chunk's decay (see `diag_mode` of
   `kda_chunk_core`): one factorisation per chunk when no document of it decays by more than
-  FACTOR_LIMIT nats in any channel, else sub-blocks.
+  FACTOR_LIMIT nats in any channel, else sub-blocks, their diagonal blocks factored when no sub-block
+  decays by more than SUB_FACTOR_LIMIT nats and built elementwise otherwise (`score_level`).
 
   Returns raw `Aqk, Akk [..., C, C]` and `exp(gc_r)`, `exp(gc_{C-1} - gc_r)` `[..., C, K]` (the decay
   from the first row of r's document in the chunk to r, and, for the rows of the chunk's last
   document, from after row r to the chunk end).
   """
-  whole = jnp.all(jnp.min(gt.gc, axis=-2) >= -FACTOR_LIMIT)
-  fallback = functools.partial(_scores_blocked, exact=diag_mode != "factor")
   if diag_mode == "exact":
-    return fallback(q, k, gt)
-  return lax.cond(whole, _scores_chunk, fallback, q, k, gt)
+    return _scores_blocked(q, k, gt, exact=True)
+  if diag_mode == "factor":
+    return lax.cond(score_level(gt) == 0, _scores_chunk, functools.partial(_scores_blocked, exact=False),
+                    q, k, gt)
+  return lax.switch(score_level(gt), (_scores_chunk, functools.partial(_scores_blocked, exact=False),
+                                      functools.partial(_scores_blocked, exact=True)), q, k, gt)
+
+
+def score_level(gt) -> jax.Array:
+  """Which score construction a chunk's decay allows (`_scores`, diag_mode "auto"), the first that fits
+  every batch row and head at once: 0, one factorisation per chunk (no document of the chunk decays by
+  more than FACTOR_LIMIT nats in any channel); 1, 16-row sub-blocks with factored diagonal blocks (no
+  sub-block decays by more than SUB_FACTOR_LIMIT); 2, sub-blocks with elementwise diagonal blocks (any
+  decay: the costliest, each diagonal block `[SUB, SUB, K]` of exponents).
+
+  A model's gates are mostly level 0 or 1: at the fla initialisation (A in [1, 16], dt in [1e-3, 0.1])
+  a quarter of the 0.4B model's chunk-heads decay by more than FACTOR_LIMIT over 64 rows, none over 16
+  (docs/performance.md), so a chunk step over every row and head rarely fits level 0.
+  """
+  whole = jnp.all(jnp.min(gt.gc, axis=-2) >= -FACTOR_LIMIT)
+  blocks = jnp.all(gt.tb >= -SUB_FACTOR_LIMIT)
+  return jnp.where(whole, 0, jnp.where(blocks, 1, 2)).astype(jnp.int32)
 
 
 INVERSE_FORMS = ("loop", "doubling")
@@ -343,8 +368,6 @@ def _chunk_prep(q, k, v, g, beta, seg, *, scale, prep=None, diag_mode="auto"):
   Args: q, k, g `[..., C, H, K]`, v `[..., C, H, V]`, beta `[..., C, H]` (any float dtype);
   seg int32 `[..., C]`; scale: the query scale; prep: see `kda_chunk_core`.
   """
-  c, h, kd = q.shape[-3:]
-  nb = c // SUB
   valid = seg > 0
   q, k, g = (x.astype(jnp.float32) for x in (q, k, g))
   if prep is not None:
@@ -355,7 +378,22 @@ def _chunk_prep(q, k, v, g, beta, seg, *, scale, prep=None, diag_mode="auto"):
   qh, kh, vh, gh = hm(clean(q) * scale), hm(clean(k)), hm(clean(v)), hm(g)
   bh = jnp.swapaxes(jnp.where(valid[..., None], beta.astype(jnp.float32), 0.0), -1, -2)[..., None]
   same = (seg[..., :, None] == seg[..., None, :]) & valid[..., :, None]
+  gates = chunk_gates(g, seg)
+  aqk, akk, egl, dte = _scores(qh, kh, gates, diag_mode)
+  return _ChunkPrep(qh, kh, vh, bh, gh, egl, same, dte), aqk, akk
+
+
+def chunk_gates(g, seg) -> _Gates:
+  """The gate sums of a chunk (`_Gates`, head-major) from its per-row log decay.
+
+  Args: g float32 `[..., C, H, K]` (<= 0, zero on padding rows); seg int32 `[..., C]` (0 = padding).
+  """
+  c, _, kd = g.shape[-3:]
+  nb = c // SUB
+  valid = seg > 0
+  same = (seg[..., :, None] == seg[..., None, :]) & valid[..., :, None]
   causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
+  gh = jnp.swapaxes(g, -3, -2)
   g_blocks = gh.reshape(gh.shape[:-2] + (nb, SUB, kd))
   gb = _cumsum_rows(g_blocks)
   tb = gb[..., -1, :]
@@ -364,11 +402,10 @@ def _chunk_prep(q, k, v, g, beta, seg, *, scale, prep=None, diag_mode="auto"):
   # Either way a direct sum of the document's own gates, so no other document's decay enters it.
   starts_inside = jnp.any(seg[..., 1:] != seg[..., :-1])
   gc = lax.cond(starts_inside,
-                lambda: hm(_mm("...ri,...ihk->...rhk", (same & causal).astype(jnp.float32), g)),
+                lambda: jnp.swapaxes(_mm("...ri,...ihk->...rhk", (same & causal).astype(jnp.float32), g),
+                                     -3, -2),
                 lambda: _chunk_cumsum(gb, tb))
-  gates = _Gates(g_blocks, gb, _suffix_rows(g_blocks), tb, gc)
-  aqk, akk, egl, dte = _scores(qh, kh, gates, diag_mode)
-  return _ChunkPrep(qh, kh, vh, bh, gh, egl, same, dte), aqk, akk
+  return _Gates(g_blocks, gb, _suffix_rows(g_blocks), tb, gc)
 
 
 def _mask_and_inverse(cp, aqk, akk, inverse):

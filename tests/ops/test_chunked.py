@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kda_plugin.ops.chunked import kda_chunked
+from kda_plugin.ops.chunked import chunk_gates, kda_chunked, score_level
 from kda_plugin.ops.gates import kda_gate_bounded, kda_gate_softplus, l2norm
 from kda_plugin.ops.inference_xla import kda_inference_xla
 from kda_plugin.ops.reference import kda_reference
@@ -155,6 +155,42 @@ def test_gradients_match_reference_at_the_factorisation_limit():
   want = _GRAD_REFERENCE(q, k, v, g, beta, h0, seg, *_weights(7))
   for name, a, b in zip("q k v g beta initial_state".split(), got, want):
     assert np.all(np.isfinite(np.asarray(a))), f"non-finite gradient for {name}"
+    scale = max(1.0, float(np.max(np.abs(b))))
+    assert _max_diff(a, b) <= 2e-5 * scale, f"gradient of {name} differs"
+
+
+def _between_limits_gate(seed):
+  # -2.0 to -2.5 nats per token: a full chunk decays by ~144 nats (beyond FACTOR_LIMIT, so no one
+  # factorisation per chunk), a 16-row sub-block by ~36 (within SUB_FACTOR_LIMIT): score level 1, the factored
+  # sub-blocks, which a model's gates at initialisation mostly take (chunked.score_level)
+  return -np.random.default_rng(seed).uniform(2.0, 2.5, size=(B, T, H, K)).astype(np.float32)
+
+
+@pytest.mark.parametrize("layout", ["boundary_inside_chunk", "edge_aligned"])
+def test_score_level_follows_the_decay(layout):
+  seg = jnp.asarray(_seg(layout)[:, :128].reshape(B, 2, 64).transpose(1, 0, 2))   # [NC, B, C]
+  chunks = lambda g: jnp.moveaxis(jnp.asarray(g[:, :128]).reshape(B, 2, 64, H, K), 1, 0)
+  level = lambda g, c: int(score_level(chunk_gates(chunks(g)[c], seg[c])))
+  mild, steep = _inputs(9)[3], _inputs(9, steep=True)[3]
+  middle = _between_limits_gate(9)
+  for c in range(2):
+    assert [level(mild, c), level(middle, c), level(steep, c)] == [0, 1, 2]
+  # the cumulative gate restarts at each document's first row: chunk 1 of boundary_inside_chunk's
+  # second row holds the last 36 rows of one document and the first 28 of the next; at ~2.25 nats a
+  # row neither decays by 88 nats, so that chunk of that row alone is level 0
+  if layout == "boundary_inside_chunk":
+    one = lambda g: int(score_level(chunk_gates(chunks(g)[1][1:], seg[1][1:])))
+    assert one(middle) == 0
+
+
+def test_outputs_and_gradients_match_reference_between_the_factorisation_limits():
+  q, k, v, _, beta, h0 = _inputs(10)
+  g = _between_limits_gate(10)
+  seg = _seg("many_docs_one_chunk")
+  _check_against_reference(kda_chunked, q, k, v, g, beta, seg, h0)
+  got = _GRAD_CHUNKED(q, k, v, g, beta, h0, seg, *_weights(10))
+  want = _GRAD_REFERENCE(q, k, v, g, beta, h0, seg, *_weights(10))
+  for name, a, b in zip("q k v g beta initial_state".split(), got, want):
     scale = max(1.0, float(np.max(np.abs(b))))
     assert _max_diff(a, b) <= 2e-5 * scale, f"gradient of {name} differs"
 

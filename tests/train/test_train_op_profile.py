@@ -13,7 +13,7 @@ def test_smoke_run_sums_the_op_s_instructions_by_source_line(tmp_path, capsys):
   assert top.main(["--smoke", "--json", str(out), "--top", "500", "--repeats", "2", "--calls", "1",
                    "--compilation-cache-dir", "none"]) == 0
   r = json.loads(out.read_text())
-  assert r["args"]["implementation"] == "xla" and r["plane"] == "/host:CPU"
+  assert r["args"]["implementation"] == "xla" and r["args"]["gate"] == "model_init" and r["plane"] == "/host:CPU"
   assert r["call_ms"] > 0 and len(r["runs_ms"]) == 2 and r["instructions_seen"] > 20
   # every instruction's time lands in exactly one source line, and the chunk math's lines are among them
   assert sum(r["by_source_ms"].values()) == pytest.approx(r["sum_ms"], abs=1e-3)
@@ -35,6 +35,7 @@ def test_by_source_groups_instructions_without_a_frame_as_unknown():
 
 @pytest.mark.parametrize("argv, message", [
     (["--batch", "-1"], "--batch must be >= 1"),
+    (["--gate", "gentle"], "argument --gate: invalid choice: 'gentle'"),
     (["--seq-len", "-2"], "--seq-len must be >= 1"),
     (["--calls", "0"], "--calls must be >= 1"),
     (["--calls", "99999999999999999999"], "--calls must be at most 1000"),   # ran until killed before

@@ -457,6 +457,7 @@ def phase_split(args, out: dict) -> None:
     progs[name], inputs[name] = kda_op_program(ob, ot, oh, ok, docs, impl, dt, cfg, rng)
 
   out.update({"batch_size": b, "seq_len": t_len, "layers": counts, "device": jax.devices()[0].device_kind,
+              "kda_op_gate": "model_init (tools/bench/train_device.py OP_GATES)",
               "note": ("each piece jitted alone at the step's shapes, forward + backward (gradients of the "
                        "piece's parameters and input), no remat; x count = its share of one step (the "
                        "step's norms, residual adds and fusion across layers are not in the pieces)")})
@@ -519,18 +520,37 @@ def phase_split(args, out: dict) -> None:
     write_json(args.json, out)
 
 
-def kda_op_program(b, t, h, kd, docs, implementation, dt, cfg, rng):
+# The KDA op's gate inputs (`kda_op_program`): A = exp(A_log) uniform in [1, 16] for both.
+#   model_init: the model's gate at initialisation (model/nn/kda.py): dt log-uniform in [1e-3, 0.1]
+#     (dt_bias = softplus^-1(dt)), raw pre-activations N(0, 0.145^2), the std of the 0.4B model's
+#     f_b_proj(f_a_proj(x)) at initializer_range 0.02 on unit-RMS x. Every row decays by at most ~2.6
+#     nats, a quarter of the chunk-heads by more than 88 nats over 64 rows.
+#   steep: raw N(0, 1), dt_bias N(-4, 1) (the data of every op figure before 8 Dec 2026): rows decay by up to
+#     ~30 nats, so most chunks take the kernels' and the XLA op's elementwise (costliest) paths.
+OP_GATES = ("model_init", "steep")
+
+
+def kda_op_program(b, t, h, kd, docs, implementation, dt, cfg, rng, gate="model_init"):
   """`(lowered, (fn, args))`: the value and input gradients of `kda_chunked(implementation=...)` on
-  lane-dense bf16 `[b, t, h*kd]` inputs with the config's gate, `docs` equal documents a row."""
+  lane-dense bf16 `[b, t, h*kd]` inputs with the config's gate (its inputs drawn as `gate` says:
+  OP_GATES), `docs` equal documents a row."""
   # imported in the phase that needs it: a missing package fails that phase alone, by name
   import jax
   import jax.numpy as jnp
   from kda_plugin.ops import kda_chunked
 
-  q, k, v, g = (jnp.asarray(rng.normal(size=(b, t, h * kd)), dt) for _ in range(4))
+  if gate not in OP_GATES:
+    raise ValueError(f"gate must be one of {OP_GATES}, got {gate!r}")
+  q, k, v = (jnp.asarray(rng.normal(size=(b, t, h * kd)), dt) for _ in range(3))
+  raw_std = 0.145 if gate == "model_init" else 1.0
+  g = jnp.asarray(rng.normal(size=(b, t, h * kd)) * raw_std, dt)
   beta = jnp.asarray(rng.uniform(size=(b, t, h)), jnp.float32)
   a_log = jnp.asarray(np.log(rng.uniform(1, 16, h)), jnp.float32)
-  dt_bias = jnp.asarray(rng.normal(size=(h * kd,)) - 4.0, jnp.float32)
+  if gate == "model_init":
+    dt_init = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), h * kd))
+    dt_bias = jnp.asarray(np.log(np.expm1(dt_init)), jnp.float32)
+  else:
+    dt_bias = jnp.asarray(rng.normal(size=(h * kd,)) - 4.0, jnp.float32)
   seg = jnp.asarray(np.broadcast_to(1 + np.arange(t) * docs // t, (b, t)), jnp.int32)
   ct = jnp.asarray(rng.normal(size=(b, t, h * kd)), dt)
 

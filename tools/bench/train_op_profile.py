@@ -2,12 +2,14 @@ r"""Where the KDA training op's device time goes: one forward + backward of `kda
 jax's profiler, the compiled program's instructions summed by the source line they come from.
 
     python -m tools.bench.train_op_profile --json FILE [--implementation pallas_tpu|xla]
-        [--batch 8] [--seq-len 2048] [--heads 8] [--docs 4] [--top 60] [--smoke]
+        [--gate model_init|steep] [--batch 8] [--seq-len 2048] [--heads 8] [--docs 4] [--top 60] [--smoke]
 
 What it does, in order:
   1. builds the value and input gradients of `kda_chunked(implementation=...)` on lane-dense bf16
      inputs with Kimi's in-op softplus gate and q/k L2 norm, `--docs` equal documents a row (as the
-     train check's split phase times it: `tools/bench/train_device.py`, `kda_op_program`);
+     train check's split phase times it: `tools/bench/train_device.py`, `kda_op_program`); `--gate`
+     draws the gate's inputs as the model's at initialisation (`model_init`, the default) or steeper
+     (`steep`: most chunks then take the costliest score paths; `OP_GATES` says how each is drawn);
   2. times it: `--repeats` runs of `--calls` calls dispatched together, blocked once (device time),
      the median and the spread of ms a call;
   3. traces one call with `jax.profiler.trace` and sums every device event named like an instruction
@@ -46,7 +48,7 @@ import numpy as np
 from model.engine import compilation_cache
 from model.errors import UsageError
 from tools.bench import decode_profile as dp
-from tools.bench.train_device import kda_op_program
+from tools.bench.train_device import OP_GATES, kda_op_program
 
 
 def by_source(times: dict[str, list[int]], instructions: dict) -> dict[str, float]:
@@ -73,7 +75,8 @@ def run(args) -> dict:
 
   cfg = types.SimpleNamespace(kda_gate_lower_bound=None)   # Kimi's softplus gate
   lowered, (_, operands) = kda_op_program(args.batch, args.seq_len, args.heads, args.key_dim, args.docs,
-                                          args.implementation, jnp.bfloat16, cfg, np.random.default_rng(0))
+                                          args.implementation, jnp.bfloat16, cfg, np.random.default_rng(0),
+                                          gate=args.gate)
   t0 = time.perf_counter()
   compiled = lowered.compile()
   compile_s = time.perf_counter() - t0
@@ -86,7 +89,7 @@ def run(args) -> dict:
     jax.block_until_ready(outs)
     runs.append((time.perf_counter() - t0) / args.calls * 1e3)
   call_ms = statistics.median(runs)
-  print(f"kda_chunked[{args.implementation}] B={args.batch} T={args.seq_len} H={args.heads}: {call_ms:.3f} ms "
+  print(f"kda_chunked[{args.implementation}] B={args.batch} T={args.seq_len} H={args.heads}, gate {args.gate}: {call_ms:.3f} ms "
         f"forward + backward [{min(runs):.3f}, {max(runs):.3f}]; compiled in {compile_s:.1f} s", flush=True)
   instructions, plane, times, lines_seen = dp.traced_instruction_times(call, compiled)
   summary = dp.summarize(times, instructions, 1, args.top)
@@ -115,6 +118,8 @@ def main(argv=None) -> int:
   p.add_argument("--smoke", action="store_true", help="tiny shapes, the XLA implementation (the CPU test)")
   p.add_argument("--implementation", choices=("pallas_tpu", "xla"), default=None,
                  help="kda_chunked's implementation (default pallas_tpu; --smoke: xla)")
+  p.add_argument("--gate", choices=OP_GATES, default="model_init",
+                 help="how the gate's inputs are drawn (default: %(default)s; see the description)")
   p.add_argument("--batch", type=int, default=0, help="rows (0 or absent: 8; --smoke: 1)")
   p.add_argument("--seq-len", type=int, default=0, help="tokens a row (0 or absent: 2048; --smoke: 128)")
   p.add_argument("--heads", type=int, default=0, help="KDA heads (0 or absent: 8; --smoke: 2)")
