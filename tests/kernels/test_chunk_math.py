@@ -85,6 +85,36 @@ def test_unit_lower_inverse_matches_float64(kind, vpu_block_shift):
     assert err <= 2e-6, f"{kind}: relative max error {err:.2e}"
 
 
+@pytest.mark.parametrize("form", ["loop", "doubling"])
+@pytest.mark.parametrize("kind", ["uniform", "parallel_keys", "kda_random"])
+def test_unit_lower_inverse_derivative_is_the_inverse_s(kind, form):
+  """The XLA chunked op's inverse is differentiated as the inverse (a custom JVP): reverse mode gives
+  d sum(W * X) / dL = tril(-X^T W X^T, -1) in float64 (only L's strictly lower entries are read), and
+  forward mode -X tril(dL, -1) X."""
+  from kda_plugin.ops.chunked import _unit_lower_inverse
+  rng = np.random.default_rng({"uniform": 5, "parallel_keys": 6, "kda_random": 7}[kind])
+  if kind == "uniform":
+    a = np.tril(rng.uniform(-1.0, 1.0, (C, C)), -1)
+  elif kind == "parallel_keys":
+    a = _kda_akk(rng, corr=0.97, decay=0.05, beta_one=True)
+  else:
+    a = _kda_akk(rng, corr=0.0, decay=0.6, beta_one=False)
+  lmat = (np.eye(C) + a).astype(np.float32)
+  w = rng.standard_normal((C, C))
+  x = _inv64(lmat.astype(np.float64) - np.eye(C))
+  want = np.tril(-x.T @ w @ x.T, -1)
+  fn = lambda m: _unit_lower_inverse(m.reshape(1, C, C), form)[0]
+  got = np.asarray(jax.jit(jax.grad(lambda m: jnp.sum(fn(m) * jnp.asarray(w, jnp.float32))))(lmat), np.float64)
+  assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+  dl = np.tril(rng.standard_normal((C, C)), -1).astype(np.float32)
+  _, tangent = jax.jit(lambda m, d: jax.jvp(fn, (m,), (d,)))(lmat, dl)
+  want_t = -x @ dl.astype(np.float64) @ x
+  assert np.abs(np.asarray(tangent, np.float64) - want_t).max() <= 2e-6 * np.abs(want_t).max()
+  if form == "doubling":  # the 10 products of the forward, then 2 for the backward (autodiff: 30 in all)
+    grad_ir = str(jax.make_jaxpr(jax.grad(lambda m: jnp.sum(fn(m))))(lmat))
+    assert grad_ir.count("dot_general") == 12, grad_ir.count("dot_general")
+
+
 def test_unit_lower_inverse_refuses_non_power_of_two():
   with pytest.raises(ValueError, match="power of two"):
     cm.unit_lower_inverse(jnp.zeros((48, 48), jnp.float32))
