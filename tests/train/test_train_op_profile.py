@@ -44,7 +44,9 @@ def test_by_source_groups_instructions_without_a_frame_as_unknown():
     (["--json", "{tmp}"], "is a directory; expected a file path"),
     (["--json", ""], "--json: expected a file path, got an empty value"),
     (["--json", "/proc/p.json"], "cannot be written (/proc is not a writable directory)"),
-    (["--batch", "100000", "--seq-len", "100000"], "the op's inputs and gradients alone need"),
+    (["--batch", "100000", "--seq-len", "100000"], "the op's inputs, gradients and chunk states alone need"),
+    (["--key-dim", "100000"], "--key-dim must be at most 256, got 100000"),   # a traceback (out of memory) before
+    (["--top", "1000000000000"], "--top must be at most 100000"),
     (["--json", "{tmp}/file/p.json"], "cannot be written ({tmp}/file is not a writable directory)"),
 ])
 def test_bad_arguments_exit_2_naming_them_before_anything_is_written(tmp_path, capsys, argv, message):

@@ -132,16 +132,19 @@ def main(argv=None) -> int:
   p.add_argument("--compilation-cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
   args = p.parse_args(argv)
   dp.check_counts(p, args, {"batch": (1, 8), "seq_len": (128, 2048), "heads": (2, 8), "key_dim": (16, 128)},
-                  ("docs", "repeats", "calls", "top"), {"repeats": 1000, "calls": 1000})
+                  ("docs", "repeats", "calls", "top"),
+                  {"repeats": 1000, "calls": 1000, "top": 100_000, "key_dim": 256})   # K, V <= 256: the kernels
   if args.docs > args.seq_len:
     p.error(f"--docs must be at most --seq-len ({args.seq_len}), got {args.docs}")
   elements = args.batch * args.seq_len * args.heads * args.key_dim
-  need = 5 * elements * 2 + 5 * elements * 2   # q, k, v, g and the cotangent in bf16, and their gradients
+  # q, k, v, g and the cotangent in bf16, and their gradients; the float32 state entering every 64-row
+  # chunk (the training op's residual)
+  need = 5 * elements * 2 + 5 * elements * 2 + -(-args.seq_len // 64) * args.batch * args.heads * args.key_dim ** 2 * 4
   limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit") or \
       os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
   if need > limit:
     p.error(f"--batch {args.batch} x --seq-len {args.seq_len} x --heads {args.heads} x --key-dim {args.key_dim}: "
-            f"the op's inputs and gradients alone need {need / 2**30:.1f} GiB, more than the "
+            f"the op's inputs, gradients and chunk states alone need {need / 2**30:.1f} GiB, more than the "
             f"{limit / 2**30:.1f} GiB this device can hold; lower them")
   args.implementation = args.implementation or ("xla" if args.smoke else "pallas_tpu")
   if args.implementation == "pallas_tpu" and jax.default_backend() != "tpu":
