@@ -133,6 +133,20 @@ def test_steep_decay_outputs_and_gradients_finite():
     assert np.all(np.isfinite(np.asarray(gr))), f"non-finite gradient for {name}"
 
 
+def test_steep_gate_gradient_of_the_gate_matches_reference_entry_by_entry():
+  # -15 to -25 nats a token: the true dg is ~1e-8 (the state forgets within a token) while the other
+  # gradients are O(1). Aqk's diagonal, formed by the factored paths as exp(x) exp(-x), once left
+  # ~1e-8 of rounding in dg (19 % of max |dg| where a document ends in a short last chunk); it is
+  # now q.k exactly (chunked._exact_diagonal)
+  q, k, v, _, beta, h0 = _inputs(12)
+  g = _inputs(12, steep=True)[3]
+  seg = _seg("boundary_inside_chunk")
+  got = np.asarray(_GRAD_CHUNKED(q, k, v, g, beta, h0, seg, *_weights(12))[3], np.float64)
+  want = np.asarray(_GRAD_REFERENCE(q, k, v, g, beta, h0, seg, *_weights(12))[3], np.float64)
+  assert np.max(np.abs(want)) < 1e-5   # the regime: dg is tiny
+  assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+
+
 def test_gradients_match_reference():
   q, k, v, g, beta, h0 = _inputs(5)
   seg = _seg("boundary_inside_chunk")
