@@ -330,7 +330,7 @@ def _generate(argv: list[str], overrides: list[str], cfg) -> int:
                   mesh=mesh, rules=mcfg, stop_ids=stops)
   gen.check_request(prompts, cfg.max_new_tokens)
   print(f"model {mcfg.model_name} from {mcfg.load_parameters_path}: attention={mcfg.attention}, "
-        f"dtype={mcfg.dtype}; {len(prompts)} prompt(s), {sum(map(len, prompts))} tokens; "
+        f"dtype={mcfg.dtype}; {len(prompts)} prompt(s), {sum(map(len, prompts))} prompt tokens; "
         f"sampling {params.strategy}", file=sys.stderr)
   stream = _Streamer(tokenizer, stops, prompts[0], show_prompt=not chat) if len(prompts) == 1 else None
   try:

@@ -90,7 +90,7 @@ def run(args) -> dict:
     runs.append((time.perf_counter() - t0) / args.calls * 1e3)
   call_ms = statistics.median(runs)
   print(f"kda_chunked[{args.implementation}] B={args.batch} T={args.seq_len} H={args.heads}, gate {args.gate}: {call_ms:.3f} ms "
-        f"forward + backward [{min(runs):.3f}, {max(runs):.3f}]; compiled in {compile_s:.1f} s", flush=True)
+        f"forward + backward (median of {len(runs)} runs; min {min(runs):.3f}, max {max(runs):.3f}); compiled in {compile_s:.1f} s", flush=True)
   instructions, plane, times, lines_seen = dp.traced_instruction_times(call, compiled)
   summary = dp.summarize(times, instructions, 1, args.top)
   sources = by_source(times, instructions)
