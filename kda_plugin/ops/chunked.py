@@ -34,7 +34,8 @@ at most FACTOR_LIMIT / 2 in size, so a score's relative rounding stays below ~FA
 else 16-row sub-blocks whose off-diagonal blocks are factored at their boundary into three direct
 sums (factors <= 1) and whose diagonal blocks are factored around the sub-block's midpoint when no
 sub-block decays by more than SUB_FACTOR_LIMIT nats (checked at run time; or by FACTOR_LIMIT, known
-for a bounded gate: `diag_mode="factor"`), else built elementwise from direct sums (any decay). Outputs and gradients stay finite under any decay.
+for a bounded gate: `diag_mode="factor"`), else built elementwise from direct sums (any decay).
+Outputs and gradients stay finite under any decay.
 """
 
 from __future__ import annotations

@@ -525,8 +525,8 @@ def phase_split(args, out: dict) -> None:
 #     (dt_bias = softplus^-1(dt)), raw pre-activations N(0, 0.145^2), the std of the 0.4B model's
 #     f_b_proj(f_a_proj(x)) at initializer_range 0.02 on unit-RMS x. Every row decays by at most ~2.6
 #     nats, a quarter of the chunk-heads by more than 88 nats over 64 rows.
-#   steep: raw N(0, 1), dt_bias N(-4, 1) (the data of every op figure before 8 Dec 2026): rows decay by up to
-#     ~30 nats, so most chunks take the kernels' and the XLA op's elementwise (costliest) paths.
+#   steep: raw N(0, 1), dt_bias N(-4, 1) (the data of every op figure before 448ff55): rows decay by up
+#     to ~30 nats, so most chunks take the kernels' and the XLA op's elementwise (costliest) paths.
 OP_GATES = ("model_init", "steep")
 
 

@@ -89,8 +89,9 @@ def run(args) -> dict:
     jax.block_until_ready(outs)
     runs.append((time.perf_counter() - t0) / args.calls * 1e3)
   call_ms = statistics.median(runs)
-  print(f"kda_chunked[{args.implementation}] B={args.batch} T={args.seq_len} H={args.heads}, gate {args.gate}: {call_ms:.3f} ms "
-        f"forward + backward (median of {len(runs)} runs; min {min(runs):.3f}, max {max(runs):.3f}); compiled in {compile_s:.1f} s", flush=True)
+  print(f"kda_chunked[{args.implementation}] B={args.batch} T={args.seq_len} H={args.heads}, gate {args.gate}: "
+        f"{call_ms:.3f} ms forward + backward (median of {len(runs)} runs; min {min(runs):.3f}, "
+        f"max {max(runs):.3f}); compiled in {compile_s:.1f} s", flush=True)
   instructions, plane, times, lines_seen = dp.traced_instruction_times(call, compiled)
   summary = dp.summarize(times, instructions, 1, args.top)
   sources = by_source(times, instructions)
@@ -139,7 +140,8 @@ def main(argv=None) -> int:
   elements = args.batch * args.seq_len * args.heads * args.key_dim
   # q, k, v, g and the cotangent in bf16, and their gradients; the float32 state entering every 64-row
   # chunk (the training op's residual)
-  need = 5 * elements * 2 + 5 * elements * 2 + -(-args.seq_len // 64) * args.batch * args.heads * args.key_dim ** 2 * 4
+  states = -(-args.seq_len // 64) * args.batch * args.heads * args.key_dim ** 2 * 4
+  need = 5 * elements * 2 + 5 * elements * 2 + states
   limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit") or \
       os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
   if need > limit:
