@@ -15,11 +15,18 @@ cotangent of a masked entry meets only finite factors). Scores: the entries belo
 blocks come factored at each column block's last row (factors <= 1, `_below_diag_scores`); the
 diagonal blocks from one factored product when every row of the chunk decays by at most
 `GENTLE_LOG_DECAY` nats (always for the bounded gate: `_diag_scores_factored`), else elementwise,
-one masked exponent per entry (`_diag_scores_exact`). The products run at float32 HIGHEST: the
-gradient is that of the chunk math at float32, whatever the input dtype (as the XLA backward).
+one masked exponent per entry (`_diag_scores_exact`).
+
+Precision (`bf16`), as the forward kernel's (`pallas_tpu.matmul_precision`): float32 inputs take
+every product at HIGHEST; bfloat16 inputs one bf16 MXU pass with float32 accumulation, three for the
+products with the state (`Dots._mm3`), and the cotangent products the same (`_mm`, a custom VJP:
+JAX's own transpose would round the operands' cotangents to bf16). The gate sums are exact either
+way (`_masked_sums`): their rounding enters every exponent.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +35,81 @@ from jax import lax
 from kda_plugin.ops import _chunk_math as cm
 from kda_plugin.ops._chunk_common import GENTLE_LOG_DECAY, L2NORM_EPS, NEG_INF, SUB
 
-_F32 = cm.F32
+_FORMS = {"nn": ((1,), (0,)), "nt": ((1,), (1,)), "tn": ((0,), (0,))}
+
+
+def _raw_product(mode, form, a, b):
+  """`a @ b` ("nn"), `a @ b.T` ("nt") or `a.T @ b` ("tn") of float32 `[.., ..]` values, float32
+  result: mode "f32" at HIGHEST (six bf16 MXU passes), "bf16" one pass of bf16 operands, "bf16x3"
+  three (`_chunk_math.Dots._mm3`)."""
+  dots = cm.Dots(bf16=mode != "f32")
+  if mode == "bf16x3":
+    return dots._mm3(a, b, _FORMS[form])
+  return dots._mm(a, b, _FORMS[form])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _mm(mode, form, a, b):
+  """`_raw_product` whose cotangent products take the same precision and a float32 result (JAX's own
+  transpose of a bf16 product would round the cotangents of its operands to bf16)."""
+  return _raw_product(mode, form, a, b)
+
+
+def _mm_fwd(mode, form, a, b):
+  return _raw_product(mode, form, a, b), (a, b)
+
+
+def _mm_bwd(mode, form, res, ct):
+  a, b = res
+  if form == "nn":    # out = a b
+    return _raw_product(mode, "nt", ct, b), _raw_product(mode, "tn", a, ct)
+  if form == "nt":    # out = a b^T
+    return _raw_product(mode, "nn", ct, b), _raw_product(mode, "tn", ct, a)
+  return _raw_product(mode, "nt", b, ct), _raw_product(mode, "nn", a, ct)   # out = a^T b
+
+
+_mm.defvjp(_mm_fwd, _mm_bwd)
+
+
+def _split3(x):
+  """float32 `x` as three bf16 pieces `hi + mid + lo` (together its 24 mantissa bits)."""
+  bf = jnp.bfloat16
+  hi = x.astype(bf)
+  rest = x - hi.astype(jnp.float32)
+  mid = rest.astype(bf)
+  return hi, mid, (rest - mid.astype(jnp.float32)).astype(bf)
+
+
+def _mask_product_exact(form, mask, x):
+  """`mask @ x` ("nn") or `mask.T @ x` ("tn") for a 0/1 float32 mask, exact to float32 rounding of
+  the sums in three bf16 MXU passes (`_chunk_math.cumsum_rows_split`'s split, one accumulation)."""
+  axis = 1 if form == "nn" else 0
+  m = mask.astype(jnp.bfloat16)
+  return lax.dot_general(jnp.concatenate([m, m, m], axis=axis), jnp.concatenate(_split3(x), axis=0),
+                         (_FORMS[form], ((), ())), precision=cm._BF16_PASS,
+                         preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _masked_sums(exact_bf16, mask, x):
+  """`mask @ x` for a constant 0/1 `mask [M, C]` and float32 `x [C, K]`, and its cotangent
+  `mask.T @ ct`, both exact to float32 rounding: at HIGHEST, or (`exact_bf16`) in three bf16
+  passes (`_mask_product_exact`)."""
+  if exact_bf16:
+    return _mask_product_exact("nn", mask, x)
+  return _raw_product("f32", "nn", mask, x)
+
+
+def _masked_sums_fwd(exact_bf16, mask, x):
+  return _masked_sums(exact_bf16, mask, x), mask
+
+
+def _masked_sums_bwd(exact_bf16, mask, ct):
+  dx = _mask_product_exact("tn", mask, ct) if exact_bf16 else _raw_product("f32", "tn", mask, ct)
+  return jnp.zeros_like(mask), dx
+
+
+_masked_sums.defvjp(_masked_sums_fwd, _masked_sums_bwd)
 
 
 def _l2norm(x):
@@ -44,7 +125,7 @@ def _gate(raw, a_exp, dt_bias, lower_bound):
   return lower_bound * jax.nn.sigmoid(a_exp * x)
 
 
-def _direct_sums(g, seg_col, steep):
+def _direct_sums(g, seg_col, steep, bf16):
   """Every gate sum the chunk's exponents need, each a direct sum of the gates it spans (one masked
   matmul at float32 HIGHEST for all of them), never a difference of two cumulative sums: the
   rounding of an exponent is relative to the decay it spans, not to the chunk's whole decay.
@@ -69,11 +150,11 @@ def _direct_sums(g, seg_col, steep):
       masks[f"diag{j}"] = (z > first + j) & (z <= r)
   names = list(masks)
   stacked = jnp.concatenate([(masks[n] & same).astype(jnp.float32) for n in names], axis=0)
-  sums = cm.dot(stacked, g)
+  sums = _masked_sums(bf16, stacked, g)
   return {n: sums[i * c:(i + 1) * c] for i, n in enumerate(names)}
 
 
-def _below_diag_scores(q, k, seg_col, sums):
+def _below_diag_scores(q, k, seg_col, sums, mode):
   """`(akk, aqk)` entries below the diagonal 16x16 blocks (`_chunk_math._below_diag_scores`'s one
   product), each factor's exponent a direct sum: exp(sum_{p < z <= r} g) exp(sum_{i < z <= p} g)
   with p the last row of column i's block, both masked to p's document before exp (<= 1)."""
@@ -90,11 +171,11 @@ def _below_diag_scores(q, k, seg_col, sums):
     q_parts.append(q * below)
     key_parts.append(jnp.where((rows >= b * SUB) & (rows <= p), k_inside, 0.0))
   lhs = jnp.concatenate([jnp.concatenate(k_parts, axis=1), jnp.concatenate(q_parts, axis=1)], axis=0)
-  both = cm._nt_by_columns(_F32, lhs, jnp.concatenate(key_parts, axis=1))
+  both = _mm(mode, "nt", jnp.concatenate(key_parts, axis=1), lhs).T
   return both[:c], both[c:]
 
 
-def _diag_scores_factored(q, k, sums):
+def _diag_scores_factored(q, k, sums, mode):
   """The diagonal 16x16 blocks of `(akk, aqk)` `[C, C]` in one product: exp(D_r - D_i) =
   exp(D_r - m) exp(m - D_i), D the block-local sum (`_direct_sums`' `block`), m half the block's
   lowest D per channel: each factor at most exp(8 |GENTLE_LOG_DECAY|) = exp(64) for rows decaying by
@@ -105,7 +186,7 @@ def _diag_scores_factored(q, k, sums):
   m = lax.stop_gradient(jnp.broadcast_to(0.5 * jnp.min(d3, axis=1, keepdims=True), d3.shape)
                         .reshape(c, d))
   row_f = jnp.exp(dsum - m)
-  both = cm._nt_by_columns(_F32, jnp.concatenate([k * row_f, q * row_f], axis=0), k * jnp.exp(m - dsum))
+  both = _mm(mode, "nt", k * jnp.exp(m - dsum), jnp.concatenate([k * row_f, q * row_f], axis=0)).T
   r = cm.iota((c, c), 0)
   same_block = jnp.right_shift(r, 4) == jnp.right_shift(cm.iota((c, c), 1), 4)
   return jnp.where(same_block, both[:c], 0.0), jnp.where(same_block, both[c:], 0.0)
@@ -132,20 +213,22 @@ def _diag_scores_exact(q, k, seg_col, sums):
   return akk, aqk
 
 
-@jax.custom_vjp
-def _unit_lower_inverse(a):
-  return cm.unit_lower_inverse(a)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _unit_lower_inverse(mode, a):
+  """(I + a)^-1 of a strictly lower `a [C, C]` as the forward kernel forms it (`_chunk_math`; bf16 MXU
+  passes for mode "bf16"), differentiated as an inverse: dA = -X^T dX X^T on A's support."""
+  dots = cm.Dots(bf16=mode != "f32")
+  return cm.unit_lower_inverses([a], dots, 1 if dots.bf16 else 4)[0]
 
 
-def _inverse_fwd(a):
-  x = cm.unit_lower_inverse(a)
+def _inverse_fwd(mode, a):
+  x = _unit_lower_inverse(mode, a)
   return x, x
 
 
-def _inverse_bwd(x, dx):
-  # X = (I + A)^-1: dA = -X^T dX X^T, on A's strictly lower support
+def _inverse_bwd(mode, x, dx):
   c = x.shape[0]
-  da = -_F32.nt(_F32.tn(x, dx), x)
+  da = -_raw_product(mode, "nt", _raw_product(mode, "tn", x, dx), x)
   return (jnp.where(cm.iota((c, c), 0) > cm.iota((c, c), 1), da, 0.0),)
 
 
@@ -153,7 +236,7 @@ _unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
 
 
 def chunk_head(s_in, q, k, v, raw_g, beta, a_exp, dt_bias, seg_col, cont_lab, keep_state, *, scale,
-               use_l2norm, gate, lower_bound, key_dim, steep):
+               use_l2norm, gate, lower_bound, key_dim, steep, bf16):
   """`(o [C, V], s_out [K, V])` of one head's chunk from the state `s_in [K, V]` entering it.
 
   Args:
@@ -165,6 +248,7 @@ def chunk_head(s_in, q, k, v, raw_g, beta, a_exp, dt_bias, seg_col, cont_lab, ke
     seg_col: float32 `[C, 1]` row labels (0 = padding). cont_lab: int32 scalar, the label continued
       from the previous chunk (0 for none). keep_state: bool scalar, the carried document is open at
       the chunk's last row (`chunked.carry_schedule`).
+    bf16: static; the products' precision (module docstring).
     steep: static; True for a chunk with a row steeper than the factored diagonal blocks allow
       (`is_steep`: the kernel traces both forms and branches on it).
 
@@ -187,26 +271,27 @@ def chunk_head(s_in, q, k, v, raw_g, beta, a_exp, dt_bias, seg_col, cont_lab, ke
   seg_row = cm.col_to_row(seg_col)
   same = (seg_col == seg_row) & valid
   r_i, c_i = cm.iota((c, c), 0), cm.iota((c, c), 1)
-  sums = _direct_sums(g, seg_col, steep)
+  mode, state_mode = ("bf16", "bf16x3") if bf16 else ("f32", "f32")
+  sums = _direct_sums(g, seg_col, steep, bf16)
   G = sums["G"]                                                    # restarted per document
-  below_kk, below_qk = _below_diag_scores(q, k, seg_col, sums)
+  below_kk, below_qk = _below_diag_scores(q, k, seg_col, sums, mode)
   if steep:
     dkk, dqk = _diag_scores_exact(q, k, seg_col, sums)
   else:
-    dkk, dqk = _diag_scores_factored(q, k, sums)
+    dkk, dqk = _diag_scores_factored(q, k, sums, mode)
   akk = beta * jnp.where(same & (r_i > c_i), dkk + below_kk, 0.0)
   aqk = jnp.where(same & (r_i >= c_i), dqk + below_qk, 0.0)
-  tinv = _unit_lower_inverse(akk)
+  tinv = _unit_lower_inverse(mode, akk)
   cont = (seg_col == cont_lab) & (cont_lab > 0)
   e_in = jnp.exp(jnp.where(cont, G, NEG_INF))                      # decay since the chunk start
-  r = beta * (v - _F32.nn(k * e_in, s_in))
-  vnew = _F32.nn(tinv, r)
-  o = _F32.nn(q * e_in, s_in) + _F32.nn(aqk, vnew)
+  r = beta * (v - _mm(state_mode, "nn", k * e_in, s_in))
+  vnew = _mm(mode, "nn", tinv, r)
+  o = _mm(state_mode, "nn", q * e_in, s_in) + _mm(mode, "nn", aqk, vnew)
   last_lab = cm.row_at(seg_col, c - 1)
   last = (seg_col == last_lab) & valid
   k_end = k * jnp.exp(jnp.where(last, sums["to_end"], NEG_INF))
   dec = jnp.where(keep_state, cm.row_to_col(jnp.exp(cm.row_at(G, c - 1))), 0.0)  # [K, 1]
-  s_out = dec * s_in + _F32.tn(k_end, vnew)
+  s_out = dec * s_in + _mm(state_mode, "tn", k_end, vnew)
   return jnp.where(valid, o, 0.0), s_out
 
 

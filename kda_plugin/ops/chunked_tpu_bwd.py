@@ -163,7 +163,7 @@ def backward(q, k, v, g, beta, seg, a_log, dt_bias, states, do, *, num_heads, sc
   kernel = functools.partial(
       _kernel, hg=hg, kp=kp, vp=vp, nb=b, nc=nc, gate=gate, key_dim=kd,
       chunk_kw=dict(scale=float(scale), use_l2norm=use_l2norm, gate=gate, lower_bound=lower_bound,
-                    key_dim=kd))
+                    key_dim=kd, bf16=jnp.dtype(q.dtype) == jnp.bfloat16))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2, grid=(b, h // hg, nc), in_specs=in_specs, out_specs=out_specs,
       scratch_shapes=[pltpu.VMEM((hg, kp, vp), jnp.float32)])

@@ -207,7 +207,7 @@ def test_training_op_compiles_with_the_kernel_forward(aot, request):
   chip = "v5e-2x2" if aot == "tpu_aot_jax0102" else "v5e"
   report = runner.run(MODULE, "--chip", chip, "--gate", "softplus", "--batch", "8", "--seq-len", "2048",
                       "--heads", "8", "--docs", "4", "--train", "pallas_tpu", timeout=600)
-  assert report["train"] == "pallas_tpu" and report["kernel_calls"] == 1, report
+  assert report["train"] == "pallas_tpu" and report["kernel_calls"] == 2, report  # forward, backward
   assert report["temp_bytes"] <= STATE_BYTES + CHUNK_WORKING_SET, (
       f"temporaries {report['temp_bytes'] / 1e6:.1f} MB > the chunk states' {STATE_BYTES / 1e6:.1f} MB + "
       f"{CHUNK_WORKING_SET / 1e6:.1f} MB: a whole copy of an operand?")

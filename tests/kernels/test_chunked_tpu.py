@@ -127,8 +127,8 @@ def test_bf16_lane_dense_matches_the_xla_op():
   every gradient equal the XLA op's within bf16 rounding. The kernel's bf16 MXU passes
   (`pallas_tpu.matmul_precision`) give outputs within 5e-3 relative (tests/kernels/
   test_inference_numerics.py); the backward kernel (`chunked_tpu_bwd`) starts from the kernel's
-  chunk states, so gradients inherit that rounding once more. Bound: two bf16 ulps (2^-7) of the
-  largest element (observed: at most 4.7e-3, for q's gradient)."""
+  chunk states and takes bf16 passes as the forward does (`_chunk_vjp`), so gradients carry that
+  rounding once more. Bound: two bf16 ulps (2^-7) of the largest element."""
   rng = np.random.default_rng(5)
   b, t, h, kd = 1, 192, 8, 128
   seg = np.concatenate([np.full(70, 1), np.full(100, 2), np.zeros(22)]).astype(np.int32)[None]
@@ -158,9 +158,6 @@ def test_bf16_lane_dense_matches_the_xla_op():
   for name, a, want in zip(NAMES, g_p, g_x):
     assert a.dtype == want.dtype, name
     assert rel(a, want) <= tol, f"{name}: relative difference {rel(a, want):.2e}"
-  # dv does not depend on the states: the backward kernel's float32 sums differ from the XLA op's only
-  # in order, so dv differs by at most the final bf16 rounding (one ulp, 2^-8, of the largest element)
-  assert rel(g_p[2], g_x[2]) <= 2.0 ** -8
 
 
 def test_refusals_name_the_argument():
