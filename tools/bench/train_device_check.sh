@@ -31,7 +31,8 @@
 #   "loss split": the 0.4B step's cold compile took more than 470 s on the lent v5e at 2febcb2, beyond
 #   one device command with the other phases; TRAIN_PHASES=step asks for it alone; with TRAIN_SMOKE=1
 #   "step loss split profile"; TRAIN_PHASES=profile traces the KDA training op of both implementations at
-#   the step's shape, tools/bench/train_op_profile, its device time by source line), TRAIN_MODEL_SET (model overrides of the step and split phases, e.g.
+#   the step's shape, tools/bench/train_op_profile, its device time by source line; TRAIN_PROFILE_IMPLS
+#   names which: default "pallas_tpu xla"), TRAIN_MODEL_SET (model overrides of the step and split phases, e.g.
 #   "scan_layers=true remat_policy=none"), TRAIN_BATCHES (default "8 4 1"), TRAIN_DONATE=0 (the step phase
 #   then does not donate the train state, as train_step_fn's own jit runs it now; default 1: donated, as
 #   model/aot.py compiles it), TRAIN_COMPILED_STEP=FILE (the step phase runs the step in FILE, written on a
@@ -89,6 +90,9 @@ fi
 [ -n "${PHASES//[[:space:]]/}" ] || { echo "error: TRAIN_PHASES='$PHASES': expected some of: step loss split profile" >&2; exit 2; }
 for p in $PHASES; do   # a typo must not silently drop a phase
   case " step loss split profile " in *" $p "*) ;; *) echo "error: TRAIN_PHASES: unknown phase '$p' (expected some of: step loss split profile)" >&2; exit 2;; esac
+done
+for impl in ${TRAIN_PROFILE_IMPLS:-}; do
+  case "$impl" in pallas_tpu|xla) ;; *) echo "error: TRAIN_PROFILE_IMPLS: unknown implementation '$impl' (expected pallas_tpu and/or xla)" >&2; exit 2;; esac
 done
 [[ "$BATCHES" =~ ^[[:space:]]*[1-9][0-9]*([[:space:]]+[1-9][0-9]*)*[[:space:]]*$ ]] \
   || { echo "error: TRAIN_BATCHES='$BATCHES': expected batch sizes >= 1 separated by spaces, e.g. '8 4 1'" >&2; exit 2; }
@@ -212,7 +216,7 @@ profile_op() {   # tools/bench/train_op_profile at the step's shape (tiny with T
   done
 }
 if wants profile; then
-  PROFILE_IMPLS="pallas_tpu xla"; [ "$SMOKE" = 1 ] && PROFILE_IMPLS=xla   # the kernel needs a TPU
+  PROFILE_IMPLS=${TRAIN_PROFILE_IMPLS:-pallas_tpu xla}; [ "$SMOKE" = 1 ] && PROFILE_IMPLS=xla   # the kernel needs a TPU
   export VPY SMOKE CACHE_DIR PROFILE_IMPLS WORK
   run_phase profile profile_op
 fi
