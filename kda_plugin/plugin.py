@@ -17,7 +17,7 @@ kda_reference  kda_reference                        kda_reference               
 
 Anything that needs gradients goes through `kda_chunked` (or the reference): `kda_inference` is a
 forward-only op. kda_native trains through `kda_chunked(implementation="pallas_tpu")` (the Mosaic
-kernel's forward, a chunked backward: `kda_plugin.ops.chunked_tpu`) wherever its kernel choice
+kernel's forward and a backward kernel: `kda_plugin.ops.chunked_tpu`) wherever its kernel choice
 resolves to `pallas_tpu`; that op takes no initial state and returns no final state (a training
 step's packed rows), and a train-mode call that passes or asks for one is refused (ValueError)
 rather than served by another op. Otherwise, and always for the kda_chunked backend, training runs

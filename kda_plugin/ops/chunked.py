@@ -801,7 +801,7 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
       that layout too).
     implementation: "xla" (this module: forward and backward by JAX autodiff of the chunk scan) or
       "pallas_tpu" (`chunked_tpu`: the Mosaic kernel's forward, which also returns the state
-      entering every chunk, and a reverse chunk scan for the backward; a TPU, or `interpret`; no
+      entering every chunk, and a backward kernel from those states; a TPU, or `interpret`; no
       initial_state and no output_final_state).
     interpret: with "pallas_tpu", simulate the kernel on CPU: True runs Pallas' generic interpreter
       (which `jax.checkpoint` can differentiate, as the model's remat does), or pass a

@@ -1,4 +1,4 @@
-"""The `pallas_tpu` implementation of `kda_chunked` (training): the Mosaic forward, a chunked backward.
+"""The `pallas_tpu` implementation of `kda_chunked` (training): the Mosaic forward and backward kernels.
 
 Forward: the inference kernel (`pallas_tpu.kda_pallas_tpu`) with `want_states`: o, plus the state
 entering every 64-row chunk `[NC, B, H, K, V]` float32, the only residual beyond the inputs.

@@ -162,7 +162,7 @@ def kda_pallas_tpu(q2, k2, v2, g2, beta_t, seg, *, num_heads, key_dim, scale,
   if want_final:
     out_shape.append(jax.ShapeDtypeStruct((bsz, num_segments, num_heads, kp, vp), jnp.float32))
     out_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-  if want_states:  # chunk-major, as the backward scan reads them: grid step s writes chunks s*CPS..
+  if want_states:  # chunk-major, as the backward kernel reads them: grid step s writes chunks s*CPS..
     out_shape.append(jax.ShapeDtypeStruct((nc, bsz, num_heads, kp, vp), jnp.float32))
     out_specs.append(pl.BlockSpec((cps, None, hg, kp, vp), lambda b, h, s: (s, b, h, 0, 0)))
 

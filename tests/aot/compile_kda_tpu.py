@@ -14,7 +14,7 @@ q/k L2 norm inside the kernel, final states, optional initial states (`--h0`).
 
 With `--train IMPL`, the training op instead: the value and the gradients of q, k, v, g, beta and the
 gate's a_log, dt_bias of `kda_chunked(implementation=IMPL)` (no final states), IMPL "pallas_tpu" (the
-kernel's forward and the chunked backward) or "xla" (the chunk scan and its autodiff); the report
+kernel's forward and backward) or "xla" (the chunk scan and its autodiff); the report
 then adds "kernel_calls" (the Mosaic custom calls in the compiled HLO) and "flops" (XLA's count).
 
 Usage: python -m tests.aot.compile_kda_tpu --chip tpu7x --dtype bfloat16 --gate bounded [--h0]

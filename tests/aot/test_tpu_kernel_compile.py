@@ -187,10 +187,9 @@ def test_bf16_kernel_compiles_under_a_highest_precision_context(aot, request):
 
 # The KDA training op at the 0.4B train step's shape (8 x 2048 packed, 4 documents a row, H=8,
 # K=V=128, lane-dense bf16, Kimi's softplus gate): `kda_chunked(implementation="pallas_tpu")`'s value
-# and gradients compile with the kernel's forward in the program (one Mosaic call; the backward is
-# XLA). Its temporaries are the saved chunk states (NC x B x H x K x V float32: 134 MB) and one
-# chunk's working set: the backward reads its chunk's rows in place and writes gradients in place,
-# so a whole relaid-out copy of an operand (33.5 MB each) would show. Compiled: 207 MB at jax 0.10.2,
+# and gradients compile with the kernel's forward and backward in the program (two Mosaic calls). Its
+# temporaries are the saved chunk states (NC x B x H x K x V float32: 134 MB) and the backward
+# kernel's operands, so a whole relaid-out copy of an operand (33.5 MB each) beyond them would show. Compiled: 207 MB at jax 0.10.2,
 # 199 MB at jax 0.12 (the XLA op: 513 MB there; a first version of this backward that scanned over
 # relaid-out copies took 396 / 469 MB).
 STATE_BYTES = 32 * 8 * 8 * 128 * 128 * 4

@@ -1,6 +1,6 @@
 """`kda_chunked(implementation="pallas_tpu")`: the Mosaic kernel's forward (simulated on CPU in
-interpret mode) with the state entering every chunk, and the chunked backward of
-`kda_plugin.ops.chunked_tpu`, against the float64 token recurrence of tests/oracles.py.
+interpret mode) with the state entering every chunk, and the backward kernel of
+`kda_plugin.ops.chunked_tpu_bwd`, against the float64 token recurrence of tests/oracles.py.
 
 Gradients are checked as in tests/ops/test_chunked_training.py: `<grad, u>` for a random direction u of
 each input against a central difference of the float64 oracle. Cases: packed rows with documents
