@@ -6,7 +6,8 @@ docs/kda.md section 'Chunked form (WY/UT)', docs/packing.md section 'Segment-nat
 algorithm'), and `chunk_head_vjp` is its vector-Jacobian product by JAX autodiff, traced inside the
 backward kernel (`chunked_tpu_bwd`). Everything is 2-D float32 values and the ops Mosaic lowers
 (and their transposes): matmuls in the nn / nt / tn forms, masked reductions, selects, `exp`,
-`log1p`, `logistic`, `rsqrt`; no loop (a `fori_loop` has no reverse-mode lowering in a kernel).
+`log1p`, `logistic`, `rsqrt`; no loop is differentiated (a `fori_loop` has no reverse-mode lowering
+in a kernel: the inverse's forward substitution sits inside a custom VJP).
 
 Numerics: every exponent is a direct sum of the gates it spans (`_direct_sums`: one masked matmul
 for all of them, as the XLA op's direct sums, never a difference of cumulative sums), and masked

@@ -201,7 +201,7 @@ CHUNK_WORKING_SET = 96 * 2**20
 @pytest.mark.aot
 @pytest.mark.slow
 @pytest.mark.parametrize("aot", ["tpu_aot_jax0102", "tpu_aot"])
-def test_training_op_compiles_with_the_kernel_forward(aot, request):
+def test_training_op_compiles_with_the_forward_and_backward_kernels(aot, request):
   runner = request.getfixturevalue(aot)
   chip = "v5e-2x2" if aot == "tpu_aot_jax0102" else "v5e"
   report = runner.run(MODULE, "--chip", chip, "--gate", "softplus", "--batch", "8", "--seq-len", "2048",

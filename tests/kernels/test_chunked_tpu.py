@@ -33,13 +33,15 @@ SEG = np.stack([_row((1, 5), (2, 1), (3, 1), (4, 57), (5, 64), (6, 60)),
                 _row((2, 40), (0, 3), (3, 1), (1, 150))])
 
 
-def _inputs(seed, steep):
+def _inputs(seed, steep, gentle=False):
   rng = np.random.default_rng(seed)
   q, k, g_raw = (rng.normal(size=(B, T, H, K)) for _ in range(3))
   v = rng.normal(size=(B, T, H, V))
   beta = rng.uniform(0.0, 1.0, size=(B, T, H))
   a_log = np.log(np.array([40.0, 0.05])) if steep else rng.uniform(-1.0, 1.0, size=(H,))
   dt_bias = rng.normal(size=(H * K,))
+  if gentle:  # a model's gate at initialisation: every row within GENTLE_LOG_DECAY (the factored blocks)
+    g_raw, dt_bias = 0.3 * g_raw, 0.3 * dt_bias - 3.0
   wo = rng.normal(size=(B, T, H, V))
   return (q, k, v, g_raw, beta, a_log, dt_bias), wo
 
@@ -63,13 +65,15 @@ def _op(lower_bound, implementation="pallas_tpu"):
 NAMES = ("q", "k", "v", "g_raw", "beta", "a_log", "dt_bias")
 
 
-# make test: Kimi's softplus gate (the model's); the bounded gate's case (~20 s in interpret mode) is
+# make test: Kimi's softplus gate (the model's), steep (the backward kernel's elementwise diagonal blocks)
+# and gentle (its factored ones, a model's usual path); the bounded gate's case (~20 s in interpret mode) is
 # `make test-slow` (its in-op activation is the XLA op's own, checked in tests/ops/test_chunked_training.py)
-@pytest.mark.parametrize("lower_bound,steep", [
-    pytest.param(None, True, id="softplus_steep"),
-    pytest.param(-5.0, False, id="bounded", marks=pytest.mark.slow)])
-def test_gradients_match_float64_oracle(lower_bound, steep):
-  args, wo = _inputs(11, steep)
+@pytest.mark.parametrize("lower_bound,steep,gentle", [
+    pytest.param(None, True, False, id="softplus_steep"),
+    pytest.param(None, False, True, id="softplus_gentle"),
+    pytest.param(-5.0, False, False, id="bounded", marks=pytest.mark.slow)])
+def test_gradients_match_float64_oracle(lower_bound, steep, gentle):
+  args, wo = _inputs(11, steep, gentle)
   run = _op(lower_bound)
   f32 = [jnp.asarray(a, jnp.float32) for a in args]
   ro, _ = _oracle(args, wo, lower_bound)
@@ -77,6 +81,8 @@ def test_gradients_match_float64_oracle(lower_bound, steep):
   assert np.max(np.abs(np.asarray(o, np.float64) - ro)) <= 2e-5
   if steep:  # the steep head's decay underflows inside documents
     assert np.min(gate_f64(args[3], args[5], args[6])[..., 0, :]) < -104.0
+  if gentle:  # every chunk takes the factored diagonal blocks (the backward kernel's usual form)
+    assert np.min(gate_f64(args[3], args[5], args[6])) > -8.0
 
   grads = jax.jit(jax.grad(lambda *a: jnp.sum(run(*a) * wo), argnums=tuple(range(len(args)))))(*f32)
   rng = np.random.default_rng(12)
