@@ -18,11 +18,12 @@ diagonal blocks from one factored product when every row of the chunk decays by 
 `GENTLE_LOG_DECAY` nats (always for the bounded gate: `_diag_scores_factored`), else elementwise,
 one masked exponent per entry (`_diag_scores_exact`).
 
-Precision (`bf16`), as the forward kernel's (`pallas_tpu.matmul_precision`): float32 inputs take
-every product at HIGHEST; bfloat16 inputs one bf16 MXU pass with float32 accumulation, three for the
-products with the state (`Dots._mm3`), and the cotangent products the same (`_mm`, a custom VJP:
-JAX's own transpose would round the operands' cotangents to bf16). The gate sums are exact either
-way (`_masked_sums`): their rounding enters every exponent.
+Precision (`bf16`): the recomputed forward as the forward kernel's (`pallas_tpu.matmul_precision`):
+float32 inputs take every product at HIGHEST; bfloat16 inputs one bf16 MXU pass with float32
+accumulation, three for the products with the state (`Dots._mm3`). The cotangent products take
+three passes for bfloat16 inputs (`_mm`, a custom VJP, `_cotangent_mode`: the gate's gradients are
+differences of them). The gate sums are exact either way (`_masked_sums`): their rounding enters
+every exponent.
 """
 
 from __future__ import annotations
@@ -49,10 +50,18 @@ def _raw_product(mode, form, a, b):
   return dots._mm(a, b, _FORMS[form])
 
 
+def _cotangent_mode(mode):
+  """The precision of a product's cotangent products: three bf16 passes for a one-pass product. The
+  gate's gradients are differences of such products (dG = q dq - k dk, summed over rows and channels
+  for a_log and dt_bias), which one pass leaves off by up to ~1e-1 of their largest element against
+  the float32 op (3 passes: ~4e-3, as the XLA op's bf16 gradients)."""
+  return "bf16x3" if mode == "bf16" else mode
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _mm(mode, form, a, b):
-  """`_raw_product` whose cotangent products take the same precision and a float32 result (JAX's own
-  transpose of a bf16 product would round the cotangents of its operands to bf16)."""
+  """`_raw_product` whose cotangent products take `_cotangent_mode(mode)` and a float32 result (JAX's
+  own transpose of a bf16 product would round the cotangents of its operands to bf16)."""
   return _raw_product(mode, form, a, b)
 
 
@@ -62,6 +71,7 @@ def _mm_fwd(mode, form, a, b):
 
 def _mm_bwd(mode, form, res, ct):
   a, b = res
+  mode = _cotangent_mode(mode)
   if form == "nn":    # out = a b
     return _raw_product(mode, "nt", ct, b), _raw_product(mode, "tn", a, ct)
   if form == "nt":    # out = a b^T
@@ -229,6 +239,7 @@ def _inverse_fwd(mode, a):
 
 def _inverse_bwd(mode, x, dx):
   c = x.shape[0]
+  mode = _cotangent_mode(mode)
   da = -_raw_product(mode, "nt", _raw_product(mode, "tn", x, dx), x)
   return (jnp.where(cm.iota((c, c), 0) > cm.iota((c, c), 1), da, 0.0),)
 

@@ -80,7 +80,8 @@ def run(q, k, v, g, beta, seg, gate, *, num_heads, num_segments, scale, lower_bo
       (static: it sizes the kernel's per-chunk piece tables).
     gate: `(a_log [H], dt_bias [H, K])` float32 (g is the raw gate input) or None (g activated).
     num_heads: H (static). scale: static float. lower_bound: static float or None.
-    use_l2norm: L2-normalise q and k in the op. interpret: False or a `pltpu.InterpretParams`.
+    use_l2norm: L2-normalise q and k in the op. interpret: False, True (Pallas' generic
+      interpreter, which `jax.checkpoint` can differentiate) or a `pltpu.InterpretParams`.
 
   Returns:
     o in q's layout and dtype.
