@@ -226,10 +226,12 @@ def _diag_scores_exact(q, k, seg_col, sums):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _unit_lower_inverse(mode, a):
-  """(I + a)^-1 of a strictly lower `a [C, C]` as the forward kernel forms it (`_chunk_math`; bf16 MXU
-  passes for mode "bf16"), differentiated as an inverse: dA = -X^T dX X^T on A's support."""
-  dots = cm.Dots(bf16=mode != "f32")
-  return cm.unit_lower_inverses([a], dots, 1 if dots.bf16 else 4)[0]
+  """(I + a)^-1 of a strictly lower `a [C, C]` (`_chunk_math.unit_lower_inverses`: the 16-row diagonal
+  blocks by forward substitution on the VPU in float32, then two doublings with `mode`'s products),
+  differentiated as an inverse: dA = -X^T dX X^T on A's support. The backward kernel runs at its
+  dependency chain, so it takes four serial products here rather than the forward kernel's ten for
+  bf16 (the VPU has room: ESTIMATE from the compiled kernel, docs/performance.md)."""
+  return cm.unit_lower_inverses([a], cm.Dots(bf16=mode != "f32"), 4)[0]
 
 
 def _inverse_fwd(mode, a):
