@@ -140,6 +140,17 @@ def same_document(seg_col, seg_row):
   return (seg_col == seg_row) & (seg_col != 0)
 
 
+def split_bf16x3(x):
+  """float32 `x` as three bf16 pieces `(hi, mid, lo)`, each the rounding of what the previous ones
+  left: together they carry x's 24 mantissa bits, so a product of them with an operand exact in bf16
+  (a 0/1 mask) sums exact terms in float32."""
+  bf = jnp.bfloat16
+  hi = x.astype(bf)
+  rest = x - hi.astype(jnp.float32)
+  mid = rest.astype(bf)
+  return hi, mid, (rest - mid.astype(jnp.float32)).astype(bf)
+
+
 def cumsum_rows_split(g, same=None):
   """`cumsum_rows` of float32 `g [C, D]` as ONE bf16 MXU product, as exact as the float32 one.
   With `same` (`same_document`'s `[C, C]` mask) each row sums only its own document's rows: the
@@ -153,10 +164,7 @@ def cumsum_rows_split(g, same=None):
   """
   c = g.shape[0]
   bf = jnp.bfloat16
-  hi = g.astype(bf)
-  rest = g - hi.astype(jnp.float32)
-  mid = rest.astype(bf)
-  lo = (rest - mid.astype(jnp.float32)).astype(bf)
+  hi, mid, lo = split_bf16x3(g)
   if same is not None:
     # the document mask varies per column block, so the three pieces take three products (Mosaic
     # lowers no lane concatenation of 64-wide masks)

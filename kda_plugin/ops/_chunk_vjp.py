@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kda_plugin.ops import _chunk_math as cm
-from kda_plugin.ops._chunk_common import GENTLE_LOG_DECAY, L2NORM_EPS, NEG_INF, SUB
+from kda_plugin.ops._chunk_common import GENTLE_LOG_DECAY, NEG_INF, SUB
 
 _FORMS = {"nn": ((1,), (0,)), "nt": ((1,), (1,)), "tn": ((0,), (0,))}
 
@@ -82,21 +82,13 @@ def _mm_bwd(mode, form, res, ct):
 _mm.defvjp(_mm_fwd, _mm_bwd)
 
 
-def _split3(x):
-  """float32 `x` as three bf16 pieces `hi + mid + lo` (together its 24 mantissa bits)."""
-  bf = jnp.bfloat16
-  hi = x.astype(bf)
-  rest = x - hi.astype(jnp.float32)
-  mid = rest.astype(bf)
-  return hi, mid, (rest - mid.astype(jnp.float32)).astype(bf)
-
-
 def _mask_product_exact(form, mask, x):
   """`mask @ x` ("nn") or `mask.T @ x` ("tn") for a 0/1 float32 mask, exact to float32 rounding of
-  the sums in three bf16 MXU passes (`_chunk_math.cumsum_rows_split`'s split, one accumulation)."""
+  the sums in three bf16 MXU passes (`_chunk_math.split_bf16x3`, one accumulation)."""
   axis = 1 if form == "nn" else 0
   m = mask.astype(jnp.bfloat16)
-  return lax.dot_general(jnp.concatenate([m, m, m], axis=axis), jnp.concatenate(_split3(x), axis=0),
+  pieces = jnp.concatenate(cm.split_bf16x3(x), axis=0)
+  return lax.dot_general(jnp.concatenate([m, m, m], axis=axis), pieces,
                          (_FORMS[form], ((), ())), precision=cm._BF16_PASS,
                          preferred_element_type=jnp.float32)
 
@@ -121,10 +113,6 @@ def _masked_sums_bwd(exact_bf16, mask, ct):
 
 
 _masked_sums.defvjp(_masked_sums_fwd, _masked_sums_bwd)
-
-
-def _l2norm(x):
-  return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2NORM_EPS)
 
 
 def _gate(raw, a_exp, dt_bias, lower_bound):
@@ -280,7 +268,7 @@ def chunk_head(s_in, q, k, v, raw_g, beta, a_exp, dt_bias, seg_col, cont_lab, ke
     g = cm.clamp_gate(g)
   g = jnp.where(valid, g, 0.0)
   if use_l2norm:
-    q, k = _l2norm(q), _l2norm(k)
+    q, k = cm.l2norm_rows(q), cm.l2norm_rows(k)
   q = q * scale
   seg_row = cm.col_to_row(seg_col)
   same = (seg_col == seg_row) & valid

@@ -29,8 +29,9 @@ from jax.experimental.pallas import tpu as pltpu
 from kda_plugin.ops import _chunk_math as cm
 from kda_plugin.ops import _chunk_vjp as cv
 from kda_plugin.ops import chunked as ch
+from kda_plugin.ops import inference_tpu
 from kda_plugin.ops._chunk_common import CHUNK as C
-from kda_plugin.ops.pallas_tpu import LANE, heads_per_step
+from kda_plugin.ops.pallas_tpu import heads_per_step
 
 VMEM_LIMIT_BYTES = 100 << 20  # of v5e's 128 MiB: the unrolled VJP of 8 heads keeps many [C, C] values
 
@@ -92,10 +93,6 @@ def _kernel(cl_ref, lic_ref, seg_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, st_r
     heads(False)
 
 
-def _round_up(x, m):
-  return -(-x // m) * m
-
-
 def backward(q, k, v, g, beta, seg, a_log, dt_bias, states, do, *, num_heads, scale, lower_bound,
              use_l2norm, interpret):
   """Gradients of the training op (`chunked_tpu`) from the forward kernel's chunk states.
@@ -116,7 +113,7 @@ def backward(q, k, v, g, beta, seg, a_log, dt_bias, states, do, *, num_heads, sc
   h = num_heads
   kd = q.shape[-1] // h if lane_dense else q.shape[-1]
   vd = v.shape[-1] // h if lane_dense else v.shape[-1]
-  kp, vp = _round_up(kd, LANE), _round_up(vd, LANE)
+  kp, vp = inference_tpu.padded_dims(kd, vd)
   nc = states.shape[0]
   tp = nc * C
   gate = a_log is not None
