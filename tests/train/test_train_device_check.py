@@ -86,12 +86,20 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
   mem = step["batch_candidates"]["4"]["memory_analysis"]
   assert mem["total_bytes"] == mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"]
   assert step["compile"]["wall_s"] > 0
+  # one more step traced: its instructions' time by model part covers every kind of layer and the optimizer
+  prof = step["profile"]
+  assert "error" not in prof, prof
+  assert {"kda", "mla", "moe", "optimizer"} <= set(prof["by_part_ms_per_step"]), prof["by_part_ms_per_step"]
+  assert sum(prof["by_part_ms_per_step"].values()) == pytest.approx(prof["sum_ms_per_step"], abs=1e-2)
 
   split = phases["split"]["result"]
   pieces = split["pieces"]
   assert set(pieces) == {"kda_mixer", "mla_mixer", "moe_ffn", "dense_ffn", "head", "optimizer"}
   assert pieces["kda_mixer"]["count"] == split["layers"]["kda"] and pieces["optimizer"]["count"] == 1
   assert split["pieces_sum_ms"] == pytest.approx(sum(p["times_count_ms"] for p in pieces.values()), abs=0.01)
+  # the MoE under the CPU's other expert implementation (the tiny config's auto is dense here), not summed
+  (alt_name, alt), = split["alternatives"].items()
+  assert alt_name == "moe_ffn[ragged]" and alt["count"] == pieces["moe_ffn"]["count"] and alt["one_ms"] > 0
   kda = split["kda_op"]
   assert kda["forward_backward"]["median_ms"] > 0 and kda["peer"]["deltanet_tpu_v6e_ms"] == 22.5
   # on a CPU kda_native trains through the XLA scan: one implementation, at both shapes

@@ -81,7 +81,11 @@ LAYER_PARTS = (("kda", ("KimiDeltaAttention.", "KDABackend.", "kda_plugin/", "mo
 SMALL_PARTS = (("ffn", ("SwiGLU.",)),
                ("norm", ("RMSNorm.",)),
                ("embed", ("Embed.",)),
-               ("model", ("KimiLinearForCausalLM.", "DecoderLayer.")))
+               ("model", ("KimiLinearForCausalLM.", "DecoderLayer.")),
+               # the train step's own (tools/bench/train_device.py step profile): loss, then optimizer
+               ("head_loss", ("blocked_nll", "masked_nll")),
+               ("optimizer", ("optax/",)),
+               ("train_step", ("model/training/",)))
 
 
 def stack_frames(hlo_text: str) -> dict[int, list[tuple[str, str, int]]]:

@@ -12,11 +12,15 @@ PHASE:
          batch size of `--batches` is compiled (on threads, at once); the largest that fits is timed and the
          others are reported (fits or not, and libtpu's figure when it refused). Figures: the compile
          (seconds, persistent-cache hits), step time (median and spread), tokens/s, MFU, the compiled
-         step's `memory_analysis()` and jax's `memory_stats()` peak after the timed steps.
+         step's `memory_analysis()` and jax's `memory_stats()` peak after the timed steps; then one
+         more step traced (`profile`, `--profile-top`): its device time by model part (KDA, MLA, MoE,
+         FFN, norm, embedding, head and loss, optimizer) and by opcode, and its largest instructions.
   split  the step's parts at the same shapes, each jitted alone, forward + backward: one KDA mixer, one
          MLA mixer, one MoE FFN, the dense FFN, the head (embedding, final norm, lm_head, loss), and the
          optimizer update over all parameters; each times its count in the model. Labelled as pieces:
          they are timed alone (no remat, no fusion across layers), so their sum differs from the step.
+         The MoE FFN is timed again under the platform's other expert implementations (`alternatives`,
+         e.g. `moe_ffn[dense]` beside the TPU's megablox; not in the sum).
          Then the KDA training op alone (the backend's mode "train" op): H=32, T=8192, B=1, K=V=128, bf16
          inputs, one document, forward + backward, beside deltanet-tpu's reported 22.5 ms on a v6e (their
          figure, not measured here).
@@ -71,6 +75,9 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 STEP_CONFIG = ["kimi_linear_48b_pattern_0p9b", "num_experts=4"]
 SMOKE_STEP_CONFIG = ["tiny", "num_hidden_layers=2", "kda_layers=[1]", "full_attn_layers=[2]"]  # every kind of block
 KDA_CHUNK = 64
+# The split's MoE FFN is also timed under these expert implementations (keyed by "on a TPU"), beside the
+# step's own: megablox needs a TPU (Pallas Mosaic), ragged is the CPU's grouped alternative.
+MOE_ALTERNATIVES = {True: ("megablox", "dense"), False: ("dense", "ragged")}
 DELTANET_TPU_V6E_MS = 22.5   # deltanet-tpu's reported forward + backward, H=32 T=8192, on a v6e (issue 37)
 DEMO = REPO / "kda_plugin" / "assets" / "demo"
 CORPUS_DEFAULT = REPO / ".train-data" / "tinyshakespeare.txt"   # git-ignored; the device tool carries it
@@ -327,6 +334,29 @@ def phase_step(args, out: dict) -> None:
   say(f"step at {b} x {args.seq_len}: {timing['median_ms']:.1f} ms median ({timing['min_ms']:.1f}-"
       f"{timing['max_ms']:.1f}), {tps:,.0f} tokens/s, MFU {t['mfu_6N']:.1%} (6N) / "
       f"{t['mfu_6N_plus_attention']:.1%} (+ attention); peak {t['memory_stats_after'].get('peak_bytes_in_use')}")
+  write_json(args.json, out)
+  if args.profile_top:
+    out["profile"] = step_profile(one_step, exe, args.profile_top)
+    p = out["profile"]
+    if "by_part_ms_per_step" in p:
+      say("one step traced, device ms by model part: " + json.dumps(p["by_part_ms_per_step"]))
+
+
+def step_profile(one_step, exe, top: int) -> dict:
+  """One more step traced with jax's profiler: the compiled step's instructions' device time summed by
+  model part (KDA, MLA, MoE, FFN, norms, embedding, head and loss, optimizer: `decode_profile.part_of`
+  on each instruction's source stack), by opcode (custom calls by kernel) and the `top` largest
+  (`decode_profile.summarize`). A program whose text cannot be read (an executable loaded from a file
+  may not give it) or a trace with no instruction events is reported as such, not as figures."""
+  # imported in the phase that needs it: a missing package fails that phase alone, by name
+  from tools.bench import decode_profile as dp
+  try:
+    instructions, plane, times, lines_seen = dp.traced_instruction_times(one_step, exe)
+  except Exception as e:  # noqa: BLE001  (the timing above stands; the JSON says why there is no profile)
+    return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+  if not times:
+    return {"error": "the trace held no event named like an instruction of the step", "lines_seen": lines_seen}
+  return {"plane": plane, **dp.summarize(times, instructions, steps=1, top=top)}
 
 
 def train_lib_lower(step_fn, state, fields, *, donate: bool):
@@ -391,8 +421,19 @@ def phase_split(args, out: dict) -> None:
     pieces["moe_ffn"] = (moe_layer.block_sparse_moe, lambda m, x: m(x), (), counts["moe"])
   if dense_layer is not None:
     pieces["dense_ffn"] = (dense_layer.mlp, lambda m, x: m(x), (), counts["dense_ffn"])
+  # the MoE FFN under the other expert implementations of this platform, timed beside the step's own
+  # (not in the sum): which one a step should take is a measurement, not a rule
+  alternatives = {}
+  if moe_layer is not None:
+    from model.nn import moe as moe_lib
+    own = moe_lib.resolve_moe_impl(cfg.moe_impl)
+    for impl in MOE_ALTERNATIVES[moe_lib.target_platform() == "tpu"]:
+      if impl != own:
+        block = nnx.clone(moe_layer.block_sparse_moe)
+        block.experts.impl = impl
+        alternatives[f"moe_ffn[{impl}]"] = (block, lambda m, x: m(x), (), counts["moe"])
   progs, inputs = {}, {}
-  for name, (module, call, extra, _) in pieces.items():
+  for name, (module, call, extra, _) in {**pieces, **alternatives}.items():
     fn, p, r = _fwd_bwd(module, call)
     progs[name] = fn.lower(p, r, x, ct, *extra)
     inputs[name] = (fn, (p, r, x, ct, *extra))
@@ -496,6 +537,21 @@ def phase_split(args, out: dict) -> None:
   for name, row in rows.items():
     if "times_count_ms" in row and total:
       row["share_of_sum"] = round(row["times_count_ms"] / total, 4)
+  alt_rows = {}
+  for name, (_, _, _, count) in alternatives.items():
+    exe, _ = compiled[name]
+    if isinstance(exe, Exception):
+      alt_rows[name] = {"error": f"{type(exe).__name__}: {str(exe).splitlines()[0][:300]}", "count": count}
+    else:
+      fn, a = inputs[name]
+      call = functools.partial(exe, *a)
+      jax.block_until_ready(call())
+      t = time_calls(call, args.repeats, args.steps_per_repeat)
+      alt_rows[name] = {"count": count, "one_ms": t["median_ms"], "times_count_ms": round(t["median_ms"] * count, 3),
+                        "spread_ms": [t["min_ms"], t["max_ms"]], "memory_analysis": memory_figures(exe)}
+      say(f"{name} (instead of the step's own, not in the sum): {t['median_ms']:.3f} ms x {count}")
+    out["alternatives"] = alt_rows
+    write_json(args.json, out)
   for name, (ob, ot, oh, ok, docs, impl) in op_cases.items():
     exe, _ = compiled[name]
     if isinstance(exe, Exception):
@@ -828,6 +884,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="loss: checkpoint_every of the kda-train runs, >= 1 (default 50)")
   p.add_argument("--child-platforms", default="", help="loss: JAX_PLATFORMS of the kda-train runs")
   p.add_argument("--cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
+  p.add_argument("--profile-top", type=int, default=40,
+                 help="step: after the timing, trace one more step with jax's profiler and report its device "
+                      "time by model part and opcode with this many largest instructions; 0: no trace (default 40)")
   p.add_argument("--compiled-step", default="",
                  help="step: run the train step in this file (kda-aot-compile ... mode=train "
                       "compiled_trainstep_file=FILE, for this model, the first of --batches and --seq-len, "
@@ -890,6 +949,8 @@ def main(argv=None) -> int:
   if args.compiled_step and (args.phase != "step" or not pathlib.Path(args.compiled_step).is_file()):
     p.error(f"argument --compiled-step: the step phase's only, and a file (kda-aot-compile ... "
             f"compiled_trainstep_file=FILE): got phase {args.phase}, {args.compiled_step!r}")
+  if args.profile_top < 0:
+    p.error(f"argument --profile-top: expected 0 (no trace) or more, got {args.profile_top}")
   if args.phase == "loss" and args.kill_at >= args.loss_steps:
     p.error(f"argument --kill-at: expected fewer than --loss-steps={args.loss_steps}, got {args.kill_at} "
             f"(run A must be stopped before it ends)")

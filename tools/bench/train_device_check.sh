@@ -4,7 +4,7 @@
 #          f32 weights) at 8 x 2048 packed rows: compile time, step time (median, spread), tokens/s, MFU
 #          (6N, and with MLA / KDA attention FLOPs stated apart), compiled memory_analysis and the chip's
 #          memory_stats peak; batch sizes 4 and 1 compile beside 8 and the largest that fits is timed
-#          (the JSON says when that is not 8);
+#          (the JSON says when that is not 8); then one more step traced: device time by model part;
 #   loss   kda-train (python -m tools.train) of the demo model on tinyshakespeare (TRAIN_CORPUS) with the project's
 #          tokenizer, 300 steps: run A SIGTERMed at step >= 150, run B resumes it, run C uninterrupted;
 #          the loss curve, resume equality step by step, the compile lines (B and C load from the
@@ -255,8 +255,10 @@ headline = {
     "memory_analysis_total_gib": ((step.get("batch_candidates") or {}).get(str(step.get("batch_size")), {})
                                   .get("memory_analysis") or {}).get("total_gib"),
     "peak_bytes_in_use": (timed.get("memory_stats_after") or {}).get("peak_bytes_in_use"),
+    "step_profile_ms_by_part": (step.get("profile") or {}).get("by_part_ms_per_step"),
     "split_ms": {k: v.get("times_count_ms") for k, v in (split.get("pieces") or {}).items()},
     "split_sum_ms": split.get("pieces_sum_ms"),
+    "split_alternatives_ms": {k: v.get("times_count_ms") for k, v in (split.get("alternatives") or {}).items()},
     "kda_op": (split.get("kda_op") or {}).get("op"),
     "kda_op_fwd_bwd_ms": ((split.get("kda_op") or {}).get("forward_backward") or {}).get("median_ms"),
     "kda_op_peer_deltanet_tpu_v6e_ms": ((split.get("kda_op") or {}).get("peer") or {}).get("deltanet_tpu_v6e_ms"),
