@@ -176,6 +176,54 @@ def _combine_bwd(res, g):
 combine_choices.defvjp(_combine_fwd, _combine_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def dispatch_rows(x, order, inverse, k: int):
+  """Each token's `k` copies, sorted by expert: `x [N, d]` -> `[N*k, d]`, row r = `x[order[r] // k]`.
+
+  `order` int `[N*k]` is the stable argsort of the flattened `[N, k]` expert choices and `inverse` its
+  inverse permutation. The backward gathers (`d x[t] = sum_j d rows[inverse[t*k + j]]`, summed in
+  float32) where autodiff of the gather would scatter-add `N*k` rows into `N` with repeated indices.
+  """
+  return x[order // k]
+
+
+def _dispatch_fwd(x, order, inverse, k):
+  return dispatch_rows(x, order, inverse, k), (order, inverse)
+
+
+def _dispatch_bwd(k, res, g):
+  order, inverse = res
+  n = inverse.shape[0] // k
+  dx = jnp.sum(g[inverse].reshape(n, k, -1).astype(jnp.float32), axis=1).astype(g.dtype)
+  return dx, None, None
+
+
+dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def collect_rows(rows, inverse, order, num_rows: int):
+  """The expert outputs back in (token, choice) order: `rows [R, d]` (sorted as `dispatch_rows` made
+  them, R >= N*k: rows past N*k are padding) -> `[N*k, d]`, row p = `rows[inverse[p]]`.
+
+  `num_rows` is R. The backward is the gather by `order` (the inverse permutation), zero on the
+  padding rows, instead of autodiff's scatter.
+  """
+  return rows[inverse]
+
+
+def _collect_fwd(rows, inverse, order, num_rows):
+  return collect_rows(rows, inverse, order, num_rows), (inverse, order)
+
+
+def _collect_bwd(num_rows, res, g):
+  inverse, order = res
+  return jnp.pad(g[order], ((0, num_rows - order.shape[0]), (0, 0))), None, None
+
+
+collect_rows.defvjp(_collect_fwd, _collect_bwd)
+
+
 class RouterBias(nnx.Variable):
   """The router's e_score_correction_bias (float32, updated outside gradient descent)."""
 
@@ -287,17 +335,18 @@ class Experts(nnx.Module):
     # Sort the N*k (token, expert) pairs by expert and run each expert on its contiguous group, then
     # put the results back in (token, choice) order (the inverse permutation: a gather, not a float32
     # scatter-add) and sum each token's k results weighted in float32 (one fused reduction: no
-    # float32 [N*k, d] copy). Buffers: three [N*k, d] and two [N*k, I] in the compute dtype.
+    # float32 [N*k, d] copy). Buffers: three [N*k, d] and two [N*k, I] in the compute dtype. Both row
+    # permutations take gathers in the backward too (dispatch_rows, collect_rows).
     n, k = idx.shape
     e = self.w1.shape[0]
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)                                   # sorted row -> pair
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))  # pair -> row
-    xs = x.astype(self.dtype)[order // k]
+    xs = dispatch_rows(x.astype(self.dtype), order, inverse, k)
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     w1, w3, w2 = (p[...].astype(self.dtype) for p in (self.w1, self.w3, self.w2))
     h = jax.nn.silu(jax.lax.ragged_dot(xs, w1, sizes)) * jax.lax.ragged_dot(xs, w3, sizes)
-    y = jax.lax.ragged_dot(h, w2, sizes)[inverse].reshape(n, k, -1)
+    y = collect_rows(jax.lax.ragged_dot(h, w2, sizes), inverse, order, n * k).reshape(n, k, -1)
     return combine_choices(weights, y)
 
   def _megablox(self, x, weights, idx):
@@ -312,12 +361,12 @@ class Experts(nnx.Module):
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=order.dtype))
-    xs = jnp.pad(x.astype(self.dtype)[order // k], ((0, rows - m), (0, 0)))
+    xs = jnp.pad(dispatch_rows(x.astype(self.dtype), order, inverse, k), ((0, rows - m), (0, 0)))
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32).at[e - 1].add(rows - m)
     w1, w3, w2 = (p[...].astype(self.dtype) for p in (self.w1, self.w3, self.w2))
     mm = lambda a, w: grouped_matmul(a, w, sizes, self.dtype, self.gmm_interpret)
     h = jax.nn.silu(mm(xs, w1)) * mm(xs, w3)
-    y = mm(h, w2)[inverse].reshape(n, k, -1)
+    y = collect_rows(mm(h, w2), inverse, order, rows).reshape(n, k, -1)
     return combine_choices(weights, y)
 
   def _gathered(self, x, weights, idx):

@@ -97,10 +97,13 @@ def test_gmm_tiling_takes_the_largest_weight_tile_that_fits_vmem():
 
 
 
-def test_megablox_gradients_match_dense(monkeypatch):
-  """Megablox's backward (its gmm with the weight transposed, and tgmm) runs the tiling lookup on its
-  own problem shapes: the gradients of x and of every expert weight equal the dense path's (with the
-  prefill's 256-row tile, reached here with 30 rows)."""
+@pytest.mark.parametrize("impl", ["megablox", "ragged"])
+def test_grouped_gradients_match_dense(impl, monkeypatch):
+  """The grouped paths' backward: megablox's (its gmm with the weight transposed, and tgmm) runs the
+  tiling lookup on its own problem shapes; both take the row permutations' gradients by gathers
+  (dispatch_rows, collect_rows). The gradients of x, of the routing weights and of every expert
+  weight equal the dense path's (megablox with the prefill's 256-row tile, reached here with 30 rows,
+  so that padding rows follow the routed ones)."""
   from model.nn import moe
   monkeypatch.setattr(moe, "GMM_LONG_ROWS", 16)
   grads = {}
@@ -108,21 +111,21 @@ def test_megablox_gradients_match_dense(monkeypatch):
   x = jnp.asarray(rng.normal(0, 1, (10, 32)), jnp.float32)
   idx = jnp.asarray(np.stack([rng.choice(6, 3, replace=False) for _ in range(10)]), jnp.int32)
   w = jnp.asarray(rng.uniform(0, 1, (10, 3)), jnp.float32)
-  for impl in ("dense", "megablox"):
-    args = ModelArgs.from_config(load_config(["tiny", f"moe_impl={impl}", "num_experts=6", "num_experts_per_tok=3"]))
+  for name in ("dense", impl):
+    args = ModelArgs.from_config(load_config(["tiny", f"moe_impl={name}", "num_experts=6", "num_experts_per_tok=3"]))
     with nnx.use_eager_sharding(False):
       experts = Experts(args, nnx.Rngs(3))
     experts.gmm_interpret = True
     gd, state = nnx.split(experts)
 
-    def loss(state, x):
+    def loss(state, x, w):
       y = nnx.merge(gd, state)(x, w, idx)
       return jnp.sum(y * jnp.cos(y))
 
-    grads[impl] = jax.grad(loss, argnums=(0, 1))(state, x)
-  flat = {impl: jax.tree.leaves(g) for impl, g in grads.items()}
-  assert len(flat["dense"]) == 4   # w1, w2, w3 and x
-  for a, b in zip(flat["dense"], flat["megablox"]):
+    grads[name] = jax.grad(loss, argnums=(0, 1, 2))(state, x, w)
+  flat = {name: jax.tree.leaves(g) for name, g in grads.items()}
+  assert len(flat["dense"]) == 5   # w1, w2, w3, x and the routing weights
+  for a, b in zip(flat["dense"], flat[impl]):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5, rtol=1e-5)
 
 
