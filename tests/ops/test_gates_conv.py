@@ -98,6 +98,51 @@ def test_short_conv_segments_and_caches(width):
   assert np.all(np.asarray(y)[seg == 0] == 0)
 
 
+def _np_conv_grads(x, w, seg, ct):
+  """Float64 gradients of sum(ct * short_conv(x, w, segment_ids=seg)) with zero windows, by the chain
+  rule written out: g = ct * silu'(pre) on labelled tokens; each in-run tap t <- src gives
+  d x[src] += w[j] g[t] and d w[j] += g[t] x[src]."""
+  b_, t_, d = x.shape
+  width = w.shape[0]
+  dx, dw = np.zeros((b_, t_, d)), np.zeros((width, d))
+  for b in range(b_):
+    for t in range(t_):
+      lab = seg[b, t]
+      if lab == 0:
+        continue
+      start = t
+      while start > 0 and seg[b, start - 1] == lab:
+        start -= 1
+      taps = [(j, t - (width - 1) + j) for j in range(width) if t - (width - 1) + j >= start]
+      pre = sum(w[j] * x[b, src] for j, src in taps)
+      sig = 1.0 / (1.0 + np.exp(-pre))
+      g = ct[b, t] * sig * (1.0 + pre * (1.0 - sig))
+      for j, src in taps:
+        dx[b, src] += w[j] * g
+        dw[j] += g * x[b, src]
+  return dx, dw
+
+
+@pytest.mark.parametrize("width", [4, 2])
+def test_short_conv_gradients_without_a_cache(width):
+  """Training's path (segment_ids, no cache): its custom backward against the float64 chain rule,
+  with runs shorter than the window, padding and a run crossing nothing."""
+  import jax
+
+  b, t, d = 2, 17, 6
+  x = RNG.normal(size=(b, t, d)).astype(np.float32)
+  w = RNG.normal(size=(width, d)).astype(np.float32)
+  ct = RNG.normal(size=(b, t, d)).astype(np.float32)
+  seg = np.array([[1] * 2 + [2] * 1 + [3] * 9 + [0] * 2 + [4] * 3,
+                  [0] * 3 + [2] * 8 + [1] * 6], np.int32)
+  loss = lambda x, w: (short_conv(x, w, segment_ids=seg, max_num_segments=4)[0] * ct).sum()
+  dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
+  want_dx, want_dw = _np_conv_grads(x.astype(np.float64), w.astype(np.float64), seg, ct.astype(np.float64))
+  np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(dx)[seg == 0] == 0)
+
+
 def test_short_conv_prefill_then_steps_equals_full():
   b, t, d, width, split = 2, 11, 5, 4, 6
   x = RNG.normal(size=(b, t, d)).astype(np.float32)
