@@ -158,6 +158,9 @@ def test_the_whole_check_runs_in_smoke_mode(tmp_path):
     ({"TRAIN_BUDGET_": "400"}, "error: TRAIN_BUDGET_: unknown phase ''"),
     # the 0/1 switches: any other value passed silently for one of them
     ({"TRAIN_SMOKE": "yes"}, "error: TRAIN_SMOKE='yes': expected 0 or 1 (empty: the default)"),
+    # a blank implementation list ran a profile phase of nothing and reported ok
+    ({"TRAIN_PROFILE_IMPLS": "  "}, "error: TRAIN_PROFILE_IMPLS='  ': expected pallas_tpu and/or xla"),
+    ({"TRAIN_STEP_PROFILE_TOP": "-1"}, "error: TRAIN_STEP_PROFILE_TOP='-1': expected 0 (no traced step)"),
     ({"TRAIN_DONATE": "2"}, "error: TRAIN_DONATE='2': expected 0 or 1 (empty: the default)"),
     ({"SKIP_INSTALL": "true"}, "error: SKIP_INSTALL='true': expected 0 or 1 (empty: the default)"),
     # a bad model key or value: one line naming TRAIN_MODEL_SET, not a traceback inside the step phase

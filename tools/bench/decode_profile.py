@@ -81,9 +81,11 @@ LAYER_PARTS = (("kda", ("KimiDeltaAttention.", "KDABackend.", "kda_plugin/", "mo
 SMALL_PARTS = (("ffn", ("SwiGLU.",)),
                ("norm", ("RMSNorm.",)),
                ("embed", ("Embed.",)),
+               # the LM head (and, in a train step, the loss around it)
+               ("head", ("KimiLinearForCausalLM.head", "KimiLinearForCausalLM.last_logits", "blocked_nll",
+                         "masked_nll")),
                ("model", ("KimiLinearForCausalLM.", "DecoderLayer.")),
-               # the train step's own (tools/bench/train_device.py step profile): loss, then optimizer
-               ("head_loss", ("blocked_nll", "masked_nll")),
+               # the rest of a train step (tools/bench/train_device.py step profile)
                ("optimizer", ("optax/",)),
                ("train_step", ("model/training/",)))
 

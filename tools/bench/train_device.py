@@ -13,14 +13,18 @@ PHASE:
          others are reported (fits or not, and libtpu's figure when it refused). Figures: the compile
          (seconds, persistent-cache hits), step time (median and spread), tokens/s, MFU, the compiled
          step's `memory_analysis()` and jax's `memory_stats()` peak after the timed steps; then one
-         more step traced (`profile`, `--profile-top`): its device time by model part (KDA, MLA, MoE,
-         FFN, norm, embedding, head and loss, optimizer) and by opcode, and its largest instructions.
+         more step traced (`profile`, `--profile-top`): its device time by model part
+         (`by_part_ms_per_step`: kda, mla, moe (each the whole mixer or block, projections included),
+         ffn, norm, embed, head (LM head and loss), model (the decoder's own glue: residual adds),
+         optimizer, train_step (the rest of the step function), other (no source frame)), by opcode
+         (`by_opcode_ms_per_step`, each Mosaic kernel apart), and the `top` largest instructions.
   split  the step's parts at the same shapes, each jitted alone, forward + backward: one KDA mixer, one
          MLA mixer, one MoE FFN, the dense FFN, the head (embedding, final norm, lm_head, loss), and the
          optimizer update over all parameters; each times its count in the model. Labelled as pieces:
          they are timed alone (no remat, no fusion across layers), so their sum differs from the step.
          The MoE FFN is timed again under the platform's other expert implementations (`alternatives`,
-         e.g. `moe_ffn[dense]` beside the TPU's megablox; not in the sum).
+         e.g. `moe_ffn[dense]` beside the TPU's megablox; not in the sum; `moe_impl` says which one
+         `moe_ffn` ran). A piece that fails to lower or compile is a row with its `error`.
          Then the KDA training op alone (the backend's mode "train" op): H=32, T=8192, B=1, K=V=128, bf16
          inputs, one document, forward + backward, beside deltanet-tpu's reported 22.5 ms on a v6e (their
          figure, not measured here).
@@ -78,6 +82,7 @@ KDA_CHUNK = 64
 # The split's MoE FFN is also timed under these expert implementations (keyed by "on a TPU"), beside the
 # step's own: megablox needs a TPU (Pallas Mosaic), ragged is the CPU's grouped alternative.
 MOE_ALTERNATIVES = {True: ("megablox", "dense"), False: ("dense", "ragged")}
+PROFILE_TOP = 40   # the step phase's traced step: how many of its largest instructions the JSON lists
 DELTANET_TPU_V6E_MS = 22.5   # deltanet-tpu's reported forward + backward, H=32 T=8192, on a v6e (issue 37)
 DEMO = REPO / "kda_plugin" / "assets" / "demo"
 CORPUS_DEFAULT = REPO / ".train-data" / "tinyshakespeare.txt"   # git-ignored; the device tool carries it
@@ -340,6 +345,8 @@ def phase_step(args, out: dict) -> None:
     p = out["profile"]
     if "by_part_ms_per_step" in p:
       say("one step traced, device ms by model part: " + json.dumps(p["by_part_ms_per_step"]))
+    else:
+      say(f"the traced step gave no profile (the timing above stands): {p['error']}")
 
 
 def step_profile(one_step, exe, top: int) -> dict:
@@ -427,16 +434,20 @@ def phase_split(args, out: dict) -> None:
   if moe_layer is not None:
     from model.nn import moe as moe_lib
     own = moe_lib.resolve_moe_impl(cfg.moe_impl)
+    out["moe_impl"] = {"config": cfg.moe_impl, "moe_ffn": own}
     for impl in MOE_ALTERNATIVES[moe_lib.target_platform() == "tpu"]:
       if impl != own:
         block = nnx.clone(moe_layer.block_sparse_moe)
         block.experts.impl = impl
         alternatives[f"moe_ffn[{impl}]"] = (block, lambda m, x: m(x), (), counts["moe"])
-  progs, inputs = {}, {}
+  progs, inputs, lower_errors = {}, {}, {}
   for name, (module, call, extra, _) in {**pieces, **alternatives}.items():
     fn, p, r = _fwd_bwd(module, call)
-    progs[name] = fn.lower(p, r, x, ct, *extra)
     inputs[name] = (fn, (p, r, x, ct, *extra))
+    try:
+      progs[name] = fn.lower(p, r, x, ct, *extra)
+    except Exception as e:  # noqa: BLE001  (a piece that cannot lower here is a row with its error)
+      lower_errors[name] = (e, 0.0)
 
   # the head: embedding, final norm, lm_head and the loss, forward + backward
   class Head(nnx.Module):
@@ -506,6 +517,7 @@ def phase_split(args, out: dict) -> None:
   compiled = compile_all(progs, runner.default_compile_threads(len(progs)))
   out["compile"] = {"wall_s": round(time.perf_counter() - t_c, 2),
                     **{name: round(sec, 2) for name, (_, sec) in compiled.items()}}
+  compiled.update(lower_errors)
   say(f"compiled {len(compiled)} programs in {out['compile']['wall_s']:.1f} s")
   write_json(args.json, out)
   rows, total = {}, 0.0
@@ -884,9 +896,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="loss: checkpoint_every of the kda-train runs, >= 1 (default 50)")
   p.add_argument("--child-platforms", default="", help="loss: JAX_PLATFORMS of the kda-train runs")
   p.add_argument("--cache-dir", default="", help="jax's persistent cache ('' = the default; none = off)")
-  p.add_argument("--profile-top", type=int, default=40,
-                 help="step: after the timing, trace one more step with jax's profiler and report its device "
-                      "time by model part and opcode with this many largest instructions; 0: no trace (default 40)")
+  p.add_argument("--profile-top", type=int, default=None,
+                 help="step only: after the timing, trace one more step with jax's profiler and report its device "
+                      f"time by model part and opcode with this many largest instructions; 0: no trace "
+                      f"(default {PROFILE_TOP})")
   p.add_argument("--compiled-step", default="",
                  help="step: run the train step in this file (kda-aot-compile ... mode=train "
                       "compiled_trainstep_file=FILE, for this model, the first of --batches and --seq-len, "
@@ -949,8 +962,14 @@ def main(argv=None) -> int:
   if args.compiled_step and (args.phase != "step" or not pathlib.Path(args.compiled_step).is_file()):
     p.error(f"argument --compiled-step: the step phase's only, and a file (kda-aot-compile ... "
             f"compiled_trainstep_file=FILE): got phase {args.phase}, {args.compiled_step!r}")
-  if args.profile_top < 0:
+  if args.phase != CHECK_SET and not pathlib.Path(args.json).resolve().parent.is_dir():
+    p.error(f"argument --json: the directory of {args.json!r} does not exist (it is not created: give an existing one)")
+  if args.profile_top is not None and args.phase != "step":
+    p.error(f"argument --profile-top: the step phase's only (it traces one more train step), got phase {args.phase}")
+  if args.profile_top is not None and args.profile_top < 0:
     p.error(f"argument --profile-top: expected 0 (no trace) or more, got {args.profile_top}")
+  if args.profile_top is None:
+    args.profile_top = PROFILE_TOP
   if args.phase == "loss" and args.kill_at >= args.loss_steps:
     p.error(f"argument --kill-at: expected fewer than --loss-steps={args.loss_steps}, got {args.kill_at} "
             f"(run A must be stopped before it ends)")

@@ -10,7 +10,8 @@
 #          the loss curve, resume equality step by step, the compile lines (B and C load from the
 #          persistent cache), and the Orbax checkpoints read back on the CPU;
 #   split  the step's parts timed alone at the same shapes (KDA mixer, MLA mixer, MoE FFN, dense FFN,
-#          head + loss, optimizer), and the KDA training op alone at H=32 T=8192 beside deltanet-tpu's
+#          head + loss, optimizer; the MoE FFN also under the platform's other expert implementations,
+#          `alternatives`), and the KDA training op alone at H=32 T=8192 beside deltanet-tpu's
 #          reported 22.5 ms on v6e.
 # tools/bench/train_device.py has the phases and the formulas. Each phase is one process under its own time
 # limit (budgets below, 9.5 minutes in all, in that order of priority); each writes its JSON as it goes, so
@@ -32,7 +33,8 @@
 #   one device command with the other phases; TRAIN_PHASES=step asks for it alone; with TRAIN_SMOKE=1
 #   "step loss split profile"; TRAIN_PHASES=profile traces the KDA training op of both implementations at
 #   the step's shape, tools/bench/train_op_profile, its device time by source line; TRAIN_PROFILE_IMPLS
-#   names which: default "pallas_tpu xla"), TRAIN_MODEL_SET (model overrides of the step and split phases, e.g.
+#   names which: default "pallas_tpu xla"), TRAIN_STEP_PROFILE_TOP (the step phase's traced step: how many of
+#   its largest instructions the JSON lists; 0 skips the trace; default 40), TRAIN_MODEL_SET (model overrides of the step and split phases, e.g.
 #   "scan_layers=true remat_policy=none"), TRAIN_BATCHES (default "8 4 1"), TRAIN_DONATE=0 (the step phase
 #   then does not donate the train state, as train_step_fn's own jit runs it now; default 1: donated, as
 #   model/aot.py compiles it), TRAIN_COMPILED_STEP=FILE (the step phase runs the step in FILE, written on a
@@ -44,7 +46,8 @@
 #   TRAIN_PHASES=loss when its cold compile needs longer; phases: install step loss split profile; whole seconds
 #   up to the total, which stays 570 s, 1200 s with TRAIN_SMOKE=1).
 # Bad settings exit 2 with one `error:` line naming the variable, before anything is created or cleared:
-# TRAIN_SMOKE, TRAIN_DONATE and SKIP_INSTALL other than 0, 1 or empty; a TRAIN_BUDGET_<name> whose name is
+# TRAIN_SMOKE, TRAIN_DONATE and SKIP_INSTALL other than 0, 1 or empty; TRAIN_PROFILE_IMPLS naming neither
+# implementation (or blank); TRAIN_STEP_PROFILE_TOP not a whole number; a TRAIN_BUDGET_<name> whose name is
 # not a phase (install step loss split profile); an unknown phase, a bad batch list; a TRAIN_MODEL_SET key (or
 # value) the model config refuses (checked with PY and the checkout; when PY lacks the project's packages,
 # before the install, the key names alone, and the step phase checks the values).
@@ -91,6 +94,11 @@ fi
 for p in $PHASES; do   # a typo must not silently drop a phase
   case " step loss split profile " in *" $p "*) ;; *) echo "error: TRAIN_PHASES: unknown phase '$p' (expected some of: step loss split profile)" >&2; exit 2;; esac
 done
+if [ -n "${TRAIN_PROFILE_IMPLS+set}" ] && [ -z "${TRAIN_PROFILE_IMPLS//[[:space:]]/}" ] && [ -n "${TRAIN_PROFILE_IMPLS}" ]; then
+  echo "error: TRAIN_PROFILE_IMPLS='$TRAIN_PROFILE_IMPLS': expected pallas_tpu and/or xla (unset: both)" >&2; exit 2
+fi
+[[ "${TRAIN_STEP_PROFILE_TOP:-0}" =~ ^[0-9]+$ ]] \
+  || { echo "error: TRAIN_STEP_PROFILE_TOP='$TRAIN_STEP_PROFILE_TOP': expected 0 (no traced step) or a count of instructions" >&2; exit 2; }
 for impl in ${TRAIN_PROFILE_IMPLS:-}; do
   case "$impl" in pallas_tpu|xla) ;; *) echo "error: TRAIN_PROFILE_IMPLS: unknown implementation '$impl' (expected pallas_tpu and/or xla)" >&2; exit 2;; esac
 done
@@ -173,6 +181,7 @@ if [ "$SMOKE" = 1 ]; then
              --loss-steps 40 --kill-at 20 --checkpoint-every 10)
 else
   STEP_ARGS=(--batches "$BATCHES" --seq-len 2048 --repeats 5 --steps-per-repeat 3)
+  [ -n "${TRAIN_STEP_PROFILE_TOP:-}" ] && STEP_ARGS+=(--profile-top "$TRAIN_STEP_PROFILE_TOP")
   [ "${TRAIN_DONATE:-1}" = 0 ] && STEP_ARGS+=(--no-donate)
   if [ -n "${TRAIN_COMPILED_STEP:-}" ]; then
     case "$TRAIN_COMPILED_STEP" in /*) ;; *) TRAIN_COMPILED_STEP="$ROOT/$TRAIN_COMPILED_STEP";; esac
