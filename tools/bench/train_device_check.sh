@@ -231,7 +231,9 @@ if wants profile; then
 fi
 
 # --- the report --------------------------------------------------------------------------------------------
-"$VPY" - "$WORK" "$OUT" "$SECONDS" "$TOTAL_BUDGET" "$SMOKE" "$ROOT" <<'PYEOF'
+# with the phases' Python (its jax version is the one measured); a broken install still gets its report
+REPORT_PY=$VPY; "$VPY" -c "" 2>/dev/null || REPORT_PY=$PY
+"$REPORT_PY" - "$WORK" "$OUT" "$SECONDS" "$TOTAL_BUDGET" "$SMOKE" "$ROOT" <<'PYEOF'
 import json, os, pathlib, re, subprocess, sys
 work, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 total_s, budget_s, smoke = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
@@ -249,7 +251,11 @@ log = (work / "install.log").read_text() if (work / "install.log").exists() else
 missing = re.findall(r"^MISSING from .*?: (.*)$", log, re.M)
 commit = os.environ.get("KDA_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                         text=True, cwd=sys.argv[6]).stdout.strip()
-import jax   # no jax.devices() here: it would open the chip again; the step phase names it
+try:   # only the version: no jax.devices() here, it would open the chip again (the step phase names it)
+  import jax
+  jax_version = jax.__version__
+except ImportError:   # an install that failed: the report says so through its phases
+  jax_version = None
 step = phases.get("step", {}).get("result", {})
 timed = step.get("timed") or {}
 loss = phases.get("loss", {}).get("result", {})
@@ -284,7 +290,7 @@ headline = {
                        for impl, r in (phases.get("profile", {}).get("result") or {}).items()},
 }
 report = {"what": "tools/bench/train_device_check.sh", "commit": commit or "unknown", "smoke": smoke,
-          "python": sys.version.split()[0], "jax": jax.__version__, "device": step.get("device"),
+          "python": sys.version.split()[0], "jax": jax_version, "device": step.get("device"),
           "install_missing": missing[0].split() if missing else [], "total_s": total_s, "total_budget_s": budget_s,
           "headline": headline, "phases": phases}
 (out / "train_device_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
