@@ -432,7 +432,7 @@ def phase_split(args, out: dict) -> None:
   # (not in the sum): which one a step should take is a measurement, not a rule
   alternatives = {}
   if moe_layer is not None:
-    from model.nn import moe as moe_lib
+    from model.nn import moe as moe_lib  # imported in the phase that needs it: a missing package fails that phase alone
     own = moe_lib.resolve_moe_impl(cfg.moe_impl)
     out["moe_impl"] = {"config": cfg.moe_impl, "moe_ffn": own}
     for impl in MOE_ALTERNATIVES[moe_lib.target_platform() == "tpu"]:
