@@ -520,14 +520,12 @@ def phase_split(args, out: dict) -> None:
   compiled.update(lower_errors)
   say(f"compiled {len(compiled)} programs in {out['compile']['wall_s']:.1f} s")
   write_json(args.json, out)
-  rows, total = {}, 0.0
-  for name in pieces:
+  def timed_row(name, count):
+    """A piece's row: its error, or its time (median and spread, x count) and compiled memory."""
     exe, _ = compiled[name]
-    count = pieces[name][3]
     if isinstance(exe, Exception):
-      rows[name] = {"error": f"{type(exe).__name__}: {str(exe).splitlines()[0][:300]}", "count": count}
-      continue
-    fn, a = inputs[name]
+      return {"error": f"{type(exe).__name__}: {str(exe).splitlines()[0][:300]}", "count": count}
+    _, a = inputs[name]
     if name == "optimizer":   # donated: each call takes the previous call's parameters and moments
       box = {"p": a[0], "o": a[1]}
 
@@ -538,30 +536,26 @@ def phase_split(args, out: dict) -> None:
       call = functools.partial(exe, *a)
     jax.block_until_ready(call())
     t = time_calls(call, args.repeats, args.steps_per_repeat)
-    rows[name] = {"count": count, "one_ms": t["median_ms"], "times_count_ms": round(t["median_ms"] * count, 3),
-                  "spread_ms": [t["min_ms"], t["max_ms"]], "memory_analysis": memory_figures(exe)}
-    total += t["median_ms"] * count
-    say(f"{name}: {t['median_ms']:.3f} ms x {count} = {t['median_ms'] * count:.1f} ms")
+    return {"count": count, "one_ms": t["median_ms"], "times_count_ms": round(t["median_ms"] * count, 3),
+            "spread_ms": [t["min_ms"], t["max_ms"]], "memory_analysis": memory_figures(exe)}
+
+  rows = {}
+  for name in pieces:
+    rows[name] = row = timed_row(name, pieces[name][3])
+    if "one_ms" in row:
+      say(f"{name}: {row['one_ms']:.3f} ms x {row['count']} = {row['times_count_ms']:.1f} ms")
     out["pieces"] = rows
     write_json(args.json, out)
-  out["pieces"] = rows
+  total = sum(row.get("times_count_ms", 0.0) for row in rows.values())
   out["pieces_sum_ms"] = round(total, 3)
   for name, row in rows.items():
     if "times_count_ms" in row and total:
       row["share_of_sum"] = round(row["times_count_ms"] / total, 4)
   alt_rows = {}
   for name, (_, _, _, count) in alternatives.items():
-    exe, _ = compiled[name]
-    if isinstance(exe, Exception):
-      alt_rows[name] = {"error": f"{type(exe).__name__}: {str(exe).splitlines()[0][:300]}", "count": count}
-    else:
-      fn, a = inputs[name]
-      call = functools.partial(exe, *a)
-      jax.block_until_ready(call())
-      t = time_calls(call, args.repeats, args.steps_per_repeat)
-      alt_rows[name] = {"count": count, "one_ms": t["median_ms"], "times_count_ms": round(t["median_ms"] * count, 3),
-                        "spread_ms": [t["min_ms"], t["max_ms"]], "memory_analysis": memory_figures(exe)}
-      say(f"{name} (instead of the step's own, not in the sum): {t['median_ms']:.3f} ms x {count}")
+    alt_rows[name] = row = timed_row(name, count)
+    if "one_ms" in row:
+      say(f"{name} (instead of the step's own, not in the sum): {row['one_ms']:.3f} ms x {count}")
     out["alternatives"] = alt_rows
     write_json(args.json, out)
   for name, (ob, ot, oh, ok, docs, impl) in op_cases.items():
