@@ -27,10 +27,13 @@ V5E_USABLE_HBM = round(15.75 * 2**30)  # libtpu's figure (model.aot.usable_hbm_b
 GIB = 2**30
 DOES_NOT_FIT = 3  # tools.aot_compile's exit status
 
-# remat_policy=none does not fit yet: libtpu refuses it asking 22.71 GiB (arguments 4.55 GiB included):
-# without remat every layer keeps its activations for the backward pass, about 0.65 GiB a layer at
-# 8 x 2048 tokens over 27 layers. Slow as well (a compile of minutes for a known refusal; `make
-# test-slow` keeps watching it); when it fits, XPASS fails and the marks come off.
+# remat_policy=none does not fit: libtpu refuses it asking 22.71 GiB (arguments 4.55 GiB included):
+# without remat every layer keeps its activations for the backward pass, ~0.9 GiB a layer at 8 x 2048
+# tokens (5- and 9-layer compiles). A backward that recomputes no matmul keeps at least ~39 KB a token
+# per KDA layer (an estimate from the shapes), 12.0 GiB for the 20 KDA layers: the 8 GiB bound needs
+# remat (docs/performance.md, "Why `remat_policy=none` cannot meet the 8 GiB"). Slow as well
+# (a compile of minutes for a known refusal; `make test-slow` keeps watching it); should it ever fit,
+# XPASS fails and the marks come off.
 REMAT_NONE_OOM = [pytest.mark.slow, pytest.mark.xfail(
     strict=True, reason="remat_policy=none asks libtpu for 22.71 GiB: every layer's activations are kept "
     "(docs/performance.md, 'Training memory on v5e:1x1 (compiled ahead of time)')")]
