@@ -280,6 +280,64 @@ def test_a_bad_set_is_one_line_before_the_phase_runs(tmp_path, capsys):
   assert capsys.readouterr().out == "--set: ok\n"
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["loss", "--set", "scan_layers=true"],
+     "argument --set: the step and split phases' only (phase loss takes --loss-model / --loss-set)"),
+    (["split", "--smoke", "--compiled-step", "STEP"], "argument --compiled-step: the step phase's only, got phase split"),
+    (["step", "--smoke", "--compiled-step", "NOPE"], "argument --compiled-step: no such file: 'NOPE' (expected a step "
+     "written by kda-aot-compile ... mode=train compiled_trainstep_file=FILE)"),
+], ids=["set_for_loss", "compiled_step_for_split", "compiled_step_missing"])
+def test_flags_of_another_phase_or_a_missing_file_are_refused(tmp_path, capsys, argv, message):
+  step = tmp_path / "step.bin"
+  step.write_bytes(b"x")
+  argv = [str(step) if a == "STEP" else str(tmp_path / "nope.bin") if a == "NOPE" else a for a in argv]
+  message = message.replace("'NOPE'", repr(str(tmp_path / "nope.bin")))
+  with pytest.raises(SystemExit) as e:
+    train_device.main([*argv, "--json", str(tmp_path / "x.json"), "--dir", str(tmp_path / "runs")])
+  assert e.value.code == 2
+  assert capsys.readouterr().err == f"python -m tools.bench.train_device: error: {message} (see --help)\n"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["step.bin"]
+  with pytest.raises(SystemExit) as e:
+    train_device.main(["check-set", "--json", str(tmp_path / "x.json")])
+  assert e.value.code == 2
+  assert "error: argument --json: check-set runs nothing and writes no figures" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loss_set,message", [
+    (["bogus_key=1"], "unknown config key 'bogus_key'"),
+    (["warmup_steps=500"], "warmup_steps=500 is invalid: expected fewer than steps=300"),
+])
+def test_bad_loss_run_keys_are_refused_before_any_run(tmp_path, capsys, loss_set, message):
+  """The kda-train runs' keys are checked up front: a bad one used to start three runs that each exited 2,
+  with the phase itself exiting 0."""
+  runs = tmp_path / "runs"
+  assert train_device.main(["loss", "--json", str(tmp_path / "x.json"), "--dir", str(runs),
+                            "--loss-set", *loss_set]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: --loss-model / --loss-set: ") and message in err and err.count("\n") == 1
+  assert not list(tmp_path.iterdir())
+
+
+def test_a_failed_run_fails_the_loss_phase_with_its_error_line(tmp_path, capsys):
+  """A kda-train run that exits with an error (here: an empty corpus, which only the run itself reads) ends
+  the phase with exit 1, the run's `error:` line said, and the JSON naming the failed run; B and C do
+  not start."""
+  corpus = tmp_path / "empty.txt"
+  corpus.write_text("")
+  out = tmp_path / "loss.json"
+  rc = train_device.main(["loss", "--json", str(out), "--dir", str(tmp_path / "runs"), "--corpus", str(corpus),
+                          "--child-platforms", "cpu", "--loss-model", "demo", "num_hidden_layers=2", "kda_layers=[1]",
+                          "full_attn_layers=[2]", "--loss-set", "seq_len=64",
+                          "batch_size=2", "warmup_steps=2", "--loss-steps", "10", "--kill-at", "5"])
+  assert rc == 1
+  captured = capsys.readouterr()
+  assert f"run A_killed failed: error: train_data='{corpus}' is empty" in captured.out + captured.err
+  assert "error: loss: run(s) A_killed failed" in captured.err
+  result = json.loads(out.read_text())
+  assert result["failed_runs"] == ["A_killed"] and list(result["runs"]) == ["A_killed"]
+  assert result["runs"]["A_killed"]["rc"] == 2 and result["runs"]["A_killed"]["ok"] is False
+
+
 def test_help_has_the_description_once_and_every_flag_explained(capsys):
   parser = train_device.build_parser()
   missing = [a.dest for a in parser._actions if not a.help]

@@ -86,6 +86,7 @@ PROFILE_TOP = 40   # the step phase's traced step: how many of its largest instr
 DELTANET_TPU_V6E_MS = 22.5   # deltanet-tpu's reported forward + backward, H=32 T=8192, on a v6e (issue 37)
 DEMO = REPO / "kda_plugin" / "assets" / "demo"
 CORPUS_DEFAULT = REPO / ".train-data" / "tinyshakespeare.txt"   # git-ignored; the device tool carries it
+INTERRUPTED_RC = 130   # kda-train's exit status after it checkpointed on SIGINT / SIGTERM (tools/train.py `run`)
 
 
 def write_json(path, obj) -> None:
@@ -675,9 +676,7 @@ def phase_loss(args, out: dict) -> None:
   out["corpus"] = {"path": str(corpus), "what": what, "bytes": corpus.stat().st_size,
                    "sha256": hashlib.sha256(corpus.read_bytes()).hexdigest()}
   steps, kill_at = (args.loss_steps, args.kill_at)
-  keys = [*args.loss_model, f"train_data={corpus}", f"tokenizer_path={DEMO / 'tokenizer.model'}",
-          f"steps={steps}", *args.loss_set, "log_every=1", f"eval_every={steps}", "eval_max_windows=4",
-          f"checkpoint_every={args.checkpoint_every}", f"compilation_cache_dir={args.cache_dir}"]
+  keys = loss_keys(args, corpus)
   out.update({"command": "python -m tools.train (kda-train) " + " ".join(keys) + " output_dir=DIR",
               "steps": steps, "kill_at_or_after": kill_at})
   env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -709,6 +708,13 @@ def phase_loss(args, out: dict) -> None:
     if kill:
       rec["sigterm_after_step"] = signalled
     say(f"run {name}: rc {proc.returncode} in {rec['seconds']} s; " + " | ".join(rec["compile_lines"]))
+    # 0, or kda-train's exit after checkpointing on the SIGTERM this phase sent (tools/train.py)
+    rec["ok"] = proc.returncode == 0 or (signalled is not None and proc.returncode == INTERRUPTED_RC)
+    if not rec["ok"]:
+      lines = [ln for ln in text.splitlines() if ln.strip()]
+      errors = [ln for ln in lines if ln.startswith("error:")]
+      say(f"run {name} failed: " + (errors[-1] if errors else lines[-1] if lines else "(no output)"))
+      out.setdefault("failed_runs", []).append(name)
     return rec
 
   a, c = work / "A_killed_then_B_resumed", work / "C_uninterrupted"
@@ -737,6 +743,9 @@ def phase_loss(args, out: dict) -> None:
     return recs
 
   runs["A_killed"] = launch("A_killed", a, kill=True)
+  if not runs["A_killed"]["ok"]:   # B has nothing to resume and C would fail alike
+    record_curve()
+    return
   killed_metrics = read_metrics(a)
   runs["A_killed"]["metrics_steps"] = [killed_metrics[0]["step"], killed_metrics[-1]["step"]] if killed_metrics else []
   record_curve()
@@ -928,6 +937,26 @@ def check_model_set(args) -> str | None:
   return None
 
 
+def loss_keys(args, corpus) -> list[str]:
+  """The kda-train keys of the loss phase's runs (all but output_dir)."""
+  return [*args.loss_model, f"train_data={corpus}", f"tokenizer_path={DEMO / 'tokenizer.model'}",
+          f"steps={args.loss_steps}", *args.loss_set, "log_every=1", f"eval_every={args.loss_steps}",
+          "eval_max_windows=4", f"checkpoint_every={args.checkpoint_every}", f"compilation_cache_dir={args.cache_dir}"]
+
+
+def check_loss_keys(args) -> str | None:
+  """The error of the loss runs' config (--loss-model, --loss-set and the phase's own keys: names, values,
+  the training checks kda-train makes before it loads data), naming the flags; None when it loads."""
+  from model.config import load_config  # noqa: PLC0415  (the loss phase needs the project anyway)
+  from model.errors import UserError  # noqa: PLC0415
+  from model.training import steps as train_lib  # noqa: PLC0415
+  try:
+    train_lib.check_train_config(load_config(loss_keys(args, args.corpus or CORPUS_DEFAULT)))
+  except UserError as e:
+    return f"--loss-model / --loss-set: {e}"
+  return None
+
+
 def config_keys_from_text() -> tuple[list[str], dict[str, str]]:
   """`(every key of configs/base.py, sorted as ConfigDict lists them; RENAMED: old name -> new)`, read from
   the file's text (its `c.<key> = ...` lines): no package needed."""
@@ -953,9 +982,15 @@ def main(argv=None) -> int:
     p.error(f"the following arguments are required: --json (the phase {args.phase} writes its figures there)")
   if args.phase == "loss" and args.corpus and not pathlib.Path(args.corpus).is_file():   # before any file is made
     p.error(f"argument --corpus: no such file: {args.corpus!r} (expected the text to train on)")
-  if args.compiled_step and (args.phase != "step" or not pathlib.Path(args.compiled_step).is_file()):
-    p.error(f"argument --compiled-step: the step phase's only, and a file (kda-aot-compile ... "
-            f"compiled_trainstep_file=FILE): got phase {args.phase}, {args.compiled_step!r}")
+  if args.compiled_step and args.phase != "step":
+    p.error(f"argument --compiled-step: the step phase's only, got phase {args.phase}")
+  if args.compiled_step and not pathlib.Path(args.compiled_step).is_file():
+    p.error(f"argument --compiled-step: no such file: {args.compiled_step!r} (expected a step written by "
+            f"kda-aot-compile ... mode=train compiled_trainstep_file=FILE)")
+  if args.set and args.phase not in ("step", "split", CHECK_SET):
+    p.error(f"argument --set: the step and split phases' only (phase {args.phase} takes --loss-model / --loss-set)")
+  if args.phase == CHECK_SET and args.json:
+    p.error(f"argument --json: {CHECK_SET} runs nothing and writes no figures")
   if args.phase != CHECK_SET and not pathlib.Path(args.json).resolve().parent.is_dir():
     p.error(f"argument --json: the directory of {args.json!r} does not exist (it is not created: give an existing one)")
   if args.profile_top is not None and args.phase != "step":
@@ -967,6 +1002,11 @@ def main(argv=None) -> int:
   if args.phase == "loss" and args.kill_at >= args.loss_steps:
     p.error(f"argument --kill-at: expected fewer than --loss-steps={args.loss_steps}, got {args.kill_at} "
             f"(run A must be stopped before it ends)")
+  if args.phase == "loss":   # the runs' keys, before any directory is made or a run started
+    error = check_loss_keys(args)
+    if error:
+      print(f"error: {error}", file=sys.stderr)
+      return 2
   if args.phase == CHECK_SET or (args.phase in ("step", "split") and args.set):
     error = check_model_set(args)   # a bad override is one line now, not a traceback inside the phase
     if error:
@@ -987,6 +1027,10 @@ def main(argv=None) -> int:
     out["phase_s"] = round(time.perf_counter() - t0, 2)
     write_json(args.json, out)
   say(f"wrote {args.json}")
+  if out.get("failed_runs"):
+    print(f"error: loss: run(s) {', '.join(out['failed_runs'])} failed (their last lines above; logs in "
+          f"{args.dir})", file=sys.stderr)
+    return 1
   return 0
 
 
