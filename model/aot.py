@@ -92,6 +92,9 @@ def topology(name: str, num_slices: int = 1) -> Target:
   return Target(name, num_slices, devices, kind, usable_hbm_bytes(devices[0]), HBM_GIB_BY_DEVICE_KIND[kind] * 2**30)
 
 
+# libtpu's error compiling a collective on a topology it describes but cannot route (e.g. "v5e:9x9")
+ICI_ROUTING_FAILURE = "Failed to create limited ICI routing"
+
 PROBE_BYTES = 2**40  # more than any TPU device holds: the probe program always exceeds HBM
 
 
@@ -316,7 +319,8 @@ def compile_for(cfg, mode: str, target: Target, *, stacked_params: bool = True) 
 
   Raises:
     ConfigError: a mesh that does not divide the topology's devices, heads or experts that do not
-      divide their mesh axes, dcn sizes that disagree with the slice count, an unknown mode.
+      divide their mesh axes, dcn sizes that disagree with the slice count, an unknown mode, a topology
+      whose collectives libtpu cannot route.
   """
   _check_num_slices(cfg, target)
   mesh = partitioning.create_mesh(cfg, target.devices)
@@ -326,6 +330,10 @@ def compile_for(cfg, mode: str, target: Target, *, stacked_params: bool = True) 
   try:
     compiled = lowered.compile()
   except Exception as e:
+    if ICI_ROUTING_FAILURE in str(e):   # libtpu makes the topology but cannot route its collectives
+      raise ConfigError(f"compile_topology={target.name!r}: libtpu cannot route collectives between its "
+                        f"{len(target.devices)} devices: not a slice shape this TPU generation offers (v5e's, for "
+                        f"one: 1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16, 16x16)") from None
     if not is_compile_oom(e):
       raise
     compiled = None

@@ -6,7 +6,9 @@ Usage:
 
 MODEL_CONFIG is a module of configs/ (tiny, demo, ...) or a .py/.json config path; every key of
 configs/base.py can be overridden with key=value (the training keys are listed below).
-`load_parameters_path=DIR` starts from a parameter checkpoint (fine-tuning) instead of random init;
+`load_parameters_path=DIR` starts from a parameter checkpoint (fine-tuning) instead of random init; the
+MODEL_CONFIG named must be the checkpoint's (e.g. `demo` for kda_plugin/assets/demo), and its tokenizer is
+not taken from DIR: name it with tokenizer_path (DIR/tokenizer.model);
 `tokenizer_path` may be left empty with train_data_format=ids (token ids, one document per line).
 
 What a run does:

@@ -38,6 +38,16 @@ class DataFormatError(UserError):
   """Malformed input data; the message names the file (or source) and the 1-based line."""
 
 
+class DocumentTooLongError(ValueError):
+  """`pack_documents(split="none")` met a document longer than a row; callers name their own key for
+  the split mode (kda-train: `split_long`)."""
+
+  def __init__(self, index: int, length: int, seq_len: int):
+    super().__init__(f"documents[{index}] has {length} tokens > seq_len={seq_len}; use split='long' or 'fill' "
+                     f"to cut long documents")
+    self.index, self.length, self.seq_len = index, length, seq_len
+
+
 # ----------------------------------------------------------------------------------------------
 # Reading
 # ----------------------------------------------------------------------------------------------
@@ -414,8 +424,7 @@ def _plan_rows(docs: list[np.ndarray], seq_len: int, max_segments: int | None,
         s += take
       continue
     if n > seq_len and split == "none":
-      raise ValueError(f"documents[{i}] has {n} tokens > seq_len={seq_len}; use split='long' or "
-                       f"'fill' to cut long documents")
+      raise DocumentTooLongError(i, n, seq_len)
     for s in range(0, n, seq_len):
       piece = _Piece(i, s, min(n, s + seq_len))
       if full(piece.end - piece.start):
@@ -451,8 +460,8 @@ def pack_documents(docs: Sequence, seq_len: int, *, max_segments: int | None = N
     `Batch` of `[R, T]` arrays, R = number of rows.
 
   Raises:
-    ValueError: seq_len < 2, max_segments < 1, a bad split mode, a non-1-D or negative document, or
-      (split="none") a document longer than T.
+    ValueError: seq_len < 2, max_segments < 1, a bad split mode, a non-1-D or negative document.
+    DocumentTooLongError: (split="none") a document longer than T.
   """
   _check_pack_args(seq_len, max_segments)
   docs = _as_documents(docs)

@@ -34,8 +34,8 @@ from model.checkpoint import format as checkpointing
 from model.config import config_to_json, matmul_precision
 from model.nn import moe
 from model.errors import out_of_memory, out_of_memory_message
-from model.data.pipeline import DataFormatError, make_eval_windows, make_train_iterator, read_text_file, \
-    split_heldout
+from model.data.pipeline import DataFormatError, DocumentTooLongError, make_eval_windows, make_train_iterator, \
+    read_text_file, split_heldout
 from model.data.tokenizer import TIKTOKEN_FILE, TokenizerError, check_tokenizer_fits, load_tokenizer
 from model.training.steps import TrainError
 
@@ -116,7 +116,11 @@ def build_data(cfg, tok):
                                   batch_size=cfg.eval_batch_size, **common)
   except DataFormatError as e:
     raise TrainError(f"train_data: {e}") from None
-  except ValueError as e:  # e.g. split_long="none" and a long document, or no packed rows
+  except DocumentTooLongError as e:
+    raise TrainError(f"train_data={cfg.train_data!r}: a document of {e.length} tokens (after framing) is longer "
+                     f"than seq_len={e.seq_len}, and split_long='none' keeps documents whole; "
+                     f"pass split_long=long or split_long=fill to cut long documents, or a larger seq_len") from None
+  except ValueError as e:  # e.g. no packed rows
     raise TrainError(f"train_data={cfg.train_data!r}: {e}") from None
   if cfg.eval_every > 0 and not windows:
     raise TrainError(f"the held-out split of train_data={cfg.train_data!r} holds no tokens; raise "

@@ -45,3 +45,22 @@ def test_memory_analysis_verdict_uses_usable_hbm(total, fits):
   line = aot.verdict(m, "TPU v5 lite")
   assert line.startswith("fits: 15.00 GiB of 15.75 GiB" if fits else
                          "does not fit in 15.75 GiB usable HBM per TPU v5 lite device (libtpu) by 0.25 GiB")
+
+
+def test_a_topology_libtpu_cannot_route_is_a_config_error(monkeypatch):
+  """libtpu describes `v5e:9x9` (81 devices) but fails compiling its first collective with this internal
+  error (libtpu 0.0.52, a train step); tools.aot_compile printed it as a traceback with exit 1. It is a
+  bad `compile_topology` (exit 2, one line)."""
+  from model.config import ConfigError, load_config
+
+  class Lowered:
+    def compile(self):
+      raise jax.errors.JaxRuntimeError(
+          "INTERNAL: RET_CHECK failure (platforms/xla/service/jellyfish/lowering/net_util.cc:2326) info.has_value() "
+          "Failed to create limited ICI routing replica info table")
+
+  monkeypatch.setattr(aot, "lower", lambda cfg, mode, mesh, **kw: (Lowered(), {}))
+  target = aot.Target("v5e:9x9", 1, tuple(jax.devices()[:1]), "TPU v5 lite", 2**30, 2**30)
+  with pytest.raises(ConfigError, match=r"^compile_topology='v5e:9x9': libtpu cannot route collectives between "
+                                        r"its 1 devices: not a slice shape this TPU generation offers"):
+    aot.compile_for(load_config(["tiny"]), "train", target)

@@ -42,6 +42,18 @@ def test_empty_corpus(tmp_path, content):
   assert not (tmp_path / "out").exists()
 
 
+def test_a_document_longer_than_a_row_with_split_long_none_names_split_long(tmp_path):
+  """The packer's message named its own argument (`split='long'`), a key kda-train does not have."""
+  path = tmp_path / "long.ids"
+  write_ids_corpus(path, [np.arange(3, 53)] * 30)   # ids < the tiny vocabulary (64)
+  with pytest.raises(TrainError) as e:
+    train(tiny_config(path, tmp_path / "out", "seq_len=16", "split_long=none"), progress=False)
+  assert str(e.value) == (f"train_data={str(path)!r}: a document of 52 tokens (after framing) is longer than "
+                          f"seq_len=16, and split_long='none' keeps documents whole; pass split_long=long or "
+                          f"split_long=fill to cut long documents, or a larger seq_len")
+  assert not (tmp_path / "out").exists()
+
+
 def test_single_line_corpus_has_no_training_split(tmp_path):
   path = tmp_path / "one.ids"
   path.write_text("5 6 7 8\n")
