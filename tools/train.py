@@ -6,9 +6,9 @@ Usage:
 
 MODEL_CONFIG is a module of configs/ (tiny, demo, ...) or a .py/.json config path; every key of
 configs/base.py can be overridden with key=value (the training keys are listed below).
-`load_parameters_path=DIR` starts from a parameter checkpoint (fine-tuning) instead of random init; the
-MODEL_CONFIG named must be the checkpoint's (e.g. `demo` for kda_plugin/assets/demo), and its tokenizer is
-not taken from DIR: name it with tokenizer_path (DIR/tokenizer.model);
+`load_parameters_path=DIR` starts from a parameter checkpoint (fine-tuning) instead of random init;
+without MODEL_CONFIG the model and tokenizer are DIR's (its config.json and tokenizer copy), and a
+MODEL_CONFIG named must describe the same model;
 `tokenizer_path` may be left empty with train_data_format=ids (token ids, one document per line).
 
 What a run does:
@@ -86,9 +86,23 @@ def training_keys_help() -> str:
   return "\n".join(line.strip().removeprefix("c.") for line in lines[start + 1:end] if line.strip())
 
 
+def training_config(argv: list[str]):
+  """The run's config from `[MODEL_CONFIG] key=value ...`. With `load_parameters_path=DIR` and no
+  MODEL_CONFIG the model is DIR's own: its config.json, its tokenizer copy unless tokenizer_path is given,
+  the base defaults for the training keys, then the overrides (as the serving tools read a checkpoint).
+
+  Raises:
+    ConfigError: an unknown config or key, a bad value. CheckpointError: DIR is no checkpoint.
+  """
+  cfg = load_config(argv)
+  if cfg.load_parameters_path and not (argv and "=" not in argv[0]):
+    cfg = cli.checkpoint_config(cfg, argv)
+  return cfg
+
+
 def run(argv: list[str]) -> int:
   """Parses `[MODEL_CONFIG] key=value ...` and trains; raises on bad input (see the module docstring)."""
-  cfg = load_config(argv)
+  cfg = training_config(argv)
   registry.get_backend(cfg.attention)  # an unknown attention= fails before anything is read or written
   partitioning.initialize_distributed(cfg)  # multi-host jobs (distributed_init=true): before any device use
   compilation_cache.enable(cfg.compilation_cache_dir)  # before the first compilation; the trainer names it

@@ -576,6 +576,11 @@ def restore_parameters(path: str | os.PathLike, abstract_state, shardings=None):
   return state
 
 
+class CheckpointMismatchError(CheckpointError):
+  """A readable checkpoint whose parameters (names or shapes) are not the model's: a config of another
+  architecture, not a damaged checkpoint."""
+
+
 def _check_matches(path, stored: dict, wanted: dict) -> None:
   missing = sorted(set(wanted) - set(stored))
   unexpected = sorted(set(stored) - set(wanted))
@@ -585,9 +590,9 @@ def _check_matches(path, stored: dict, wanted: dict) -> None:
       parts.append(f"{len(missing)} model parameter(s) missing from the checkpoint, e.g. {missing[:3]}")
     if unexpected:
       parts.append(f"{len(unexpected)} checkpoint parameter(s) the model does not have, e.g. {unexpected[:3]}")
-    raise CheckpointError(f"{path}: the checkpoint does not match the model: {'; '.join(parts)} (was the "
+    raise CheckpointMismatchError(f"{path}: the checkpoint does not match the model: {'; '.join(parts)} (was the "
                           f"config overridden with a different architecture?)")
   for name, leaf in wanted.items():
     if tuple(stored[name][0]) != tuple(leaf.shape):
-      raise CheckpointError(f"{path}: parameter {name} is stored with shape {stored[name][0]} but the model "
+      raise CheckpointMismatchError(f"{path}: parameter {name} is stored with shape {stored[name][0]} but the model "
                             f"expects {tuple(leaf.shape)} (was the config overridden with other dimensions?)")

@@ -127,6 +127,16 @@ def build_data(cfg, tok):
                      f"heldout_fraction or pass eval_every=0")
   if cfg.eval_max_windows:
     windows = windows[:cfg.eval_max_windows]
+  # How full the rows are: a row holds at most max_num_segments documents (the KDA state slots), so
+  # short documents in long rows leave most of each row padding, which the step still computes.
+  seg = it.rows.segment_ids
+  filled = float(np.mean(seg > 0))
+  at_cap = float(np.mean(seg.max(axis=1) >= cfg.max_num_segments))
+  hint = ("; most rows hold the most documents a row may: raise max_num_segments or lower seq_len to pack "
+          "more" if filled < 0.5 and at_cap > 0.5 else "")
+  rows = f"{it.num_rows:,} packed row{'s' if it.num_rows != 1 else ''}"
+  _say(f"train data: {rows} of seq_len={cfg.seq_len}, {filled:.0%} of their tokens from documents (at most "
+       f"max_num_segments={cfg.max_num_segments} documents a row){hint}")
   return it, windows
 
 
@@ -518,7 +528,12 @@ def _train(cfg, *, progress: bool) -> dict:
     # Several devices: the mesh of the ici_*_parallelism keys (model/partitioning.py); None on one device.
     mesh = partitioning.job_mesh(cfg)
     if latest is None and cfg.load_parameters_path:  # fine-tuning: the given parameters, not a random init
-      model = loading.load(cfg.load_parameters_path, config=cfg, mesh=mesh).model
+      try:
+        model = loading.load(cfg.load_parameters_path, config=cfg, mesh=mesh).model
+      except checkpointing.CheckpointMismatchError as e:
+        raise TrainError(f"{e}; fine-tuning builds the model of the config given (model_name={cfg.model_name!r}): "
+                         f"name the checkpoint's own config, or none (kda-train load_parameters_path=DIR then "
+                         f"reads DIR/config.json)") from None
       graphdef, state = train_lib.init_train_state(model, hparams, cfg.train_seed, mesh)
     else:
       graphdef, state = train_lib.create_train_state(cfg, hparams, mesh)

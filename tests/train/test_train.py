@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
 
 import jax
 import numpy as np
@@ -140,6 +141,49 @@ def test_loss_falls_and_heldout_is_scored(corpus, tmp_path):
   for name in want:
     np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
   assert tuned["losses"][1] < losses[0] - 1.0  # it starts from the trained model, not from scratch
+
+
+def test_a_checkpoint_without_a_model_config_trains_its_own_model():
+  """`kda-train load_parameters_path=DIR` and no MODEL_CONFIG: the model is DIR's config.json and the
+  tokenizer its copy (it was the base 48B model with no tokenizer: three errors before a user found the
+  right keys); the training keys come from the base defaults and the command line."""
+  from tools.train import training_config
+  demo = pathlib.Path(__file__).resolve().parents[2] / "kda_plugin" / "assets" / "demo"
+  stored = json.loads((demo / "config.json").read_text())
+  cfg = training_config([f"load_parameters_path={demo}", "train_data=corpus.txt", "steps=7"])
+  for key in ("model_name", "hidden_size", "num_hidden_layers", "vocab_size", "kda_layers", "num_experts"):
+    assert cfg[key] == stored[key], key
+  assert cfg.tokenizer_path == str(demo / "tokenizer.model") and cfg.load_parameters_path == str(demo)
+  assert cfg.steps == 7 and cfg.learning_rate == load_config([]).learning_rate
+  assert training_config([f"load_parameters_path={demo}", "tokenizer_path=/x/t.model"]).tokenizer_path == "/x/t.model"
+  named = training_config(["tiny", f"load_parameters_path={demo}"])   # a named config is the model
+  assert named.model_name == load_config(["tiny"]).model_name and named.tokenizer_path == ""
+
+
+def test_fine_tuning_a_checkpoint_of_another_model_names_the_config(corpus, tmp_path):
+  """A named config that is not the checkpoint's: the mismatch, then what to do; nothing written."""
+  demo = pathlib.Path(__file__).resolve().parents[2] / "kda_plugin" / "assets" / "demo"
+  with pytest.raises(train_lib.TrainError, match=r"the checkpoint does not match the model: .*; fine-tuning builds "
+                     r"the model of the config given \(model_name='tiny'\): name the checkpoint's own config, or "
+                     r"none \(kda-train load_parameters_path=DIR then reads DIR/config.json\)$"):
+    train(tiny_config(corpus, tmp_path / "run", f"load_parameters_path={demo}"), progress=False)
+  assert not (tmp_path / "run").exists()
+
+
+def test_the_data_line_says_how_full_the_packed_rows_are(tmp_path, capsys):
+  """Each row holds at most max_num_segments documents: 300 documents of 20 ids (+ bos, eos) in rows of
+  1024 tokens and 4 segments fill 88 of each 1024 tokens; the line says so and what to change."""
+  path = tmp_path / "short.ids"
+  write_ids_corpus(path, [np.arange(FIRST_ID, FIRST_ID + 20)] * 300)
+  cfg = tiny_config(path, tmp_path / "run", "seq_len=1024", "max_num_segments=4", "eval_every=0")
+  it, _ = trainer.build_data(cfg, trainer._tokenizer(cfg))
+  docs = int(np.sum(it.rows.segment_ids.max(axis=1)))   # the train split's documents, 4 a row
+  assert it.num_rows == -(-docs // 4) and docs > 200
+  filled = docs * 22 / (it.num_rows * 1024)
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      f"train data: {it.num_rows} packed rows of seq_len=1024, {filled:.0%} of their tokens from documents (at "
+      f"most max_num_segments=4 documents a row); most rows hold the most documents a row may: raise "
+      f"max_num_segments or lower seq_len to pack more")
 
 
 def test_schedule_warmup_then_cosine():
