@@ -36,7 +36,9 @@ PHASE:
          resume point against run C's (equal: one device, the same executable, a bit-exact restore), and
          the Orbax checkpoints read back on the CPU (this process runs with JAX_PLATFORMS=cpu; the runs
          get `--child-platforms`): B's final train checkpoint restores, and B's exported parameters equal
-         C's bit for bit.
+         C's bit for bit. The runs' keys are checked before any run (exit 2, naming --loss-model /
+         --loss-set); a run that fails (A other than by this phase's SIGTERM) ends the phase with its
+         `error:` line said, `failed_runs` in the JSON and exit status 1 (A failing: B and C do not start).
 
 Formulas (docs/training.md, "On a TPU"):
   - step time: `--repeats` times, `--steps-per-repeat` steps dispatched and blocked once (device time, no
