@@ -29,7 +29,9 @@ What a run does:
     pessimistic estimate; tools.perplexity carries state across windows for the exact figure);
   * logs: a progress bar, and one JSON object per line in DIR/metrics.jsonl
     ({"step", "loss", "lr", "grad_norm", "tokens", "epoch", "seconds_per_step"} and
-    {"step", "heldout_loss", "heldout_ppl", "heldout_tokens"});
+    {"step", "heldout_loss", "heldout_ppl", "heldout_tokens"}); a record covers the steps since the one
+    before it (every `log_every` steps; after a resume the first covers those since the checkpoint):
+    loss and seconds_per_step are their means, tokens their sum, lr and grad_norm the last step's;
   * compile: announced before it starts ("compiling the train step for ... (this takes ...; persistent
     cache at DIR)") and timed when done ("train step ready in N s (compiled | loaded from the persistent
     cache); it needs X MiB ... of Y MiB available"). jax's persistent compilation cache
