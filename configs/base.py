@@ -43,6 +43,7 @@ TRAIN_KEYS = (
     "adam_b1", "adam_b2", "adam_eps", "grad_clip_norm", "train_seed", "router_bias_update_rate",
     "output_dir", "checkpoint_every", "checkpoint_keep", "resume", "stop_at_step", "eval_every",
     "eval_batch_size", "eval_max_windows", "log_every", "export_every", "export_dtype",
+    "compiled_trainstep_file",
 )
 # The job's mesh and multi-host start-up (a loaded checkpoint takes them from the command line).
 MESH_KEYS = (

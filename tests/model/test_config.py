@@ -137,9 +137,12 @@ def test_checkpoint_config_json_holds_the_model_section_only():
   import json
 
   from model.config import checkpoint_json
-  cfg = load_config(["tiny", "prompt=hi", "steps=7", "ici_data_parallelism=1", "hidden_size=48"])
+  cfg = load_config(["tiny", "prompt=hi", "steps=7", "ici_data_parallelism=1", "hidden_size=48",
+                     "compiled_trainstep_file=/tmp/step.bin"])
   stored = json.loads(checkpoint_json(cfg))
-  assert not {"prompt", "steps", "ici_data_parallelism", "dump_logprobs", "train_data"} & set(stored)
+  # compiled_trainstep_file was stored (and a fine-tune from the export inherited the earlier job's file)
+  assert not {"prompt", "steps", "ici_data_parallelism", "dump_logprobs", "train_data",
+              "compiled_trainstep_file"} & set(stored)
   assert stored["hidden_size"] == 48 and stored["model_name"] == cfg.model_name
   back = config_from_json(checkpoint_json(cfg))  # tool keys come back as the base defaults
   assert back.hidden_size == 48 and back.prompt == "" and back.steps == load_config([]).steps
