@@ -102,6 +102,19 @@ def _check_corpus(cfg) -> None:
                      f"(heldout_fraction={cfg.heldout_fraction}, cut at a line start) leaves no text to train on")
 
 
+def _differs_from_checkpoint(cfg) -> str:
+  """`"keys that differ from DIR/config.json: k=v (checkpoint: w), ...; "` for the model keys of `cfg`
+  stored in its load_parameters_path checkpoint with another value, or "" (none, or no readable file)."""
+  try:
+    stored = json.loads(checkpointing.read_config_text(pathlib.Path(cfg.load_parameters_path)))
+  except (OSError, ValueError):
+    return ""
+  diff = [f"{k}={cfg[k]!r} (checkpoint: {v!r})" for k, v in sorted(stored.items())
+          if k in cfg and k not in ("load_parameters_path", "tokenizer_path") and cfg[k] != v
+          and not (isinstance(cfg[k], tuple | list) and list(cfg[k]) == v)]
+  return f"keys that differ from its config.json: {', '.join(diff)}; " if diff else ""
+
+
 def build_data(cfg, tok):
   """`(BatchIterator over the train split, list of held-out EvalWindow)` for `cfg`."""
   _check_corpus(cfg)
@@ -531,9 +544,11 @@ def _train(cfg, *, progress: bool) -> dict:
       try:
         model = loading.load(cfg.load_parameters_path, config=cfg, mesh=mesh).model
       except checkpointing.CheckpointMismatchError as e:
-        raise TrainError(f"{e}; fine-tuning builds the model of the config given (model_name={cfg.model_name!r}): "
-                         f"name the checkpoint's own config, or none (kda-train load_parameters_path=DIR then "
-                         f"reads DIR/config.json)") from None
+        raise TrainError(f"{e}; {_differs_from_checkpoint(cfg)}fine-tuning builds the model of the config and "
+                         f"overrides given (model_name={cfg.model_name!r}), and the checkpoint's parameters fix "
+                         f"its architecture and vocab_size: name the checkpoint's own config or none "
+                         f"(kda-train load_parameters_path=DIR then reads DIR/config.json), without overriding "
+                         f"those keys") from None
       graphdef, state = train_lib.init_train_state(model, hparams, cfg.train_seed, mesh)
     else:
       graphdef, state = train_lib.create_train_state(cfg, hparams, mesh)
