@@ -869,7 +869,9 @@ def build_parser() -> argparse.ArgumentParser:
                       f"step/split model config (with --smoke and --seq-len as the phase gets them), exit 2 "
                       f"naming --set-source and the bad key; no --json")
   p.add_argument("--json", help="where the phase's figures are written (as it goes); required by every phase")
-  p.add_argument("--smoke", action="store_true", help="a tiny model and shapes (the CPU test)")
+  p.add_argument("--smoke", action="store_true",
+                 help="step/split: a tiny model (the CPU test; --seq-len still applies); the loss phase's "
+                      "model and sizes are --loss-model / --loss-set")
   p.add_argument("--set", action="append", default=[], help="step/split: key=value model override (repeatable)")
   p.add_argument("--set-source", default="--set",
                  help="what the --set overrides are called in an error (train_device_check.sh: TRAIN_MODEL_SET)")
@@ -889,10 +891,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--dir", default="/tmp/kda_train_device_runs", help="loss: where the runs go")
   p.add_argument("--corpus", default="", help="loss: the text to train on (default: tinyshakespeare.txt)")
   p.add_argument("--loss-model", nargs="*", default=["demo", "dtype=bfloat16"],
-                 help="loss: the model config and its overrides")
+                 help="loss: the model config and its overrides (default: %(default)s)")
   p.add_argument("--loss-set", nargs="*", default=["seq_len=512", "batch_size=8", "max_num_segments=16",
                                                    "learning_rate=2e-3", "warmup_steps=30"],
-                 help="loss: more key=value of the runs")
+                 help="loss: key=value of the runs, replacing the default list (default: %(default)s); "
+                      "steps, checkpoint_every and output_dir come from their own flags")
   p.add_argument("--loss-steps", type=positive_int, default=300,
                  help="loss: steps of each kda-train run, >= 1 (default 300)")
   p.add_argument("--kill-at", type=positive_int, default=150,
@@ -952,6 +955,14 @@ def check_loss_keys(args) -> str | None:
   from model.config import load_config  # noqa: PLC0415  (the loss phase needs the project anyway)
   from model.errors import UserError  # noqa: PLC0415
   from model.training import steps as train_lib  # noqa: PLC0415
+  own = {"steps": "--loss-steps", "checkpoint_every": "--checkpoint-every", "output_dir": "--dir",
+         "train_data": "--corpus", "compilation_cache_dir": "--cache-dir", "tokenizer_path": None,
+         "log_every": None, "eval_every": None, "eval_max_windows": None}
+  for kv in [*args.loss_model[1:], *args.loss_set]:
+    key = kv.split("=", 1)[0].strip()
+    if key in own:
+      return (f"--loss-model / --loss-set: {key} is set by the loss phase itself"
+              + (f" (use {own[key]})" if own[key] else " (the check compares runs that log every step)"))
   try:
     train_lib.check_train_config(load_config(loss_keys(args, args.corpus or CORPUS_DEFAULT)))
   except UserError as e:
@@ -1023,8 +1034,13 @@ def main(argv=None) -> int:
     say(compilation_cache.enable(args.cache_dir))
   t0 = time.perf_counter()
   out = {"phase": args.phase, "smoke": args.smoke}
+  from model.errors import UserError  # noqa: PLC0415  (the phases need the project; check-set has returned)
   try:
     PHASES[args.phase](args, out)
+  except UserError as e:   # e.g. --compiled-step FILE that is no step, or one for another model
+    out["error"] = str(e)
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   finally:
     out["phase_s"] = round(time.perf_counter() - t0, 2)
     write_json(args.json, out)
