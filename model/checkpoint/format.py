@@ -590,9 +590,10 @@ def _check_matches(path, stored: dict, wanted: dict) -> None:
       parts.append(f"{len(missing)} model parameter(s) missing from the checkpoint, e.g. {missing[:3]}")
     if unexpected:
       parts.append(f"{len(unexpected)} checkpoint parameter(s) the model does not have, e.g. {unexpected[:3]}")
-    raise CheckpointMismatchError(f"{path}: the checkpoint does not match the model: {'; '.join(parts)} (was the "
-                          f"config overridden with a different architecture?)")
+    raise CheckpointMismatchError(f"{path}: the checkpoint does not match the model: {'; '.join(parts)} (was "
+                                  f"the config overridden with a different architecture?)")
   for name, leaf in wanted.items():
     if tuple(stored[name][0]) != tuple(leaf.shape):
-      raise CheckpointMismatchError(f"{path}: parameter {name} is stored with shape {stored[name][0]} but the model "
-                            f"expects {tuple(leaf.shape)} (was the config overridden with other dimensions?)")
+      raise CheckpointMismatchError(f"{path}: parameter {name} is stored with shape {stored[name][0]} but the "
+                                    f"model expects {tuple(leaf.shape)} (was the config overridden with other "
+                                    f"dimensions?)")
